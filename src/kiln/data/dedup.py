@@ -1,0 +1,29 @@
+"""Exact deduplication: xxhash128 of whitespace- and case-normalised text; the first seen survives."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import xxhash
+
+from kiln.data.document import Document
+
+
+def text_key(text: str) -> bytes:
+    return xxhash.xxh3_128_digest(" ".join(text.lower().split()).encode("utf-8", "surrogatepass"))
+
+
+class ExactDedup:
+    """Global across files: documents must arrive in the stage's canonical order for determinism."""
+
+    def __init__(self) -> None:
+        self.first: dict[bytes, str] = {}
+
+    def __call__(self, docs: Iterator[Document]) -> Iterator[Document]:
+        for doc in docs:
+            if doc.rejection is None:
+                key = text_key(doc.text or "")
+                original = self.first.setdefault(key, doc.id)
+                if original != doc.id:
+                    doc.reject("dedup", "exact_duplicate", duplicate_of=original)
+            yield doc

@@ -1,0 +1,63 @@
+"""HTTP payload -> main-content text (resiliparse), with the rejections that come before it."""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+from resiliparse.extract.html2text import extract_plain_text
+from resiliparse.parse.encoding import bytes_to_str, detect_encoding
+from resiliparse.parse.html import HTMLTree
+
+from kiln.data.document import Document
+
+# Magic numbers of formats that servers commonly mislabel as text/html.
+_BINARY_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"%PDF", b"PK\x03\x04", b"\x1f\x8b", b"BZh", b"\x00\x00\x01\x00", b"RIFF", b"\x7fELF")
+_CONTROL = bytes(range(0, 9)) + bytes(range(14, 32))
+_CHARSET = re.compile(r"charset=([\w.:-]+)", re.I)
+
+
+def binary_fraction(payload: bytes, sample: int = 4096) -> float:
+    """Share of control bytes (not tab/newline/CR/FF) in the first `sample` bytes."""
+    head = payload[:sample]
+    if not head:
+        return 0.0
+    return (len(head) - len(head.translate(None, _CONTROL))) / len(head)
+
+
+def looks_binary(payload: bytes) -> bool:
+    return payload.lstrip()[:4].startswith(_BINARY_MAGIC) or b"\x00" in payload[:4096] or binary_fraction(payload) > 0.05
+
+
+def decode_html(payload: bytes, content_type: str | None) -> str:
+    """Declared charset first, then uchardet's guess; never raises (undecodable bytes are replaced)."""
+    declared = _CHARSET.search(content_type or "")
+    encoding = declared.group(1) if declared else detect_encoding(payload)
+    try:
+        return bytes_to_str(payload, encoding, errors="replace")
+    except LookupError:  # an unknown charset name in the header
+        return bytes_to_str(payload, detect_encoding(payload), errors="replace")
+
+
+def extract(docs: Iterator[Document], max_page_bytes: int) -> Iterator[Document]:
+    for doc in docs:
+        if doc.rejection is None:
+            _extract_one(doc, max_page_bytes)
+        yield doc
+
+
+def _extract_one(doc: Document, max_page_bytes: int) -> None:
+    payload = doc.payload or b""
+    mime = (doc.content_type or "").split(";")[0].strip().lower()
+    if len(payload) > max_page_bytes:
+        doc.reject("extract", "too_large", bytes=len(payload), max_page_bytes=max_page_bytes)
+    elif mime and not (mime.startswith("text/") or "html" in mime or "xml" in mime):
+        doc.reject("extract", "not_html", content_type=mime)
+    elif looks_binary(payload):
+        doc.reject("extract", "binary_payload", content_type=mime, control_fraction=round(binary_fraction(payload), 4))
+    else:
+        html = decode_html(payload, doc.content_type)
+        doc.text = extract_plain_text(HTMLTree.parse(html), main_content=True, alt_texts=False).strip()
+        doc.payload = None
+        if not doc.text:
+            doc.reject("extract", "empty_text", html_chars=len(html))

@@ -1,0 +1,90 @@
+"""Validation loss and perplexity: on packed samples during training, or on a checkpoint and a text file."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kiln.errors import KilnError
+
+
+def next_token_loss(model: torch.nn.Module, batch: torch.Tensor, autocast_dtype: torch.dtype | None) -> torch.Tensor:
+    """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1]; computed in fp32."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    with torch.autocast(batch.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        logits = model(inputs)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+@torch.no_grad()
+def summed_loss(model: torch.nn.Module, batches: Iterable[torch.Tensor], device: torch.device,
+                autocast_dtype: torch.dtype | None = None) -> tuple[float, int]:
+    """(sum of token losses, number of predicted tokens) over `batches`."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for batch in batches:
+        batch = batch.to(device)
+        n = batch[:, 1:].numel()
+        total += float(next_token_loss(model, batch, autocast_dtype)) * n
+        count += n
+    model.train(was_training)
+    return total, count
+
+
+def sample_batches(samples, indices: np.ndarray, batch: int) -> Iterable[torch.Tensor]:
+    for i in range(0, len(indices), batch):
+        rows = np.stack([samples.sample(int(j)) for j in indices[i: i + batch]]).astype(np.int64)
+        yield torch.from_numpy(rows)
+
+
+def text_windows(token_ids: list[int], sample_len: int) -> Iterable[torch.Tensor]:
+    """Windows of `sample_len` tokens sharing one token with the next, so every token but the first is predicted once."""
+    if len(token_ids) < 2:
+        raise KilnError("the text encodes to fewer than 2 tokens; nothing to evaluate")
+    for i in range(0, len(token_ids) - 1, sample_len - 1):
+        yield torch.tensor([token_ids[i: i + sample_len]], dtype=torch.int64)
+
+
+def report(total: float, count: int, text_bytes: int | None = None) -> dict:
+    loss = total / max(count, 1)
+    out = {"loss": round(loss, 6), "perplexity": round(math.exp(min(loss, 50)), 4), "tokens": count}
+    if text_bytes:
+        out["bits_per_byte"] = round(total / math.log(2) / text_bytes, 6)
+    return out
+
+
+def evaluate_checkpoint(folder: Path, text_file: Path | None = None, max_samples: int | None = None) -> dict:
+    """Loss and perplexity of a checkpoint on the run's validation shards, or on a UTF-8 text file."""
+    from kiln.shards.format import ShardSet
+    from kiln.tokenizer import load_tokenizer, tokenizer_sha256
+    from kiln.train.checkpoint import checkpoint_config, load_checkpoint
+    from kiln.train.trainer import build_model
+
+    cfg = checkpoint_config(folder)
+    tok = load_tokenizer(Path(folder) / "tokenizer.json")
+    model = build_model(cfg, tok.get_vocab_size())
+    model.load_state_dict(load_checkpoint(folder)["model"])
+    device = torch.device("cpu")
+    if text_file is not None:
+        try:
+            text = Path(text_file).read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise KilnError(f"{text_file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        except OSError as exc:
+            raise KilnError(f"{text_file}: cannot read ({exc.strerror})") from None
+        ids = tok.encode(text, add_special_tokens=False).ids
+        total, count = summed_loss(model, text_windows(ids, cfg.pack.seq_len + 1), device)
+        return report(total, count, len(text.encode("utf-8")))
+    shards = cfg.out / "shards"
+    samples = ShardSet(shards, "val", tokenizer_sha256=tokenizer_sha256(Path(folder) / "tokenizer.json"))
+    if len(samples) == 0:
+        raise KilnError(f"{shards}: the validation split has no samples; raise pack.val_fraction")
+    n = len(samples) if max_samples is None else min(max_samples, len(samples))
+    total, count = summed_loss(model, sample_batches(samples, np.arange(n), 8), device)
+    return report(total, count)

@@ -1,0 +1,78 @@
+"""`kiln run`: every stage in order; a stage whose committed output matches its inputs is skipped."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Callable
+
+from kiln.config import Config
+from kiln.data.pipeline import expand_inputs, fingerprint as data_fingerprint, read_docs, run_data
+from kiln.errors import KilnError
+from kiln.manifest import is_complete, read_manifest
+from kiln.shards.pack import pack
+from kiln.tokenizer import tokenizer_sha256, train_tokenizer
+
+
+def _hash(*parts: str) -> str:
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _manifest_sha(folder) -> str:
+    return hashlib.sha256((folder / "manifest.json").read_bytes()).hexdigest()
+
+
+def run_data_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
+    docs = cfg.out / "docs"
+    if not cfg.data.inputs:
+        raise KilnError("data.inputs is empty; list WARC files or globs in the config (e.g. examples/data/sample.warc.gz)")
+    fp = data_fingerprint(expand_inputs(cfg.data.inputs), cfg.data)
+    if is_complete(docs, fp):
+        log(f"data: {docs} is complete and up to date, skipping")
+    else:
+        log(f"data: reading {len(cfg.data.inputs)} input(s) -> {docs}")
+        run_data(cfg.data.inputs, docs, cfg.data)
+    return json.loads((docs / "stats.json").read_text())
+
+
+def run_tokenizer_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
+    docs, out = cfg.out / "docs", cfg.out / "tokenizer"
+    fp = _hash(_manifest_sha(docs), cfg.section_hash("tokenizer"))
+    if is_complete(out, fp):
+        log(f"tokenizer: {out} is complete and up to date, skipping")
+    else:
+        log(f"tokenizer: training byte-level BPE (vocab {cfg.tokenizer.vocab_size}) -> {out}")
+        train_tokenizer(read_docs(docs), out, cfg.tokenizer, cfg.seed, fingerprint=fp)
+    return read_manifest(out)
+
+
+def run_pack_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
+    docs, tok, out = cfg.out / "docs", cfg.out / "tokenizer", cfg.out / "shards"
+    fp = _hash(_manifest_sha(docs), tokenizer_sha256(tok), cfg.section_hash("pack"))
+    if is_complete(out, fp):
+        log(f"pack: {out} is complete and up to date, skipping")
+    else:
+        log(f"pack: encoding and packing into sequences of {cfg.pack.seq_len} -> {out}")
+        pack(read_docs(docs), tok, out, cfg.pack, fingerprint=fp)
+    return read_manifest(out)
+
+
+def run_train_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
+    from kiln.train.checkpoint import latest_valid
+    from kiln.train.trainer import Trainer
+
+    latest = latest_valid(cfg.out / "run" / "checkpoints", log=log)
+    if latest is not None and int(latest.name.split("-")[1]) >= cfg.train.max_steps:
+        log(f"train: {latest} already reached train.max_steps={cfg.train.max_steps}, skipping")
+    else:
+        log(f"train: {cfg.train.max_steps} steps -> {cfg.out / 'run'}")
+    return Trainer(cfg, log=log).run()
+
+
+def run_all(cfg: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
+    return {
+        "data": run_data_stage(cfg, log),
+        "tokenizer": run_tokenizer_stage(cfg, log),
+        "shards": run_pack_stage(cfg, log),
+        "train": run_train_stage(cfg, log),
+    }

@@ -1,0 +1,145 @@
+"""Self-describing token shards: a 64-byte header, then tokens; an index of documents beside each.
+
+`NNNNN.bin`:  magic "KILNTOK\\0", version u32, token bytes u32 (2|4), vocab size u32,
+              sample length u32, token count u64, tokenizer sha256 (32 raw bytes),
+              then `token count` little-endian uint16/uint32 tokens.
+`NNNNN.idx`:  magic "KILNIDX\\0", version u32, reserved u32, entry count u64,
+              then entries (start u64, length u32, doc u32): a document's token
+              range in the shard and its position in the manifest's `documents`.
+
+A reader checks the header against what it expects (dtype, vocabulary,
+tokenizer hash), which is the common silent failure of headerless formats.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kiln.errors import IntegrityError, KilnError
+from kiln.manifest import read_manifest, verify_folder
+
+FORMAT_VERSION = 1
+BIN_MAGIC, IDX_MAGIC = b"KILNTOK\0", b"KILNIDX\0"
+BIN_HEADER = struct.Struct("<8sIIIIQ32s")
+IDX_HEADER = struct.Struct("<8sIIQ")
+IDX_ENTRY = np.dtype([("start", "<u8"), ("length", "<u4"), ("doc", "<u4")])
+assert BIN_HEADER.size == 64 and IDX_HEADER.size == 24
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    token_bytes: int
+    vocab_size: int
+    sample_len: int
+    num_tokens: int
+    tokenizer_sha256: str
+
+    def pack(self) -> bytes:
+        return BIN_HEADER.pack(BIN_MAGIC, FORMAT_VERSION, self.token_bytes, self.vocab_size, self.sample_len,
+                               self.num_tokens, bytes.fromhex(self.tokenizer_sha256))
+
+
+def write_shard(path: Path, tokens: np.ndarray, header: ShardHeader, index: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        f.write(header.pack())
+        f.write(tokens.astype(token_dtype(header.vocab_size), copy=False).tobytes())
+    with open(path.with_suffix(".idx"), "wb") as f:
+        f.write(IDX_HEADER.pack(IDX_MAGIC, FORMAT_VERSION, 0, len(index)))
+        f.write(index.astype(IDX_ENTRY, copy=False).tobytes())
+
+
+def read_header(path: Path) -> ShardHeader:
+    with open(path, "rb") as f:
+        raw = f.read(BIN_HEADER.size)
+    if len(raw) < BIN_HEADER.size:
+        raise IntegrityError(f"{path}: shorter than the {BIN_HEADER.size}-byte shard header; the file is cut")
+    magic, version, nbytes, vocab, sample_len, ntok, tok_sha = BIN_HEADER.unpack(raw)
+    if magic != BIN_MAGIC:
+        raise IntegrityError(f"{path}: not a Kiln token shard (magic {magic!r}); was it written by `kiln pack`?")
+    if version != FORMAT_VERSION:
+        raise IntegrityError(f"{path}: shard format version {version}, this Kiln reads {FORMAT_VERSION}; re-run `kiln pack`")
+    if nbytes not in (2, 4) or token_dtype(vocab).itemsize != nbytes:
+        raise IntegrityError(f"{path}: header says {nbytes}-byte tokens for a vocabulary of {vocab}; the header is corrupt")
+    header = ShardHeader(nbytes, vocab, sample_len, ntok, tok_sha.hex())
+    expected = BIN_HEADER.size + ntok * nbytes
+    if path.stat().st_size != expected:
+        raise IntegrityError(f"{path}: {path.stat().st_size} bytes, header promises {expected}; the file is cut or padded")
+    return header
+
+
+def read_tokens(path: Path) -> np.ndarray:
+    header = read_header(path)
+    return np.memmap(path, dtype=token_dtype(header.vocab_size), mode="r", offset=BIN_HEADER.size, shape=(header.num_tokens,))
+
+
+def read_index(path: Path) -> np.ndarray:
+    raw = path.read_bytes()
+    if len(raw) < IDX_HEADER.size:
+        raise IntegrityError(f"{path}: shorter than the index header; the file is cut")
+    magic, version, _, count = IDX_HEADER.unpack_from(raw)
+    if magic != IDX_MAGIC or version != FORMAT_VERSION:
+        raise IntegrityError(f"{path}: not a Kiln shard index (magic {magic!r}, version {version})")
+    if len(raw) != IDX_HEADER.size + count * IDX_ENTRY.itemsize:
+        raise IntegrityError(f"{path}: {len(raw)} bytes, header promises {count} entries; the file is cut")
+    return np.frombuffer(raw, dtype=IDX_ENTRY, offset=IDX_HEADER.size, count=count)
+
+
+def verify_shards(folder: Path) -> dict:
+    """Sizes, sha256, headers and index consistency; raise IntegrityError naming the first bad file."""
+    folder = Path(folder)
+    manifest = verify_folder(folder)
+    n_docs = len(manifest["documents"])
+    for split, info in manifest["splits"].items():
+        total = 0
+        for name in info["files"]:
+            path = folder / name
+            header = read_header(path)
+            if header.tokenizer_sha256 != manifest["tokenizer_sha256"] or header.vocab_size != manifest["vocab_size"]:
+                raise IntegrityError(f"{path}: header's tokenizer/vocabulary differ from manifest.json")
+            index = read_index(path.with_suffix(".idx"))
+            if len(index) and (int((index["start"] + index["length"]).max()) > header.num_tokens or int(index["doc"].max()) >= n_docs):
+                raise IntegrityError(f"{path.with_suffix('.idx')}: an entry points past the shard's tokens or the document list")
+            total += header.num_tokens
+        if total != info["tokens"]:
+            raise IntegrityError(f"{folder}/{split}: shards hold {total} tokens, manifest.json says {info['tokens']}")
+    return manifest
+
+
+class ShardSet:
+    """The samples of one split, memory-mapped: sample i is `sample_len` consecutive tokens."""
+
+    def __init__(self, folder: Path, split: str, tokenizer_sha256: str | None = None) -> None:
+        folder = Path(folder)
+        self.manifest = read_manifest(folder)
+        if split not in self.manifest.get("splits", {}):
+            raise KilnError(f"{folder}: no '{split}' split in manifest.json; re-run `kiln pack`")
+        if tokenizer_sha256 and self.manifest["tokenizer_sha256"] != tokenizer_sha256:
+            raise KilnError(
+                f"{folder}: shards were encoded with tokenizer {self.manifest['tokenizer_sha256'][:12]}…, "
+                f"the run uses {tokenizer_sha256[:12]}…; re-run `kiln pack` with this tokenizer")
+        self.sample_len = int(self.manifest["sample_len"])
+        self.arrays = []
+        for name in self.manifest["splits"][split]["files"]:
+            path = folder / name
+            header = read_header(path)
+            if header.sample_len != self.sample_len or header.tokenizer_sha256 != self.manifest["tokenizer_sha256"]:
+                raise IntegrityError(f"{path}: header does not match manifest.json (sample length or tokenizer)")
+            self.arrays.append(read_tokens(path))
+        counts = [len(a) // self.sample_len for a in self.arrays]
+        self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def sample(self, i: int) -> np.ndarray:
+        shard = int(np.searchsorted(self.starts, i, side="right") - 1)
+        j = (i - int(self.starts[shard])) * self.sample_len
+        return self.arrays[shard][j: j + self.sample_len]

@@ -1,0 +1,84 @@
+"""Byte-level BPE tokenizer (HF `tokenizers`): train on a seeded sample of the corpus, save, load.
+
+Byte-level pre-tokenization with no normaliser makes encoding lossless:
+decode(encode(text)) == text for any Unicode string.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from kiln.config import TokenizerConfig
+from kiln.errors import KilnError
+from kiln.manifest import sha256_file, staging_dir, write_atomic, write_manifest
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+SPECIAL_TOKENS = [BOS, EOS, PAD]
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def sample_documents(docs: Iterable[dict], max_docs: int, seed: int) -> list[dict]:
+    """Reservoir sample of at most `max_docs` documents, seeded: the same corpus gives the same sample."""
+    rng = random.Random(seed)
+    sample: list[dict] = []
+    for i, doc in enumerate(docs):
+        if i < max_docs:
+            sample.append(doc)
+        elif (j := rng.randrange(i + 1)) < max_docs:
+            sample[j] = doc
+    return sample
+
+
+def new_tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def train_tokenizer(docs: Iterable[dict], out: Path, cfg: TokenizerConfig, seed: int, fingerprint: str = "") -> Tokenizer:
+    """Train on a seeded sample of `docs`; commit tokenizer.json, the sample's ids and a manifest to `out`."""
+    sample = sample_documents(docs, cfg.max_docs, seed)
+    if not sample:
+        raise KilnError("the docs folder holds no documents to train a tokenizer on; check the data stage's stats.json")
+    tok = new_tokenizer()
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator((d["text"] for d in sample), trainer=trainer, length=len(sample))
+    with staging_dir(out) as tmp:
+        tok.save(str(tmp / TOKENIZER_FILE))
+        write_atomic(tmp / "training_docs.txt", "".join(d["id"] + "\n" for d in sample))
+        write_manifest(tmp, stage="tokenizer", fingerprint=fingerprint, vocab_size=tok.get_vocab_size(),
+                       special_tokens=SPECIAL_TOKENS, training_docs=len(sample), seed=seed)
+    return tok
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load from a tokenizer folder or a tokenizer.json file."""
+    path = Path(path)
+    file = path / TOKENIZER_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise KilnError(f"no tokenizer at {file}; run `kiln tokenizer train DOCS_DIR --out DIR` first")
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as exc:
+        raise KilnError(f"{file}: not a valid tokenizer.json ({str(exc)[:120]})") from None
+
+
+def tokenizer_sha256(path: str | Path) -> str:
+    path = Path(path)
+    return sha256_file(path / TOKENIZER_FILE if path.is_dir() else path)
+
+
+def eos_id(tok: Tokenizer) -> int:
+    ident = tok.token_to_id(EOS)
+    if ident is None:
+        raise KilnError(f"tokenizer has no {EOS} token; train it with `kiln tokenizer train`")
+    return ident
+
