@@ -1,0 +1,75 @@
+"""Shared fixtures: the bundled sample crawl, small synthetic WARCs, and one prepared corpus per session."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from kiln.config import build_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE_WARC = ROOT / "examples" / "data" / "sample.warc.gz"
+
+# Small enough for a 2-core CI machine, big enough that the loss can fall.
+TINY = {
+    "seed": 7,
+    "data": {"min_chars": 200, "workers": 1},
+    "tokenizer": {"vocab_size": 1024},
+    "pack": {"seq_len": 64, "val_fraction": 0.1, "samples_per_shard": 2000},
+    "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2},
+    "train": {"max_steps": 20, "batch_size": 8, "lr": 3e-3, "warmup_steps": 2, "eval_every": 10,
+              "eval_batches": 2, "log_every": 5, "threads": 1},
+    "checkpoint": {"every": 5, "keep_last": 10},
+}
+
+
+def tiny_config(out_dir: Path, **sections):
+    """The TINY config with `out_dir` and any section overrides, e.g. train={"max_steps": 4}."""
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in TINY.items()}
+    for name, values in sections.items():
+        data[name] = {**data.get(name, {}), **values} if isinstance(values, dict) else values
+    data["out_dir"] = str(out_dir)
+    data["data"] = {**data["data"], "inputs": [str(SAMPLE_WARC)]}
+    return build_config(data)
+
+
+def html_page(body: str, title: str = "page", charset: str = "utf-8") -> bytes:
+    return f"<html><head><meta charset=\"{charset}\"><title>{title}</title></head><body><article>{body}</article></body></html>".encode(charset, "replace")
+
+
+def write_warc(path: Path, pages: list[tuple[str, bytes, str]]) -> Path:
+    """A real gzipped WARC with a request and a response record per (url, payload, content_type)."""
+    from warcio.statusandheaders import StatusAndHeaders
+    from warcio.warcwriter import WARCWriter
+
+    with open(path, "wb") as f:
+        w = WARCWriter(f, gzip=True)
+        for url, payload, ctype in pages:
+            req = StatusAndHeaders("GET / HTTP/1.1", [("Host", url.split("/")[2])], is_http_request=True)
+            w.write_record(w.create_warc_record(url, "request", http_headers=req))
+            headers = StatusAndHeaders("200 OK", [("Content-Type", ctype), ("Content-Length", str(len(payload)))], protocol="HTTP/1.1")
+            rec = w.create_warc_record(url, "response", payload=io.BytesIO(payload), http_headers=headers)
+            w.write_record(rec)
+    return path
+
+
+@pytest.fixture(scope="session")
+def sample_warc() -> Path:
+    assert SAMPLE_WARC.is_file(), "examples/data/sample.warc.gz is missing"
+    return SAMPLE_WARC
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory):
+    """Config whose out_dir holds docs/, tokenizer/ and shards/ built from the sample (read-only for tests)."""
+    from kiln.flow import run_data_stage, run_pack_stage, run_tokenizer_stage
+
+    cfg = tiny_config(tmp_path_factory.mktemp("prepared") / "out")
+    quiet = lambda *_: None  # noqa: E731
+    run_data_stage(cfg, quiet)
+    run_tokenizer_stage(cfg, quiet)
+    run_pack_stage(cfg, quiet)
+    return cfg
+
