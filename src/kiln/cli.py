@@ -19,7 +19,7 @@ def _split_overrides(values: list[str]) -> tuple[list[str], list[str]]:
 def _console():
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False)
+    return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def cmd_run(args) -> int:

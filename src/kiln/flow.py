@@ -28,7 +28,7 @@ def run_data_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
         raise KilnError("data.inputs is empty; list WARC files or globs in the config (e.g. examples/data/sample.warc.gz)")
     fp = data_fingerprint(expand_inputs(cfg.data.inputs), cfg.data)
     if is_complete(docs, fp):
-        log(f"data: {docs} is complete and up to date, skipping")
+        log(f"data: skipping, {docs} is complete and up to date")
     else:
         log(f"data: reading {len(cfg.data.inputs)} input(s) -> {docs}")
         run_data(cfg.data.inputs, docs, cfg.data)
@@ -39,7 +39,7 @@ def run_tokenizer_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, An
     docs, out = cfg.out / "docs", cfg.out / "tokenizer"
     fp = _hash(_manifest_sha(docs), cfg.section_hash("tokenizer"))
     if is_complete(out, fp):
-        log(f"tokenizer: {out} is complete and up to date, skipping")
+        log(f"tokenizer: skipping, {out} is complete and up to date")
     else:
         log(f"tokenizer: training byte-level BPE (vocab {cfg.tokenizer.vocab_size}) -> {out}")
         train_tokenizer(read_docs(docs), out, cfg.tokenizer, cfg.seed, fingerprint=fp)
@@ -50,7 +50,7 @@ def run_pack_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
     docs, tok, out = cfg.out / "docs", cfg.out / "tokenizer", cfg.out / "shards"
     fp = _hash(_manifest_sha(docs), tokenizer_sha256(tok), cfg.section_hash("pack"))
     if is_complete(out, fp):
-        log(f"pack: {out} is complete and up to date, skipping")
+        log(f"pack: skipping, {out} is complete and up to date")
     else:
         log(f"pack: encoding and packing into sequences of {cfg.pack.seq_len} -> {out}")
         pack(read_docs(docs), tok, out, cfg.pack, fingerprint=fp)
@@ -63,7 +63,7 @@ def run_train_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
 
     latest = latest_valid(cfg.out / "run" / "checkpoints", log=log)
     if latest is not None and int(latest.name.split("-")[1]) >= cfg.train.max_steps:
-        log(f"train: {latest} already reached train.max_steps={cfg.train.max_steps}, skipping")
+        log(f"train: skipping, {latest} already reached train.max_steps={cfg.train.max_steps}")
     else:
         log(f"train: {cfg.train.max_steps} steps -> {cfg.out / 'run'}")
     return Trainer(cfg, log=log).run()

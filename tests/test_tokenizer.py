@@ -1,0 +1,233 @@
+"""Tokenizer stage: training, the lossless round trip, special tokens, seeded sampling, load errors, manifest.
+
+Covered (all with the real HF `tokenizers` library, trained into tmp folders):
+- decode(encode(text)) == text for arbitrary Unicode (hypothesis: CJK, emoji,
+  control characters, whitespace runs, mixed scripts), single texts and batches;
+- a lone surrogate cannot cross into Rust: `encode` raises TypeError, never garbage;
+- <|bos|>, <|eos|>, <|pad|> exist with ids 0, 1, 2; `eos_id` returns 1;
+- the training sample is seeded: same seed -> same training_docs.txt and
+  byte-identical tokenizer.json; another seed (max_docs < corpus) -> another sample;
+  the reservoir sample is a duplicate-free subset of the corpus of size max_docs;
+- load_tokenizer: folder and file paths, missing path and invalid JSON -> KilnError;
+- the manifest lists every file with its sha256 and verifies; tampering is caught;
+- text that spells a special token (e.g. "<|eos|>") is NOT lossless and injects
+  the real EOS id (strict xfail: a real bug, see the test).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kiln.config import TokenizerConfig
+from kiln.errors import IntegrityError, KilnError
+from kiln.manifest import read_manifest, sha256_file, verify_folder
+from kiln.tokenizer import (
+    BOS, EOS, PAD, SPECIAL_TOKENS, TOKENIZER_FILE, eos_id, load_tokenizer, sample_documents,
+    tokenizer_sha256, train_tokenizer,
+)
+
+WORDS = ("the quick brown fox jumps over the lazy dog while 東京 の 天気 は 晴れ です and "
+         "naïve café façade Ωμέγα 🙂🚀 data pipelines tokenise text into bytes").split()
+
+
+def make_corpus(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"id": f"doc-{i:04d}", "text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 60))) + f" #{i}\n"}
+            for i in range(n)]
+
+
+CORPUS = make_corpus(60)
+CFG = TokenizerConfig(vocab_size=400, max_docs=1000, min_frequency=2)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok") / "tokenizer"
+    tok = train_tokenizer(CORPUS, out, CFG, seed=3, fingerprint="fp-test")
+    return out, tok
+
+
+# --- lossless round trip ----------------------------------------------------------------------
+
+CJK = st.characters(min_codepoint=0x4E00, max_codepoint=0x9FFF)
+EMOJI = st.characters(min_codepoint=0x1F300, max_codepoint=0x1FAFF)
+CONTROL = st.characters(min_codepoint=0x00, max_codepoint=0x1F) | st.characters(min_codepoint=0x7F, max_codepoint=0x9F)
+WHITESPACE = st.sampled_from([" ", "  ", "\t", "\n", "\r\n", "\u00a0", "\u3000", "\u2028", "\u200b", "\x0b", "\x0c"])
+PIECES = st.one_of(
+    st.text(),  # arbitrary Unicode (hypothesis excludes lone surrogates by default)
+    st.text(CJK, min_size=1),
+    st.text(EMOJI, min_size=1),
+    st.text(CONTROL, min_size=1),
+    WHITESPACE.flatmap(lambda w: st.integers(1, 12).map(lambda n: w * n)),  # whitespace runs
+    st.sampled_from(["\u0301", "e\u0301", "👨‍👩‍👧", "🇩🇪", "\ufeff", "\U0010ffff", "\ufffd", "ﬁ", "Å"]),
+)
+TEXTS = st.lists(PIECES, max_size=8).map("".join)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=TEXTS)
+def test_round_trip_is_lossless(trained, text):
+    _, tok = trained
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert all(0 <= i < tok.get_vocab_size() for i in ids)
+    assert tok.decode(ids) == text
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    assert (len(ids) == 0) == (text == "")
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(texts=st.lists(TEXTS, max_size=6))
+def test_batch_encoding_matches_single_and_round_trips(trained, texts):
+    _, tok = trained
+    batch = tok.encode_batch(texts, add_special_tokens=False)
+    assert [e.ids for e in batch] == [tok.encode(t, add_special_tokens=False).ids for t in texts]
+    assert tok.decode_batch([e.ids for e in batch]) == texts
+
+
+def test_round_trip_known_strings_after_reload(trained):
+    out, tok = trained
+    loaded = load_tokenizer(out)
+    for text in ["", " ", "   leading and trailing   ", "a\x00b\x01\x1f\x7f", "\r\n\r\n\t\t",
+                 "日本語のテキスト", "🙂🚀👨‍👩‍👧🇩🇪", "e\u0301 vs é", "\U0010ffff\ufeff"]:
+        ids = loaded.encode(text, add_special_tokens=False).ids
+        assert ids == tok.encode(text, add_special_tokens=False).ids
+        assert loaded.decode(ids) == text
+
+
+def test_lone_surrogate_raises_type_error_not_garbage(trained):
+    _, tok = trained
+    for bad in ["\ud800", "ok \udfff ok", "\ud83d"]:  # half of a surrogate pair
+        with pytest.raises(TypeError):
+            tok.encode(bad, add_special_tokens=False)
+        with pytest.raises(TypeError):
+            tok.encode_batch(["fine", bad], add_special_tokens=False)
+    # the tokenizer still works afterwards (nothing was corrupted by the failed call)
+    assert tok.decode(tok.encode("still fine 🙂").ids) == "still fine 🙂"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: src/kiln/tokenizer/__init__.py:36-40 (new_tokenizer) / load_tokenizer: special tokens are matched inside "
+    "document text even with add_special_tokens=False, so a web page containing '<|eos|>' is encoded to the real "
+    "EOS id (1) and decode() drops it: not lossless; fix: set tok.encode_special_tokens = True after creating/loading"))
+def test_text_spelling_a_special_token_is_lossless_and_not_injected(trained):
+    _, tok = trained
+    for text in ["a<|eos|>b", "<|bos|>", "x <|pad|> y"]:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert not {0, 1, 2} & set(ids), f"{text!r} encoded to a special token id: {ids}"
+        assert tok.decode(ids) == text
+
+
+# --- special tokens ------------------------------------------------------------------------------
+
+def test_special_tokens_have_ids_0_1_2(trained):
+    out, tok = trained
+    assert SPECIAL_TOKENS == [BOS, EOS, PAD] == ["<|bos|>", "<|eos|>", "<|pad|>"]
+    for t in (tok, load_tokenizer(out)):
+        assert [t.token_to_id(s) for s in SPECIAL_TOKENS] == [0, 1, 2]
+        assert [t.id_to_token(i) for i in (0, 1, 2)] == SPECIAL_TOKENS
+        assert eos_id(t) == 1
+    added = json.loads((out / TOKENIZER_FILE).read_text())["added_tokens"]
+    assert [(a["id"], a["content"], a["special"]) for a in added] == [(0, BOS, True), (1, EOS, True), (2, PAD, True)]
+    assert 300 <= tok.get_vocab_size() <= CFG.vocab_size
+
+
+def test_eos_id_missing_raises_kiln_error():
+    from tokenizers import Tokenizer, models
+    with pytest.raises(KilnError, match="<\\|eos\\|>"):
+        eos_id(Tokenizer(models.BPE()))
+
+
+# --- seeded sample ------------------------------------------------------------------------------
+
+def test_sample_documents_is_a_seeded_reservoir():
+    docs = make_corpus(50)
+    a = sample_documents(docs, 10, seed=1)
+    assert [d["id"] for d in a] == [d["id"] for d in sample_documents(iter(docs), 10, seed=1)]
+    ids = [d["id"] for d in a]
+    assert len(ids) == 10 == len(set(ids)) and set(ids) <= {d["id"] for d in docs}
+    assert [d["id"] for d in sample_documents(docs, 10, seed=2)] != ids
+    assert sample_documents(docs, 100, seed=1) == docs  # fewer docs than max_docs: all of them, in order
+    assert sample_documents([], 5, seed=1) == []
+
+
+def test_same_seed_gives_identical_sample_and_tokenizer_bytes(tmp_path):
+    corpus = make_corpus(40, seed=5)
+    cfg = TokenizerConfig(vocab_size=350, max_docs=15)
+    train_tokenizer(corpus, tmp_path / "a", cfg, seed=11)
+    train_tokenizer(iter([dict(d) for d in corpus]), tmp_path / "b", cfg, seed=11)
+    train_tokenizer(corpus, tmp_path / "c", cfg, seed=12)
+    lines = {k: (tmp_path / k / "training_docs.txt").read_text().splitlines() for k in "abc"}
+    assert lines["a"] == lines["b"] == [d["id"] for d in sample_documents(corpus, 15, 11)]
+    assert len(lines["a"]) == 15
+    assert (tmp_path / "a" / TOKENIZER_FILE).read_bytes() == (tmp_path / "b" / TOKENIZER_FILE).read_bytes()
+    assert tokenizer_sha256(tmp_path / "a") == tokenizer_sha256(tmp_path / "b" / TOKENIZER_FILE)
+    # a different seed with max_docs < corpus size draws a different sample
+    assert lines["c"] != lines["a"] and len(lines["c"]) == 15
+    assert read_manifest(tmp_path / "c")["seed"] == 12
+
+
+def test_training_on_no_documents_raises_kiln_error(tmp_path):
+    with pytest.raises(KilnError, match="no documents"):
+        train_tokenizer([], tmp_path / "t", CFG, seed=0)
+    assert not (tmp_path / "t").exists()
+
+
+# --- loading -----------------------------------------------------------------------------------
+
+def test_load_tokenizer_missing_path_raises_kiln_error(tmp_path):
+    with pytest.raises(KilnError, match="no tokenizer at"):
+        load_tokenizer(tmp_path / "does-not-exist")
+    with pytest.raises(KilnError, match="no tokenizer at"):
+        load_tokenizer(tmp_path)  # an existing folder without tokenizer.json
+
+
+def test_load_tokenizer_invalid_json_raises_kiln_error(tmp_path):
+    bad = tmp_path / TOKENIZER_FILE
+    bad.write_text("{ not json")
+    with pytest.raises(KilnError, match="not a valid tokenizer.json"):
+        load_tokenizer(tmp_path)
+
+
+def test_load_from_file_or_folder_gives_same_tokenizer(trained):
+    out, tok = trained
+    text = "the quick brown 東京 🙂"
+    a = load_tokenizer(out).encode(text).ids
+    b = load_tokenizer(out / TOKENIZER_FILE).encode(text).ids
+    assert a == b == tok.encode(text).ids
+
+
+# --- manifest ----------------------------------------------------------------------------------
+
+def test_manifest_verifies_and_describes_the_tokenizer(trained):
+    out, tok = trained
+    m = verify_folder(out)
+    assert m["stage"] == "tokenizer" and m["fingerprint"] == "fp-test" and m["seed"] == 3
+    assert m["vocab_size"] == tok.get_vocab_size()
+    assert m["special_tokens"] == SPECIAL_TOKENS
+    assert m["training_docs"] == len(CORPUS)
+    assert set(m["files"]) == {TOKENIZER_FILE, "training_docs.txt"}
+    for name, meta in m["files"].items():
+        assert meta["size"] == (out / name).stat().st_size
+        assert meta["sha256"] == sha256_file(out / name)
+    assert m["files"][TOKENIZER_FILE]["sha256"] == tokenizer_sha256(out)
+    assert (out / "training_docs.txt").read_text() == "".join(d["id"] + "\n" for d in CORPUS)
+    assert not [p for p in out.parent.iterdir() if ".tmp-" in p.name]  # staging folder renamed away
+
+
+def test_tampered_tokenizer_fails_verification(trained, tmp_path):
+    out, _ = trained
+    copy = tmp_path / "tok"
+    shutil.copytree(out, copy)
+    raw = bytearray((copy / TOKENIZER_FILE).read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    (copy / TOKENIZER_FILE).write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="tokenizer.json"):
+        verify_folder(copy)
+    verify_folder(out)  # the original is untouched
