@@ -10,8 +10,8 @@ Covered (all with the real HF `tokenizers` library, trained into tmp folders):
   the reservoir sample is a duplicate-free subset of the corpus of size max_docs;
 - load_tokenizer: folder and file paths, missing path and invalid JSON -> KilnError;
 - the manifest lists every file with its sha256 and verifies; tampering is caught;
-- text that spells a special token (e.g. "<|eos|>") is NOT lossless and injects
-  the real EOS id (strict xfail: a real bug, see the test).
+- text that spells a special token (e.g. "<|eos|>") stays text: lossless, and it
+  never injects the real EOS id.
 """
 
 from __future__ import annotations
@@ -112,10 +112,6 @@ def test_lone_surrogate_raises_type_error_not_garbage(trained):
     assert tok.decode(tok.encode("still fine 🙂").ids) == "still fine 🙂"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: src/kiln/tokenizer/__init__.py:36-40 (new_tokenizer) / load_tokenizer: special tokens are matched inside "
-    "document text even with add_special_tokens=False, so a web page containing '<|eos|>' is encoded to the real "
-    "EOS id (1) and decode() drops it: not lossless; fix: set tok.encode_special_tokens = True after creating/loading"))
 def test_text_spelling_a_special_token_is_lossless_and_not_injected(trained):
     _, tok = trained
     for text in ["a<|eos|>b", "<|bos|>", "x <|pad|> y"]:

@@ -176,7 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # KEY=VALUE overrides may also come after the options (argparse alone would refuse them there).
+    args, extra = parser.parse_known_args(argv)
+    if extra and not all("=" in e and not e.startswith("-") for e in extra):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if hasattr(args, "inputs"):
+        args.inputs += extra
+    elif extra:
+        args.overrides = [*getattr(args, "overrides", []), *extra]
     if not hasattr(args, "config"):
         args.config = None
     if not hasattr(args, "overrides"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,6 +17,21 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kiln.errors import ConfigError
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """YAML with only true/false as booleans (YAML 1.2): `no` is Norway's language code, not False."""
+
+
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [r for r in resolvers if r[0] != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_YamlLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def parse_yaml(text: str | bytes):
+    return yaml.load(text, Loader=_YamlLoader)
 
 
 class Section(BaseModel):
@@ -131,7 +147,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
             if not isinstance(node, dict):
                 raise ConfigError(f"override {pair!r}: {part!r} is a value, not a section")
         try:
-            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+            node[parts[-1]] = parse_yaml(raw) if raw.strip() else None
         except yaml.YAMLError:
             node[parts[-1]] = raw
     return tree
@@ -184,9 +200,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist; pass a YAML file such as examples/tiny.yaml")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = parse_yaml(path.read_bytes()) or {}  # bytes: a non-UTF-8 file becomes a YAMLError, not a traceback
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}".splitlines()[0]) from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(data).__name__}")
     return build_config(data, overrides)

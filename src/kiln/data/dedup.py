@@ -23,7 +23,8 @@ class ExactDedup:
         for doc in docs:
             if doc.rejection is None:
                 key = text_key(doc.text or "")
-                original = self.first.setdefault(key, doc.id)
-                if original != doc.id:
-                    doc.reject("dedup", "exact_duplicate", duplicate_of=original)
+                if key in self.first:
+                    doc.reject("dedup", "exact_duplicate", duplicate_of=self.first[key])
+                else:
+                    self.first[key] = doc.id
             yield doc

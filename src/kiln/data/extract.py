@@ -14,7 +14,7 @@ from kiln.data.document import Document
 # Magic numbers of formats that servers commonly mislabel as text/html.
 _BINARY_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"%PDF", b"PK\x03\x04", b"\x1f\x8b", b"BZh", b"\x00\x00\x01\x00", b"RIFF", b"\x7fELF")
 _CONTROL = bytes(range(0, 9)) + bytes(range(14, 32))
-_CHARSET = re.compile(r"charset=([\w.:-]+)", re.I)
+_CHARSET = re.compile(r"charset=[\"']?([\w.:-]+)", re.I)
 
 
 def binary_fraction(payload: bytes, sample: int = 4096) -> float:
@@ -30,13 +30,16 @@ def looks_binary(payload: bytes) -> bool:
 
 
 def decode_html(payload: bytes, content_type: str | None) -> str:
-    """Declared charset first, then uchardet's guess; never raises (undecodable bytes are replaced)."""
+    """The HTTP header's charset, else the page's <meta> charset, else uchardet's guess.
+
+    Never raises: undecodable bytes are replaced, an unknown charset name falls back to detection.
+    """
     declared = _CHARSET.search(content_type or "")
-    encoding = declared.group(1) if declared else detect_encoding(payload)
+    encoding = declared.group(1) if declared else detect_encoding(payload, from_html_meta=True)
     try:
         return bytes_to_str(payload, encoding, errors="replace")
-    except LookupError:  # an unknown charset name in the header
-        return bytes_to_str(payload, detect_encoding(payload), errors="replace")
+    except LookupError:
+        return bytes_to_str(payload, detect_encoding(payload, from_html_meta=True), errors="replace")
 
 
 def extract(docs: Iterator[Document], max_page_bytes: int) -> Iterator[Document]:

@@ -157,8 +157,8 @@ class Llama(nn.Module):
         return n - self.tok_embeddings.weight.numel() if non_embedding else n
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6·N for the weights plus attention's 6·layers·seq·dim (PaLM, appendix B)."""
+        """Training FLOPs per token: 6·N for the weights plus 12·layers·seq·dim for attention (PaLM, appendix B)."""
         n = sum(p.numel() for p in self.parameters()) - self.tok_embeddings.weight.numel()
         if self.args.tie_embeddings:
             n += self.output.weight.numel()
-        return 6 * n + 6 * self.args.n_layers * seq_len * self.args.dim
+        return 6 * n + 12 * self.args.n_layers * seq_len * self.args.dim

@@ -102,8 +102,9 @@ def verify_shards(folder: Path) -> dict:
         for name in info["files"]:
             path = folder / name
             header = read_header(path)
-            if header.tokenizer_sha256 != manifest["tokenizer_sha256"] or header.vocab_size != manifest["vocab_size"]:
-                raise IntegrityError(f"{path}: header's tokenizer/vocabulary differ from manifest.json")
+            if (header.tokenizer_sha256, header.vocab_size, header.sample_len) != (
+                    manifest["tokenizer_sha256"], manifest["vocab_size"], manifest["sample_len"]):
+                raise IntegrityError(f"{path}: header's tokenizer, vocabulary or sample length differ from manifest.json")
             index = read_index(path.with_suffix(".idx"))
             if len(index) and (int((index["start"] + index["length"]).max()) > header.num_tokens or int(index["doc"].max()) >= n_docs):
                 raise IntegrityError(f"{path.with_suffix('.idx')}: an entry points past the shard's tokens or the document list")

@@ -37,6 +37,13 @@ def new_tokenizer() -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
+    return _literal_specials(tok)
+
+
+def _literal_specials(tok: Tokenizer) -> Tokenizer:
+    # Text that spells "<|eos|>" must stay text: a crawled page must not inject document boundaries.
+    # tokenizer.json does not store this switch, so it is set on every load too.
+    tok.encode_special_tokens = True
     return tok
 
 
@@ -66,9 +73,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if not file.is_file():
         raise KilnError(f"no tokenizer at {file}; run `kiln tokenizer train DOCS_DIR --out DIR` first")
     try:
-        return Tokenizer.from_file(str(file))
+        tok = Tokenizer.from_file(str(file))
     except Exception as exc:
         raise KilnError(f"{file}: not a valid tokenizer.json ({str(exc)[:120]})") from None
+    return _literal_specials(tok)
 
 
 def tokenizer_sha256(path: str | Path) -> str:

@@ -129,10 +129,9 @@ def load_checkpoint(folder: Path, verify: bool = True) -> dict[str, Any]:
 
 
 def checkpoint_config(folder: Path):
-    from kiln.config import build_config
-    import yaml
+    from kiln.config import load_config
 
     path = Path(folder) / "config.yaml"
     if not path.is_file():
         raise KilnError(f"{folder}: no config.yaml; is this a Kiln checkpoint folder (run/checkpoints/step-NNNNNNNN)?")
-    return build_config(yaml.safe_load(path.read_text()))
+    return load_config(path)

@@ -1,0 +1,484 @@
+"""Token shards: integrity, headers, split assignment, exact packing, the document index and provenance.
+
+Covered, on the session's `prepared` corpus (copied before anything is corrupted):
+- `verify_shards` passes; flipping one byte in EACH file the manifest lists
+  (every .bin and .idx, one at a time, on a fresh copy) raises IntegrityError
+  naming that file; `kiln shards verify` exits 0 on the good folder, 1 on a flipped one;
+- header checks (magic, version, token width, size, cut file, vocabulary,
+  index header and entries) raise IntegrityError with a clear message, both from
+  `read_header`/`read_index` and from `verify_shards` once the manifest is re-hashed
+  (so the header check itself, not the sha256, is what fires);
+- `ShardSet` with another tokenizer's sha256 raises KilnError naming the tokenizer;
+- train/val document ids are disjoint and follow `split_of`, which is stable when
+  documents are added (synthetic ids, and a real re-pack of a superset);
+- manifest token counts equal the sum of shard headers; every sample has
+  sample_len tokens and ShardSet's samples tile the shard stream;
+- packing: each split's documents, encoded independently (+ EOS, in order),
+  reproduce that split's shard stream exactly, except the dropped tail;
+- the .idx entries give each document's token range and ordinal, tiling the shard;
+- provenance: a token position -> .idx entry -> manifest document -> WARC gzip
+  member at (source, offset, length) whose WARC-Target-URI is the url and whose
+  record id is the document id; the tokens of that range decode to document text;
+- a small pack with many shards: entries straddling shard boundaries are split
+  correctly (per document, the pieces' lengths sum to its token count and the
+  pieces concatenate to its tokens).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+import struct
+import zlib
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kiln.cli import main as cli_main
+from kiln.config import PackConfig
+from kiln.data.pipeline import read_docs
+from kiln.errors import IntegrityError, KilnError
+from kiln.manifest import read_manifest
+from kiln.shards.format import (
+    BIN_HEADER, IDX_ENTRY, IDX_HEADER, ShardSet, read_header, read_index, read_tokens, verify_shards,
+)
+from kiln.shards.pack import pack, split_of
+from kiln.tokenizer import eos_id, load_tokenizer, tokenizer_sha256
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+def flip_byte(path: Path, pos: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[pos] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def rehash(folder: Path, name: str) -> None:
+    """Make the manifest vouch for the (altered) file again, so that only the header checks can catch it."""
+    mpath = folder / "manifest.json"
+    m = json.loads(mpath.read_text())
+    data = (folder / name).read_bytes()
+    m["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    mpath.write_text(json.dumps(m))
+
+
+def stream(folder: Path, files: list[str]) -> np.ndarray:
+    parts = [np.asarray(read_tokens(folder / f), dtype=np.int64) for f in files]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def global_entries(folder: Path, files: list[str]) -> list[tuple[int, int, int, int, int]]:
+    """(global start, length, doc, shard number, local start) for every .idx entry of a split, in order."""
+    out, offset = [], 0
+    for k, name in enumerate(files):
+        for e in read_index((folder / name).with_suffix(".idx")):
+            out.append((offset + int(e["start"]), int(e["length"]), int(e["doc"]), k, int(e["start"])))
+        offset += read_header(folder / name).num_tokens
+    return out
+
+
+@pytest.fixture(scope="module")
+def shards(prepared) -> Path:
+    return prepared.out / "shards"
+
+
+@pytest.fixture(scope="module")
+def manifest(shards) -> dict:
+    return read_manifest(shards)
+
+
+@pytest.fixture(scope="module")
+def encoded(prepared):
+    """The docs folder's documents and their tokens (+ EOS), encoded here, independently of pack()."""
+    docs = list(read_docs(prepared.out / "docs"))
+    tok = load_tokenizer(prepared.out / "tokenizer")
+    eos = eos_id(tok)
+    encs = tok.encode_batch([d["text"] for d in docs], add_special_tokens=False)
+    return docs, tok, [np.array(e.ids + [eos], dtype=np.int64) for e in encs]
+
+
+@pytest.fixture
+def copy(shards, tmp_path) -> Path:
+    dst = tmp_path / "shards"
+    shutil.copytree(shards, dst)
+    return dst
+
+
+# --- integrity --------------------------------------------------------------------------------------
+
+def test_verify_shards_passes_on_prepared(shards, manifest):
+    m = verify_shards(shards)
+    assert m == manifest
+    names = set(m["files"])
+    listed = {f for s in m["splits"].values() for f in s["files"]}
+    assert listed and names == listed | {f[:-4] + ".idx" for f in listed}
+    assert len(m["splits"]["train"]["files"]) >= 2  # the flip test below covers several shards
+
+
+def test_one_flipped_byte_in_each_listed_file_is_caught(shards, manifest, tmp_path):
+    names = sorted(manifest["files"])
+    assert any(n.endswith(".bin") for n in names) and any(n.endswith(".idx") for n in names)
+    for i, name in enumerate(names):
+        dst = tmp_path / f"c{i}"
+        shutil.copytree(shards, dst)
+        size = (dst / name).stat().st_size
+        flip_byte(dst / name, size // 2 if i % 2 else size - 1)
+        with pytest.raises(IntegrityError) as info:
+            verify_shards(dst)
+        assert str(dst / name) in str(info.value), f"{name}: {info.value}"
+        assert "sha256" in str(info.value)
+        shutil.rmtree(dst)
+
+
+def test_cli_shards_verify_exit_codes(shards, manifest, copy, capsys):
+    assert cli_main(["shards", "verify", str(shards)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ok: ") and str(manifest["splits"]["train"]["tokens"]) in out
+    name = manifest["splits"]["val"]["files"][0]
+    flip_byte(copy / name, 100)
+    assert cli_main(["shards", "verify", str(copy)]) == 1
+    err = capsys.readouterr().err
+    assert "verification failed" in err and str(copy / name) in err
+
+
+def test_cli_shards_verify_missing_manifest_exits_1(tmp_path, capsys):
+    assert cli_main(["shards", "verify", str(tmp_path)]) == 1
+    assert "no manifest.json" in capsys.readouterr().err
+
+
+# --- headers ----------------------------------------------------------------------------------------
+
+HEADER_CASES = {
+    # name: (mutation of the raw .bin bytes, expected message)
+    "magic": (lambda r: r.__setitem__(slice(0, 8), b"NOTKILN\0"), "not a Kiln token shard"),
+    "version": (lambda r: struct.pack_into("<I", r, 8, 2), "shard format version 2, this Kiln reads 1"),
+    "width4": (lambda r: struct.pack_into("<I", r, 12, 4), "4-byte tokens for a vocabulary of 1024"),
+    "width3": (lambda r: struct.pack_into("<I", r, 12, 3), "3-byte tokens"),
+    "vocab_needs_u4": (lambda r: struct.pack_into("<I", r, 16, 70000), "2-byte tokens for a vocabulary of 70000"),
+    "count": (lambda r: struct.pack_into("<Q", r, 24, struct.unpack_from("<Q", r, 24)[0] + 1), "header promises"),
+    "cut": (lambda r: r.__delitem__(slice(-2, None)), "header promises"),
+    "padded": (lambda r: r.extend(b"\0\0"), "header promises"),
+    "cut_header": (lambda r: r.__delitem__(slice(40, None)), "shorter than the 64-byte shard header"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HEADER_CASES))
+def test_altered_header_raises_integrity_error(copy, manifest, case):
+    mutate, message = HEADER_CASES[case]
+    name = manifest["splits"]["train"]["files"][1]
+    path = copy / name
+    raw = bytearray(path.read_bytes())
+    mutate(raw)
+    path.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match=message) as info:
+        read_header(path)
+    assert str(path) in str(info.value)
+    # caught by the sha256 first...
+    with pytest.raises(IntegrityError, match="sha256|size"):
+        verify_shards(copy)
+    # ...and by the header check itself once the manifest vouches for the altered bytes
+    rehash(copy, name)
+    with pytest.raises(IntegrityError, match=message):
+        verify_shards(copy)
+    with pytest.raises(IntegrityError, match=message):
+        ShardSet(copy, "train")
+
+
+def test_header_vocab_or_tokenizer_differing_from_manifest(copy, manifest):
+    name = manifest["splits"]["train"]["files"][0]
+    raw = bytearray((copy / name).read_bytes())
+    struct.pack_into("<I", raw, 16, 1000)  # still 2-byte tokens: passes read_header, not the manifest check
+    (copy / name).write_bytes(bytes(raw))
+    assert read_header(copy / name).vocab_size == 1000
+    rehash(copy, name)
+    with pytest.raises(IntegrityError, match="tokenizer, vocabulary or sample length differ"):
+        verify_shards(copy)
+
+    raw[16:20] = struct.pack("<I", manifest["vocab_size"])
+    raw[32:64] = b"\x11" * 32
+    (copy / name).write_bytes(bytes(raw))
+    rehash(copy, name)
+    with pytest.raises(IntegrityError, match="tokenizer, vocabulary or sample length differ"):
+        verify_shards(copy)
+    with pytest.raises(IntegrityError, match="sample length or tokenizer"):
+        ShardSet(copy, "train")
+
+
+IDX_CASES = {
+    "magic": (lambda r: r.__setitem__(slice(0, 8), b"KILNTOK\0"), "not a Kiln shard index"),
+    "version": (lambda r: struct.pack_into("<I", r, 8, 7), "version 7"),
+    "count": (lambda r: struct.pack_into("<Q", r, 16, struct.unpack_from("<Q", r, 16)[0] + 1), "the file is cut"),
+    "cut": (lambda r: r.__delitem__(slice(10, None)), "shorter than the index header"),
+    "entry_past_end": (lambda r: struct.pack_into("<Q", r, IDX_HEADER.size, 10**9), "points past"),
+    "doc_past_list": (lambda r: struct.pack_into("<I", r, IDX_HEADER.size + 12, 10**6), "points past"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IDX_CASES))
+def test_altered_index_raises_integrity_error(copy, manifest, case):
+    mutate, message = IDX_CASES[case]
+    name = manifest["splits"]["train"]["files"][0][:-4] + ".idx"
+    raw = bytearray((copy / name).read_bytes())
+    mutate(raw)
+    (copy / name).write_bytes(bytes(raw))
+    rehash(copy, name)
+    with pytest.raises(IntegrityError, match=message) as info:
+        verify_shards(copy)
+    assert str(copy / name) in str(info.value)
+
+
+def test_manifest_token_total_mismatch(copy, manifest):
+    m = json.loads((copy / "manifest.json").read_text())
+    m["splits"]["val"]["tokens"] += 1
+    (copy / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(IntegrityError, match=f"manifest.json says {manifest['splits']['val']['tokens'] + 1}"):
+        verify_shards(copy)
+
+
+def test_shardset_rejects_another_tokenizer(shards, prepared, manifest):
+    with pytest.raises(KilnError, match="tokenizer") as info:
+        ShardSet(shards, "train", tokenizer_sha256="0" * 64)
+    assert "re-run `kiln pack`" in str(info.value) and manifest["tokenizer_sha256"][:12] in str(info.value)
+    good = tokenizer_sha256(prepared.out / "tokenizer")
+    assert good == manifest["tokenizer_sha256"]
+    assert len(ShardSet(shards, "train", tokenizer_sha256=good)) == manifest["splits"]["train"]["samples"]
+    with pytest.raises(KilnError, match="no 'test' split"):
+        ShardSet(shards, "test")
+
+
+# --- counts and samples -------------------------------------------------------------------------------
+
+def test_manifest_counts_equal_shard_headers(shards, manifest, prepared):
+    L = manifest["sample_len"]
+    assert L == prepared.pack.seq_len + 1 == manifest["seq_len"] + 1
+    assert manifest["dtype"] == "uint16" and manifest["eos_id"] == 1
+    packed = dropped = 0
+    for split, info in manifest["splits"].items():
+        headers = [read_header(shards / f) for f in info["files"]]
+        total = sum(h.num_tokens for h in headers)
+        assert total == info["tokens"] and info["samples"] == total // L and total % L == 0
+        assert all(h.num_tokens % L == 0 and h.sample_len == L and h.token_bytes == 2 for h in headers)
+        assert all(h.num_tokens == prepared.pack.samples_per_shard * L for h in headers[:-1])
+        assert all(h.tokenizer_sha256 == manifest["tokenizer_sha256"] and h.vocab_size == manifest["vocab_size"]
+                   for h in headers)
+        assert 0 <= info["dropped_tail_tokens"] < L
+        assert info["documents"] == sum(d["split"] == split for d in manifest["documents"])
+        packed += total
+        dropped += info["dropped_tail_tokens"]
+    assert manifest["packing_efficiency"] == round(packed / (packed + dropped), 6)
+
+
+def test_every_sample_has_sample_len_tokens_and_tiles_the_stream(shards, manifest):
+    L = manifest["sample_len"]
+    for split in ("train", "val"):
+        ss = ShardSet(shards, split)
+        s = stream(shards, manifest["splits"][split]["files"])
+        assert len(ss) == manifest["splits"][split]["samples"] == len(s) // L
+        for i in range(len(ss)):
+            sample = ss.sample(i)
+            assert sample.shape == (L,)
+            if i % 97 == 0 or i == len(ss) - 1:
+                assert np.array_equal(np.asarray(sample, dtype=np.int64), s[i * L:(i + 1) * L])
+
+
+# --- splits ----------------------------------------------------------------------------------------
+
+def test_train_val_disjoint_and_follow_split_of(manifest, encoded, prepared):
+    docs, _, _ = encoded
+    assert [d["id"] for d in manifest["documents"]] == [d["id"] for d in docs]
+    train = {d["id"] for d in manifest["documents"] if d["split"] == "train"}
+    val = {d["id"] for d in manifest["documents"] if d["split"] == "val"}
+    assert train and val and not train & val
+    assert len(train) + len(val) == len(manifest["documents"])
+    for d in manifest["documents"]:
+        assert d["split"] == split_of(d["id"], prepared.pack.val_fraction)
+
+
+def test_split_of_is_stable_when_documents_are_added():
+    ids = [f"urn-{i:06d}" for i in range(4000)]
+    first = {i: split_of(i, 0.2) for i in ids[:1000]}
+    again = {i: split_of(i, 0.2) for i in ids}  # a bigger corpus, in another order too
+    assert all(again[i] == s for i, s in first.items())
+    assert {split_of(i, 0.2) for i in reversed(ids[:1000])} == set(first.values())
+    frac = sum(s == "val" for s in again.values()) / len(again)
+    assert 0.17 < frac < 0.23
+    assert all(split_of(i, 0.0) == "train" for i in ids[:500])
+    # raising the fraction only moves documents train -> val, never val -> train
+    assert all(split_of(i, 0.3) == "val" for i in ids if split_of(i, 0.2) == "val")
+
+
+def test_repacking_a_superset_keeps_existing_documents_in_their_split(prepared, tmp_path):
+    rng = random.Random(0)
+    words = "alpha beta gamma delta kiln shard token 東京 🙂".split()
+    docs = [{"id": f"s{i}", "text": " ".join(rng.choice(words) for _ in range(rng.randint(3, 30)))} for i in range(120)]
+    cfg = PackConfig(seq_len=15, val_fraction=0.3, samples_per_shard=4, batch_docs=7)
+    small = pack(docs[:60], prepared.out / "tokenizer", tmp_path / "a", cfg)
+    big = pack(docs, prepared.out / "tokenizer", tmp_path / "b", cfg)
+    before = {d["id"]: d["split"] for d in small["documents"]}
+    after = {d["id"]: d["split"] for d in big["documents"]}
+    assert {k: after[k] for k in before} == before
+    assert set(before.values()) == {"train", "val"}
+
+
+# --- packing reproduces the stream ---------------------------------------------------------------------
+
+def test_documents_plus_eos_reproduce_each_split_stream(shards, manifest, encoded):
+    docs, _, ids = encoded
+    for d, m, t in zip(docs, manifest["documents"], ids):
+        assert m["tokens"] == len(t) and t[-1] == manifest["eos_id"]
+        assert (m["id"], m["url"], m["source"], m["offset"], m["length"]) == (d["id"], d["url"], d["source"], d["offset"], d["length"])
+    for split in ("train", "val"):
+        expected = np.concatenate([t for t, m in zip(ids, manifest["documents"]) if m["split"] == split])
+        got = stream(shards, manifest["splits"][split]["files"])
+        info = manifest["splits"][split]
+        assert len(got) == info["tokens"]
+        assert len(expected) - len(got) == info["dropped_tail_tokens"]
+        assert np.array_equal(got, expected[:len(got)])
+
+
+def test_index_entries_give_each_documents_range_and_ordinal(shards, manifest, encoded):
+    _, _, ids = encoded
+    for split in ("train", "val"):
+        files = manifest["splits"][split]["files"]
+        s = stream(shards, files)
+        # within a shard the entries tile [0, num_tokens) in order
+        for name in files:
+            idx = read_index((shards / name).with_suffix(".idx"))
+            ends = idx["start"] + idx["length"]
+            assert idx["start"][0] == 0 and ends[-1] == read_header(shards / name).num_tokens
+            assert np.array_equal(idx["start"][1:], ends[:-1]) and (idx["length"] > 0).all()
+        entries = global_entries(shards, files)
+        seen: dict[int, list[np.ndarray]] = defaultdict(list)
+        for gstart, length, doc, _, _ in entries:
+            assert manifest["documents"][doc]["split"] == split
+            seen[doc].append(s[gstart:gstart + length])
+        order = [doc for _, _, doc, _, _ in entries]
+        assert order == sorted(order)  # documents appear in manifest order
+        members = [i for i, m in enumerate(manifest["documents"]) if m["split"] == split]
+        pos = 0
+        for i in members:  # each document's pieces are exactly its tokens, cut only by the dropped tail
+            n = len(ids[i])
+            covered = max(0, min(n, len(s) - pos))
+            got = np.concatenate(seen[i]) if seen[i] else np.zeros(0, dtype=np.int64)
+            assert len(got) == covered and np.array_equal(got, ids[i][:covered]), f"doc {i}"
+            pos += n
+        # split_documents counts the documents that cross a sample boundary
+        L, pos, crossing = manifest["sample_len"], 0, 0
+        for i in members:
+            crossing += pos // L != (pos + len(ids[i]) - 1) // L
+            pos += len(ids[i])
+        assert manifest["splits"][split]["split_documents"] == crossing
+
+
+# --- provenance -------------------------------------------------------------------------------------------
+
+def read_member(source: str, offset: int, length: int) -> bytes:
+    with open(source, "rb") as f:
+        f.seek(offset)
+        raw = f.read(length)
+    d = zlib.decompressobj(31)
+    data = d.decompress(raw)
+    assert d.eof and d.unused_data == b"", "the (offset, length) range is not exactly one gzip member"
+    return data
+
+
+def warc_headers(record: bytes) -> dict[str, str]:
+    head = record.split(b"\r\n\r\n", 1)[0].decode("utf-8")
+    lines = head.split("\r\n")
+    assert lines[0].startswith("WARC/")
+    return dict(line.split(": ", 1) for line in lines[1:])
+
+
+def test_token_position_traces_back_to_the_warc_record(shards, manifest, encoded):
+    docs, tok, ids = encoded
+    files = manifest["splits"]["train"]["files"]
+    s = stream(shards, files)
+    entries = global_entries(shards, files)
+    starts = np.array([e[0] for e in entries])
+    rng = random.Random(1234)
+    positions = [0, len(s) - 1, len(s) // 2] + [rng.randrange(len(s)) for _ in range(5)]
+    for pos in positions:
+        k = int(np.searchsorted(starts, pos, side="right") - 1)
+        gstart, length, doc, shard, local = entries[k]
+        assert gstart <= pos < gstart + length
+        # the entry as stored in that shard's .idx covers the position within that shard
+        idx = read_index((shards / files[shard]).with_suffix(".idx"))
+        assert any(e["start"] == local and e["length"] == length and e["doc"] == doc for e in idx)
+        meta = manifest["documents"][doc]
+        record = read_member(meta["source"], meta["offset"], meta["length"])
+        h = warc_headers(record)
+        assert h["WARC-Type"] == "response"
+        assert h["WARC-Target-URI"] == meta["url"]
+        assert h["WARC-Record-ID"] == f"<urn:uuid:{meta['id']}>"
+        # the token at pos is that document's token, and the range decodes to a piece of its text
+        before = sum(e[1] for e in entries[:k] if e[2] == doc)
+        assert s[pos] == ids[doc][before + pos - gstart]
+        piece = tok.decode([int(t) for t in s[gstart:gstart + length] if t != manifest["eos_id"]])
+        piece = piece.strip("\ufffd")  # a cut at a shard boundary may split a multi-byte character
+        assert len(piece) > 0 and piece in docs[doc]["text"]
+
+
+def test_provenance_of_a_val_document(shards, manifest):
+    files = manifest["splits"]["val"]["files"]
+    gstart, length, doc, _, _ = global_entries(shards, files)[0]
+    meta = manifest["documents"][doc]
+    assert meta["split"] == "val"
+    h = warc_headers(read_member(meta["source"], meta["offset"], meta["length"]))
+    assert h["WARC-Target-URI"] == meta["url"]
+
+
+# --- a small pack: many shards, entries straddling boundaries --------------------------------------------
+
+def test_small_pack_splits_entries_across_shard_boundaries(prepared, tmp_path):
+    tok_dir = prepared.out / "tokenizer"
+    tok = load_tokenizer(tok_dir)
+    eos = eos_id(tok)
+    rng = random.Random(5)
+    words = "the kiln packs tokens into shards; 東京 café 🙂 straddle boundary".split()
+    docs = [{"id": f"doc{i}", "text": " ".join(rng.choice(words) for _ in range(rng.choice([1, 2, 5, 9, 40])))}
+            for i in range(40)]
+    docs.append({"id": "long", "text": " ".join(words * 12)})  # longer than several shards
+    docs.append({"id": "empty", "text": ""})  # just EOS
+    cfg = PackConfig(seq_len=7, val_fraction=0.0, samples_per_shard=3, batch_docs=5)
+    L, per_shard = 8, 24
+    m = pack(docs, tok_dir, tmp_path / "small", cfg)
+    out = tmp_path / "small"
+    assert verify_shards(out) == read_manifest(out)
+    info = m["splits"]["train"]
+    assert m["splits"]["val"] == {"files": [], "tokens": 0, "samples": 0, "documents": 0, "dropped_tail_tokens": 0,
+                                  "split_documents": 0}
+    ids = [np.array(tok.encode(d["text"], add_special_tokens=False).ids + [eos]) for d in docs]
+    total = sum(map(len, ids))
+    assert info["tokens"] == (total // L) * L and info["dropped_tail_tokens"] == total % L
+    assert len(info["files"]) == -(-info["tokens"] // per_shard) >= 5
+    sizes = [read_header(out / f).num_tokens for f in info["files"]]
+    assert all(n == per_shard for n in sizes[:-1]) and 0 < sizes[-1] <= per_shard and sizes[-1] % L == 0
+
+    s = stream(out, info["files"])
+    entries = global_entries(out, info["files"])
+    pieces: dict[int, list[tuple[int, int, int, int]]] = defaultdict(list)
+    for gstart, length, doc, shard, local in entries:
+        pieces[doc].append((gstart, length, shard, local))
+    straddling = 0
+    pos = 0
+    for i, t in enumerate(ids):
+        covered = max(0, min(len(t), info["tokens"] - pos))
+        ps = pieces.get(i, [])
+        assert sum(p[1] for p in ps) == covered, f"doc {i}: pieces {ps}, {covered} tokens packed"
+        if covered:
+            assert np.array_equal(np.concatenate([s[g:g + n] for g, n, _, _ in ps]), t[:covered])
+            assert ps[0][0] == pos
+        for (g0, n0, k0, _), (g1, n1, k1, l1) in zip(ps, ps[1:]):
+            # a later piece starts at the very beginning of the next shard, right where the last one ended
+            assert k1 == k0 + 1 and l1 == 0 and g1 == g0 + n0
+            assert g1 % per_shard == 0
+        straddling += len(ps) > 1
+        pos += len(t)
+    assert straddling >= 3
+    assert len(pieces[len(docs) - 2]) >= 3  # the long document spans at least three shards
+    assert m["documents"][-1]["tokens"] == 1
