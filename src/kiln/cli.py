@@ -29,7 +29,7 @@ def cmd_run(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     console = _console()
-    result = run_all(cfg, log=console.print)
+    result = run_all(cfg, log=console.print, until=args.until)
     print_summary(result, console)
     return 0
 
@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("run", help="every stage; re-running skips finished stages and resumes training")
     s.add_argument("config")
+    s.add_argument("--until", choices=["data", "tokenizer", "pack", "train"], default="train",
+                   help="stop after this stage (e.g. prepare shards here, then train under torchrun)")
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     s.set_defaults(fn=cmd_run)
 

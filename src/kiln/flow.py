@@ -69,10 +69,14 @@ def run_train_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
     return Trainer(cfg, log=log).run()
 
 
-def run_all(cfg: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
-    return {
-        "data": run_data_stage(cfg, log),
-        "tokenizer": run_tokenizer_stage(cfg, log),
-        "shards": run_pack_stage(cfg, log),
-        "train": run_train_stage(cfg, log),
-    }
+STAGES = {"data": run_data_stage, "tokenizer": run_tokenizer_stage, "pack": run_pack_stage, "train": run_train_stage}
+
+
+def run_all(cfg: Config, log: Callable[[str], None] = print, until: str = "train") -> dict[str, Any]:
+    """Run the stages in order up to and including `until`; returns each stage's result by name."""
+    results: dict[str, Any] = {}
+    for name, stage in STAGES.items():
+        results[name] = stage(cfg, log)
+        if name == until:
+            break
+    return results

@@ -9,7 +9,7 @@ from rich.table import Table
 
 
 def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
-    data, shards, train = result["data"], result["shards"], result["train"]
+    data = result["data"]
     docs = data["documents"]
     rows = [
         ("documents read", f"{docs['read']:,}"),
@@ -20,9 +20,13 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     rows.append(("languages kept", ", ".join(f"{k} {v}" for k, v in data["kept_by_lang"].items())))
     if data["file_errors"] or data["truncated"]:
         rows.append(("input problems", f"{len(data['file_errors'])} unreadable file(s), {len(data['truncated'])} truncated"))
-    rows.append(("tokenizer vocabulary", f"{result['tokenizer']['vocab_size']:,}"))
-    for split, info in shards["splits"].items():
+    if "tokenizer" in result:
+        rows.append(("tokenizer vocabulary", f"{result['tokenizer']['vocab_size']:,}"))
+    for split, info in result.get("pack", {}).get("splits", {}).items():
         rows.append((f"{split} tokens / samples", f"{info['tokens']:,} / {info['samples']:,}"))
+    if "train" not in result:
+        return rows
+    train = result["train"]
     rows += [
         ("training steps", f"{train['steps']:,} ({train['tokens_seen']:,} tokens, {train['skipped_steps']} skipped)"),
         ("model parameters", f"{train['params']:,}"),

@@ -1,0 +1,1 @@
+"""Side-by-side measurements: each bench_*.py module has a main() that prints a result table."""
