@@ -125,27 +125,26 @@ def test_gradient_accumulation_matches_one_big_batch(workdir, tmp_path):
     assert a == pytest.approx(b, abs=1e-5)
 
 
-def test_non_finite_gradient_skips_the_step(workdir, monkeypatch):
-    cfg = tiny_config(workdir, train={"max_steps": 4})
+def test_non_finite_loss_skips_the_step_and_is_recorded(workdir):
+    cfg = tiny_config(workdir, train={"max_steps": 5})
     trainer = Trainer(cfg, log=lambda *_: None)
-    original = trainer.train_step
-    before = {}
+    weights = {}
 
-    def poisoned():
-        loss, norm = original()
-        if trainer.step == 2:  # the third step gets a NaN gradient
-            before.update({k: v.clone() for k, v in trainer.model.state_dict().items()})
-            next(trainer.model.parameters()).grad[0, 0] = float("nan")
-            return loss, float("nan")
-        return loss, norm
+    def poison(module, inputs, output):  # the third step's forward pass produces NaN logits
+        if trainer.step == 2 and module.training:
+            weights.update({k: v.clone() for k, v in trainer.model.state_dict().items()})
+            return output * float("nan")
+        return output
 
-    monkeypatch.setattr(trainer, "train_step", poisoned)
+    trainer.model.output.register_forward_hook(poison)
     trainer.run()
     rows = steps(workdir)
-    assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1]
-    after_skip = load_checkpoint(list_checkpoints(workdir / "run" / "checkpoints")[-1])["model"]
-    assert all(torch.isfinite(v).all() for v in after_skip.values())
-    assert before  # the poisoned step happened
+    assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1, 1]
+    skips = [m for m in read_metrics(workdir / "run" / "metrics.jsonl") if m["event"] == "skip"]
+    assert [(s["step"], s["reason"]) for s in skips] == [(3, "non_finite")]
+    assert skips[0]["data_position"] == 3 * 8
+    final = load_checkpoint(list_checkpoints(workdir / "run" / "checkpoints")[-1])["model"]
+    assert all(torch.isfinite(v).all() for v in final.values())
 
 
 # --- checkpoints and resume ---------------------------------------------------------------------

@@ -1,13 +1,16 @@
 """Atomic, verified checkpoints: `checkpoints/step-NNNNNNNN/` committed by rename after its manifest.
 
 A checkpoint folder holds:
-  model.safetensors   weights (no pickle, loads without running code)
+  model.safetensors   weights (no pickle, loads without running code); under FSDP2 the
+                      full weights are gathered and written by rank 0, so any world size resumes
   optimizer.pt        AdamW state, read back with torch.load(weights_only=True)
   rng.pt              RNG states of every rank (python, numpy, torch CPU and CUDA)
-  state.json          step, tokens seen, loader state, metrics needed to continue
+  state.json          step, tokens seen, loader, guards, budget, schedule, counters
   config.yaml         the resolved config of the run
   tokenizer.json      the tokenizer, so the folder alone can evaluate and generate
-  manifest.json       size and sha256 of each file above, written last
+  manifest.json       size and sha256 of each file above, step, tokens seen, config hash, data
+                      fingerprint, world size, environment fingerprint, Kiln version; written last
+  manifest.sig        optional Ed25519 signature of manifest.json's bytes
 """
 
 from __future__ import annotations
@@ -16,38 +19,41 @@ import json
 import random
 import re
 import shutil
+import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from kiln.errors import IntegrityError, KilnError
-from kiln.manifest import read_manifest, staging_dir, verify_folder, write_atomic, write_manifest
+from kiln.manifest import MANIFEST, read_manifest, staging_dir, verify_folder, write_atomic, write_manifest
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
+SIGNATURE = "manifest.sig"
 
 
 def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
 
 
+def step_of(folder: Path) -> int:
+    return int(STEP_DIR.match(Path(folder).name).group(1))
+
+
+# --- RNG -------------------------------------------------------------------------------------
+
 def rng_state() -> dict[str, Any]:
-    return {
-        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def _plain_rng(state: dict[str, Any]) -> dict[str, Any]:
-    """RNG states as tensors and plain lists, so they load with weights_only=True."""
-    py = state["python"]
-    np_state = state["numpy"]
+    """This process's RNG states as tensors and plain lists, so they load with weights_only=True."""
+    py = random.getstate()
+    np_state = np.random.get_state()
     return {
         "python": [py[0], list(py[1]), py[2]],
         "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-        "torch": state["torch"], "cuda": state["cuda"],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
 
 
@@ -61,25 +67,133 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(root: Path, step: int, model_state: dict[str, torch.Tensor], optimizer_state: dict,
-                    rng_states: list[dict[str, Any]], state: dict[str, Any], config_yaml: str,
-                    tokenizer_file: Path, keep_last: int) -> Path:
-    """Write step-NNNNNNNN/ atomically (rank 0 only), then drop all but the newest `keep_last`."""
+# --- signing ---------------------------------------------------------------------------------
+
+def _read_key(path: str, private: bool):
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        data = Path(path).read_bytes()
+        if private:
+            return serialization.load_pem_private_key(data, password=None)
+        return serialization.load_pem_public_key(data)
+    except (OSError, ValueError) as exc:
+        kind = "checkpoint.signing_key" if private else "checkpoint.public_key"
+        raise KilnError(f"{kind} {path}: not a readable Ed25519 PEM key ({exc})") from None
+
+
+def sign_manifest(folder: Path, key_path: str) -> None:
+    key = _read_key(key_path, private=True)
+    write_atomic(Path(folder) / SIGNATURE, key.sign((Path(folder) / MANIFEST).read_bytes()).hex())
+
+
+def verify_signature(folder: Path, public_key_path: str) -> None:
+    from cryptography.exceptions import InvalidSignature
+
+    sig = Path(folder) / SIGNATURE
+    if not sig.is_file():
+        raise IntegrityError(f"{folder}: unsigned, but checkpoint.public_key requires a signature ({SIGNATURE})")
+    try:
+        _read_key(public_key_path, private=False).verify(bytes.fromhex(sig.read_text().strip()), (Path(folder) / MANIFEST).read_bytes())
+    except (InvalidSignature, ValueError):
+        raise IntegrityError(f"{folder}/{SIGNATURE}: signature does not match manifest.json under {public_key_path}") from None
+
+
+# --- saving ----------------------------------------------------------------------------------
+
+def all_finite(*states: dict) -> bool:
+    """Never commit a checkpoint whose weights or optimizer state hold NaN/inf."""
+    def tensors(obj):
+        if isinstance(obj, torch.Tensor):
+            yield obj
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                yield from tensors(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                yield from tensors(v)
+    return all(bool(torch.isfinite(t).all()) for s in states for t in tensors(s) if t.is_floating_point())
+
+
+def write_checkpoint(root: Path, step: int, model_state: dict[str, torch.Tensor], optimizer_state: dict,
+                     rng_states: list[dict[str, Any]], state: dict[str, Any], config_yaml: str,
+                     tokenizer_file: Path, manifest_fields: dict[str, Any], signing_key: str | None = None) -> Path:
+    """Write step-NNNNNNNN/ atomically: files, fsync, manifest (+ signature), rename, parent fsync."""
     final = step_dir(root, step)
     with staging_dir(final) as tmp:
         # safetensors refuses tensors that share memory (tied embeddings): store each once.
         save_file({k: v.detach().cpu().contiguous().clone() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
         torch.save(optimizer_state, tmp / "optimizer.pt")
-        torch.save([_plain_rng(s) for s in rng_states], tmp / "rng.pt")
+        torch.save(rng_states, tmp / "rng.pt")
         write_atomic(tmp / "state.json", json.dumps(state, indent=1))
         write_atomic(tmp / "config.yaml", config_yaml)
         shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
         write_manifest(tmp, stage="checkpoint", step=step, tokens_seen=state.get("tokens_seen"),
-                       world_size=len(rng_states), config_hash=state.get("config_hash"))
-    for old in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+                       world_size=len(rng_states), **manifest_fields)
+        if signing_key:
+            sign_manifest(tmp, signing_key)
     return final
 
+
+def retain(root: Path, keep_last: int, keep_every: int | None, best_step: int | None) -> list[Path]:
+    """Delete committed checkpoints that no rule keeps: the last K, every M-th, the best. Returns the deleted."""
+    ckpts = list_checkpoints(root)
+    keep = set(ckpts[-keep_last:])
+    keep |= {c for c in ckpts if keep_every and step_of(c) % keep_every == 0}
+    keep |= {c for c in ckpts if best_step is not None and step_of(c) == best_step}
+    gone = [c for c in ckpts if c not in keep]
+    for c in gone:
+        shutil.rmtree(c, ignore_errors=True)
+    return gone
+
+
+class Saver:
+    """Writes checkpoints on rank 0, synchronously or in a background thread; never two at once.
+
+    Async: the caller hands over CPU copies (the snapshot, taken at the step boundary),
+    training continues while the thread writes. The time the loop waited is the stall.
+    """
+
+    def __init__(self, async_save: bool, log: Callable[[str], None] = print) -> None:
+        self.async_save, self.log = async_save, log
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.last_write_s: float | None = None
+
+    def wait(self) -> float:
+        """Block until the previous save is committed; returns the seconds waited."""
+        t0 = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise KilnError(f"background checkpoint save failed: {err}") from err
+        return time.perf_counter() - t0
+
+    def save(self, write: Callable[[], Any]) -> float:
+        """Run `write` (which commits one checkpoint); returns the stall in seconds."""
+        stall = self.wait()
+        if not self.async_save:
+            t0 = time.perf_counter()
+            write()
+            self.last_write_s = time.perf_counter() - t0
+            return stall + self.last_write_s
+
+        def run():
+            t0 = time.perf_counter()
+            try:
+                write()
+            except BaseException as exc:  # reported on the next wait()
+                self.error = exc
+            self.last_write_s = time.perf_counter() - t0
+
+        self._thread = threading.Thread(target=run, name="kiln-checkpoint", daemon=False)
+        self._thread.start()
+        return stall
+
+
+# --- reading ---------------------------------------------------------------------------------
 
 def list_checkpoints(root: Path) -> list[Path]:
     """Committed checkpoint folders, oldest first (temporary folders are ignored)."""
@@ -89,21 +203,26 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
 
 
-def verify_checkpoint(folder: Path) -> dict[str, Any]:
-    """Sizes and sha256 of every file, then that each piece loads without executing code."""
+def verify_checkpoint(folder: Path, public_key: str | None = None) -> dict[str, Any]:
+    """Sizes and sha256 of every file, the signature when a key is given, then that each piece loads
+    without executing code."""
     manifest = verify_folder(folder)
     for name in ("model.safetensors", "optimizer.pt", "rng.pt", "state.json"):
         if name not in manifest["files"]:
             raise IntegrityError(f"{folder}: {name} is not in manifest.json; the checkpoint is incomplete")
+    if public_key:
+        verify_signature(folder, public_key)
     load_checkpoint(folder, verify=False)
     return manifest
 
 
-def latest_valid(root: Path, log=print) -> Path | None:
-    """The newest checkpoint that verifies; a corrupt newer one is reported and skipped."""
+def latest_valid(root: Path, log: Callable[[str], None] = print, public_key: str | None = None) -> Path | None:
+    """The newest checkpoint that verifies; a corrupt newer one is reported (file and hash) and skipped."""
     for folder in reversed(list_checkpoints(root)):
         try:
             verify_folder(folder)
+            if public_key:
+                verify_signature(folder, public_key)
             return folder
         except IntegrityError as exc:
             log(f"skipping corrupt checkpoint: {exc}")
@@ -126,6 +245,29 @@ def load_checkpoint(folder: Path, verify: bool = True) -> dict[str, Any]:
         }
     except Exception as exc:  # UnpicklingError for a pickle that is not plain data, SafetensorError, ...
         raise IntegrityError(f"{folder}: cannot be loaded safely ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def checkpoint_table(root: Path, public_key: str | None = None) -> list[dict[str, Any]]:
+    """One row per checkpoint folder (temporary ones too): step, valid or why not, tokens, val loss."""
+    rows = []
+    root = Path(root)
+    for p in sorted(root.iterdir()) if root.is_dir() else []:
+        if not p.is_dir() or not p.name.startswith("step-"):
+            continue
+        row: dict[str, Any] = {"path": str(p), "step": None, "valid": False, "problem": None}
+        if not STEP_DIR.match(p.name):
+            row["problem"] = "temporary folder of an unfinished save (never loaded)"
+            rows.append(row)
+            continue
+        try:
+            m = verify_checkpoint(p, public_key)
+            state = json.loads((p / "state.json").read_text())
+            row.update(step=m["step"], valid=True, tokens_seen=m.get("tokens_seen"),
+                       val_loss=state.get("history", {}).get("val_loss", {}).get(str(m["step"])))
+        except IntegrityError as exc:
+            row.update(step=step_of(p), problem=str(exc))
+        rows.append(row)
+    return rows
 
 
 def checkpoint_config(folder: Path):

@@ -1,16 +1,66 @@
-"""metrics.jsonl: one JSON object per line, `event` = "step" (one per optimizer step) or "eval"."""
+"""What a step reports: metrics.jsonl always, TensorBoard when installed, MFU against a peak table.
+
+metrics.jsonl holds one JSON object per line with an `event`: "step" (one per
+optimizer step), "eval", "skip", "rollback", "save", "scale" (fp16 loss-scale
+change), "budget", "stop".
+"""
 
 from __future__ import annotations
 
 import json
+import resource
+import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kiln.manifest import write_atomic
+
+# Dense peak TFLOP/s per device (no sparsity), from NVIDIA's datasheets (H100/H200 SXM, A100 SXM, L40S, L4,
+# RTX 4090). "fp32" is TF32 tensor-core math, which torch uses for fp32 matmuls when allowed.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 183.0},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 60.0},
+    "RTX 4090": {"bf16": 165.0, "fp16": 165.0, "fp32": 82.6},
+}
+PEAK_SOURCE = "vendor datasheets, dense tensor-core peak (src/kiln/train/metrics.py)"
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def peak_tflops(device: torch.device, dtype: str, override: float | None) -> tuple[float | None, str]:
+    """(peak, where it came from); (None, why) for a device the table does not know."""
+    if override:
+        return override, "config train.peak_tflops"
+    name = device_name(device)
+    for key, peaks in PEAK_TFLOPS.items():
+        if key in name:
+            return peaks[dtype], f"{key} ({PEAK_SOURCE})"
+    return None, f"unknown device {name!r}: set train.peak_tflops to report MFU"
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak: float | None, world: int) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak of all devices."""
+    if not peak:
+        return None
+    return flops_per_token * tokens_per_s / (peak * 1e12 * world)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return rss_kb / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 class MetricsLog:
-    def __init__(self, path: Path, resume_step: int) -> None:
+    def __init__(self, path: Path, resume_step: int, tensorboard_dir: Path | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Lines written after the checkpoint we resume from describe steps that will run again.
@@ -18,12 +68,26 @@ class MetricsLog:
             keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
             write_atomic(self.path, "".join(ln + "\n" for ln in keep))
         self.file = open(self.path, "a", buffering=1)
+        self.tb = None
+        if tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(tensorboard_dir))
+            except ImportError:
+                pass  # TensorBoard is optional: JSONL is the record
 
     def write(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k not in ("step", "event"):
+                    self.tb.add_scalar(f"{record['event']}/{k}", v, record.get("step", 0))
 
     def close(self) -> None:
         self.file.close()
+        if self.tb is not None:
+            self.tb.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -1,15 +1,15 @@
-"""The training loop: composed from small parts (loader, schedule, guard, metrics, checkpoints).
+"""The training loop, composed from small parts: loader, schedule, guards, clipping, metrics,
+checkpoints, watchdog, budget and stop requests.
 
 Run as `kiln train CONFIG` or `torchrun --nproc_per_node=N -m kiln train CONFIG`.
-A run resumes from the newest valid checkpoint under {out_dir}/run/checkpoints,
-and from there produces the same losses as a run that was never interrupted.
+A run resumes from the newest valid checkpoint under {out_dir}/run/checkpoints
+and from there produces bitwise the losses of a run that was never interrupted.
 """
 
 from __future__ import annotations
 
-import math
+import json
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +19,25 @@ import torch.distributed as dist
 from kiln.config import Config
 from kiln.errors import KilnError
 from kiln.eval import next_token_loss, sample_batches, summed_loss
+from kiln.manifest import sha256_file, write_atomic
 from kiln.model import Llama, ModelArgs
 from kiln.shards.format import ShardSet
 from kiln.tokenizer import tokenizer_sha256
 from kiln.train import checkpoint as ckpt
+from kiln.train import parallel
+from kiln.train.budget import Budget
+from kiln.train.clip import clip, group_norms, layer_groups
+from kiln.train.guards import Escalation, NonFiniteGuard, SpikeGuard
 from kiln.train.loader import Loader
-from kiln.train.metrics import MetricsLog
-from kiln.train.parallel import Dist, all_reduce_mean, all_reduce_sum, init_distributed, unwrap, wrap_model
+from kiln.train.metrics import MetricsLog, mfu, peak_memory_gb, peak_tflops
+from kiln.train.parallel import Dist, all_reduce_sum, init_distributed
 from kiln.train.schedule import warmup_cosine
+from kiln.train.signals import StopRequests
+from kiln.train.watchdog import Watchdog
 
-DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# What must match for a checkpoint to be resumed exactly; the rest is reported as a warning.
+ENV_KEYS = ("python", "torch", "cuda", "nccl", "gpus", "kiln")
 
 
 def build_model(cfg: Config, vocab_size: int) -> Llama:
@@ -48,23 +57,18 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-class NonFiniteGuard:
-    """Skip an optimizer step whose loss or gradient norm is NaN/inf. Every rank sees the same reduced values."""
+def env_fingerprint() -> dict[str, Any]:
+    from kiln.ops.doctor import fingerprint
 
-    def __init__(self) -> None:
-        self.skipped = 0
-
-    def allows(self, loss: float, grad_norm: float) -> bool:
-        ok = math.isfinite(loss) and math.isfinite(grad_norm)
-        self.skipped += not ok
-        return ok
+    fp = fingerprint()
+    return {k: ([g.get("name") for g in fp[k]] if k == "gpus" else fp.get(k)) for k in ENV_KEYS}
 
 
 class Trainer:
     def __init__(self, cfg: Config, d: Dist | None = None, log=print) -> None:
         self.cfg, self.log = cfg, log
-        self.d = d or init_distributed()
         t = cfg.train
+        self.d = d or init_distributed(cfg.parallel.startup_timeout_s)
         if t.threads:
             torch.set_num_threads(t.threads)
         torch.manual_seed(cfg.seed)
@@ -78,144 +82,394 @@ class Trainer:
         if self.train_set.sample_len != cfg.pack.seq_len + 1:
             raise KilnError(f"{shards}: samples of {self.train_set.sample_len} tokens, config says pack.seq_len={cfg.pack.seq_len}; re-run `kiln pack`")
         vocab = int(self.train_set.manifest["vocab_size"])
+        self.data_fingerprint = sha256_file(shards / "manifest.json")
 
         micro = t.micro_batch_size or t.batch_size // self.d.world
         if micro < 1:
             raise KilnError(f"train.batch_size={t.batch_size} is smaller than the world size {self.d.world}")
-        self.accum = t.batch_size // (micro * self.d.world)
         try:
             self.loader = Loader(self.train_set, t.batch_size, micro, self.d.rank, self.d.world, cfg.seed)
         except ValueError as exc:
             raise KilnError(str(exc)) from None
+
         self.model = build_model(cfg, vocab).to(self.d.device)
-        self.ddp = wrap_model(self.model, self.d)
+        self.flops_per_token = self.model.flops_per_token(cfg.pack.seq_len)
+        self.groups = layer_groups(self.model, cfg.model.n_layers, t.upper_layers)
+        self.mode = parallel.parallel_mode(cfg.parallel.mode, self.d)
+        self.autocast = DTYPES[t.dtype]
+        if cfg.parallel.activation_checkpointing:
+            parallel.apply_activation_checkpointing(self.model)
+        if self.mode == "fsdp":
+            try:
+                parallel.apply_fsdp(self.model, self.d, cfg.parallel.mesh, self.autocast)
+            except ValueError as exc:
+                raise KilnError(str(exc)) from None
+            self.autocast = None  # FSDP2's mixed-precision policy casts parameters instead
+        if cfg.parallel.compile:
+            self.model.compile()
+        self.wrapped = parallel.wrap_model(self.model, self.d, self.mode)
         self.optimizer = torch.optim.AdamW(param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                                            foreach=True)
-        self.autocast = DTYPES[t.dtype]
-        self.guard = NonFiniteGuard()
+        self.scaler = torch.amp.GradScaler(self.d.device.type, init_scale=2.0**16) if t.dtype == "fp16" else None
+
+        self.non_finite = NonFiniteGuard()
+        self.spikes = SpikeGuard(cfg.guards.spike_zscore, cfg.guards.spike_window, cfg.guards.spike_min_history)
+        self.escalation = Escalation(cfg.guards)
+        self.budget = Budget(cfg.budget, self.d.world)
+        self.saver = ckpt.Saver(cfg.checkpoint.async_save, log)
+        self.requests = StopRequests()
+        self.watchdog = Watchdog(self.d, cfg.watchdog, self.run_dir, log)
+        self.peak, self.peak_source = peak_tflops(self.d.device, t.dtype, t.peak_tflops)
+        self.metrics: MetricsLog | None = None
         self.step, self.tokens_seen = 0, 0
         self.history: dict[str, Any] = {"val_loss": {}}
         # Settings a checkpoint cannot be resumed under when they change (train.max_steps may change).
         self.config_hash = cfg.section_hash("model", "pack", "tokenizer")
 
-    # --- checkpoints ----------------------------------------------------------------------
+    # --- small helpers ----------------------------------------------------------------------
 
-    def resume(self) -> Path | None:
-        folder = ckpt.latest_valid(self.ckpt_dir, log=self.log if self.d.is_main else (lambda *_: None))
-        if folder is None:
-            return None
+    def event(self, record: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.write(record)
+
+    def lr_at(self, step: int) -> float:
+        t = self.cfg.train
+        return warmup_cosine(step, t.lr, t.warmup_steps, t.max_steps, t.min_lr_ratio) * self.escalation.lr_factor(step)
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    def _load(self, folder: Path, resume: bool) -> dict[str, Any]:
         data = ckpt.load_checkpoint(folder, verify=False)  # verified by latest_valid
         state = data["state"]
         if state.get("config_hash") != self.config_hash:
             raise KilnError(f"{folder} was written with different model/pack/tokenizer settings; "
                             f"use a new out_dir, or delete {self.ckpt_dir} to start over")
-        if state["world_size"] != self.d.world:
-            self.log(f"resuming a run saved with {state['world_size']} ranks on {self.d.world}; the sample order is kept")
-        self.model.load_state_dict(data["model"])
-        self.optimizer.load_state_dict(data["optimizer"])
-        self.loader.load_state_dict(state["loader"])
+        parallel.load_states(self.wrapped, self.optimizer, self.mode, data["model"], data["optimizer"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        if resume:
+            self.loader.load_state_dict(state["loader"])
+            self.spikes.load_state_dict(state["spikes"])
+            self.escalation.load_state_dict(state["escalation"])
+            self.budget.load_state_dict(state["budget"])
+            self.history = state["history"]
+            rngs = data["rng"]
+            ckpt.restore_rng(rngs[self.d.rank] if self.d.rank < len(rngs) else rngs[0])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
-        self.guard.skipped = state.get("skipped_steps", 0)
-        self.history = state.get("history", self.history)
-        rngs = data["rng"]
-        ckpt.restore_rng(rngs[self.d.rank] if self.d.rank < len(rngs) else rngs[0])
+        return state
+
+    def resume(self) -> Path | None:
+        quiet = self.log if self.d.is_main else (lambda *_: None)
+        folder = ckpt.latest_valid(self.ckpt_dir, log=quiet, public_key=self.cfg.checkpoint.public_key)
+        if folder is None:
+            if self.cfg.checkpoint.public_key and ckpt.list_checkpoints(self.ckpt_dir):
+                raise KilnError(f"{self.ckpt_dir}: no checkpoint carries a valid signature for checkpoint.public_key")
+            return None
+        manifest = json.loads((folder / "manifest.json").read_text())
+        self._check_env(manifest.get("env", {}), folder)
+        state = self._load(folder, resume=True)
+        if state["world_size"] != self.d.world:
+            quiet(f"resuming a run saved with {state['world_size']} ranks on {self.d.world}; the sample order is kept")
         return folder
 
-    def save(self) -> Path | None:
+    def _check_env(self, saved: dict[str, Any], folder: Path) -> None:
+        now = env_fingerprint()
+        diff = {k: (saved.get(k), now[k]) for k in ENV_KEYS if saved.get(k) != now[k]}
+        if not diff:
+            return
+        text = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in diff.items())
+        if self.cfg.checkpoint.strict_env:
+            raise KilnError(f"{folder} was written under another environment ({text}); "
+                            "set checkpoint.strict_env=false to resume anyway")
+        if self.d.is_main:
+            self.log(f"warning: resuming {folder} under another environment: {text}")
+
+    def save(self, reason: str = "schedule") -> None:
+        """Every rank takes part (FSDP2 gathers); rank 0 writes, in the background when async."""
+        model_state = parallel.full_state_dict(self.wrapped, self.mode)
+        optim_state = parallel.optimizer_state(self.wrapped, self.optimizer, self.mode)
         rng = ckpt.rng_state()
         rngs = [rng]
         if self.d.world > 1:
             rngs = [None] * self.d.world
             dist.all_gather_object(rngs, rng)
-        path = None
         if self.d.is_main:
-            state = {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
-                     "world_size": self.d.world, "skipped_steps": self.guard.skipped, "config_hash": self.config_hash,
-                     "history": self.history}
-            path = ckpt.save_checkpoint(self.ckpt_dir, self.step, self.model.state_dict(), self.optimizer.state_dict(),
-                                        rngs, state, self.cfg.to_yaml(), self.tokenizer_file, self.cfg.checkpoint.keep_last)
+            if not ckpt.all_finite(model_state, optim_state):
+                self.event({"event": "save", "step": self.step, "refused": "non-finite weights or optimizer state"})
+                self.log(f"step {self.step}: not saving a checkpoint with non-finite weights or optimizer state")
+            else:
+                self._write(model_state, optim_state, rngs, reason)
+        self.watchdog.beat(self.step)
         if self.d.world > 1:
             dist.barrier()
-        return path
 
-    # --- evaluation -----------------------------------------------------------------------
+    def _write(self, model_state, optim_state, rngs, reason: str) -> None:
+        cfg = self.cfg
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
+                 "world_size": self.d.world, "config_hash": self.config_hash, "history": self.history,
+                 "spikes": self.spikes.state_dict(), "escalation": self.escalation.state_dict(),
+                 "budget": self.budget.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None}
+        fields = {"config_hash": self.config_hash, "data_fingerprint": self.data_fingerprint, "env": env_fingerprint()}
+        vals = {int(s): v for s, v in self.history["val_loss"].items() if int(s) > 0}
+        best = min(vals, key=vals.get) if (cfg.checkpoint.keep_best and vals) else None
+        if self.saver.async_save:  # the snapshot must not change while the thread writes
+            model_state = {k: v.clone() for k, v in model_state.items()}
+            optim_state = _deep_clone(optim_state)
+        step = self.step
+
+        def write() -> None:
+            ckpt.write_checkpoint(self.ckpt_dir, step, model_state, optim_state, rngs, state, cfg.to_yaml(),
+                                  self.tokenizer_file, fields, cfg.checkpoint.signing_key)
+            ckpt.retain(self.ckpt_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every, best)
+
+        stall = self.saver.save(write)
+        self.event({"event": "save", "step": step, "reason": reason, "stall_s": round(stall, 4),
+                    "async": self.saver.async_save})
+
+    # --- evaluation -------------------------------------------------------------------------
 
     def evaluate(self) -> float:
         """Mean loss on the first `eval_batches` batches of the validation split (same samples every time)."""
-        t = self.cfg.train
-        n = min(len(self.val_set), t.eval_batches * self.loader.micro_batch * self.d.world)
+        t, w = self.cfg.train, self.d.world
+        n = min(len(self.val_set), t.eval_batches * self.loader.micro_batch * w) // w * w
         if n == 0:
-            raise KilnError(f"{self.cfg.out / 'shards'}: the validation split has no samples; raise pack.val_fraction")
-        mine = torch.arange(n)[self.d.rank::self.d.world].numpy()
-        total, count = summed_loss(self.model, sample_batches(self.val_set, mine, self.loader.micro_batch),
+            raise KilnError(f"{self.cfg.out / 'shards'}: the validation split has too few samples; raise pack.val_fraction")
+        mine = torch.arange(n)[self.d.rank::w].numpy()  # equal counts: FSDP2 needs every rank in every forward
+        total, count = summed_loss(self.wrapped, sample_batches(self.val_set, mine, self.loader.micro_batch),
                                    self.d.device, self.autocast)
         total, count = all_reduce_sum([total, count], self.d)
+        self.watchdog.beat(self.step)
         return total / count
 
-    # --- the loop -------------------------------------------------------------------------
+    def run_eval(self) -> float:
+        val = self.evaluate()
+        self.history["val_loss"][str(self.step)] = val
+        self.event({"event": "eval", "step": self.step, "val_loss": val})
+        self.log(f"step {self.step} val_loss {val:.4f}")
+        return val
 
-    def train_step(self) -> tuple[float, float]:
-        """One optimizer step over `accum` micro-batches; gradients sync only on the last one."""
+    # --- one optimizer step -----------------------------------------------------------------
+
+    def train_step(self) -> dict[str, Any]:
+        """Forward/backward over this rank's micro-batches (gradients sync on the last), then agree on
+        the loss and any stop/save request in one all-reduce. Returns the step's numbers."""
+        tick = time.perf_counter()
         micro_batches = self.loader.next_batch()
+        t_data = time.perf_counter() - tick
+        tick = time.perf_counter()
         loss_sum = 0.0
         for i, batch in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            sync = self.ddp.no_sync() if (self.d.world > 1 and not last) else nullcontext()
-            with sync:
-                loss = next_token_loss(self.ddp, batch.to(self.d.device, non_blocking=True), self.autocast)
-                (loss / len(micro_batches)).backward()
+            with parallel.gradient_sync(self.wrapped, self.mode, enabled=i == len(micro_batches) - 1):
+                loss = next_token_loss(self.wrapped, batch.to(self.d.device, non_blocking=True), self.autocast)
+                scaled = loss / len(micro_batches)
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.item()
-        clip = self.cfg.train.grad_clip or float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
-        return all_reduce_mean(loss_sum / len(micro_batches), self.d), grad_norm
+        t_fwd_bwd = time.perf_counter() - tick
+        tick = time.perf_counter()
+        flags = [float(self.requests.stop), float(self.requests.save)]
+        loss_total, stop, save = all_reduce_sum([loss_sum / len(micro_batches), *flags], self.d)
+        t_comm = time.perf_counter() - tick
+        return {"loss": loss_total / self.d.world, "stop": stop > 0, "save": save > 0,
+                "time_data_s": t_data, "time_fwd_bwd_s": t_fwd_bwd, "time_comm_s": t_comm}
+
+    def optimizer_step(self, lr: float, loss: float, measure_update: bool) -> dict[str, Any]:
+        """Clip, judge with the guards, step or skip. Returns grad norms, verdict and update ratio."""
+        tick = time.perf_counter()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        norms = group_norms(self.groups)
+        t = self.cfg.train
+        grad_norm = clip(self.groups, norms, t.grad_clip, t.grad_clip_groups)
+        out: dict[str, Any] = {"grad_norm": grad_norm, **{f"grad_norm/{g}": float(n) for g, n in norms.items()}}
+        reason = self.non_finite.check(loss, grad_norm) or self.spikes.check(loss, grad_norm)
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            if reason == "non_finite":
+                reason = "fp16_overflow"  # the scaler's normal business: lower the scale, no escalation
+            if reason in (None, "fp16_overflow"):
+                self.scaler.step(self.optimizer)
+            self.scaler.update()
+            if self.scaler.get_scale() != scale:
+                self.event({"event": "scale", "step": self.step + 1, "from": scale, "to": self.scaler.get_scale()})
+        elif reason is None:
+            before = [p.detach().clone() for p in self.model.parameters()] if measure_update else None
+            self.optimizer.step()
+            if before is not None:
+                out["update_to_weight"] = _update_ratio(before, list(self.model.parameters()))
+        if reason is None:
+            self.spikes.accept(loss, grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        out["skip_reason"] = reason
+        out["time_optim_s"] = time.perf_counter() - tick
+        return out
+
+    # --- rollback ---------------------------------------------------------------------------
+
+    def rollback(self, reason: str) -> None:
+        """Back to the newest good checkpoint, keeping the data position: the window that caused the
+        trouble is skipped, and the learning rate is lowered for a while."""
+        self.saver.wait()
+        folder = ckpt.latest_valid(self.ckpt_dir, log=lambda *_: None, public_key=self.cfg.checkpoint.public_key)
+        logs = self.run_dir / "metrics.jsonl"
+        if folder is None:
+            raise KilnError(f"step {self.step}: {reason} and no checkpoint to roll back to; see {logs}")
+        position, epoch, at = self.loader.state.position, self.loader.state.epoch, self.step
+        self._load(folder, resume=False)
+        self.loader.state.position, self.loader.state.epoch = position, epoch
+        stop = self.escalation.record_rollback(self.step)
+        self.event({"event": "rollback", "step": at, "to_step": self.step, "reason": reason,
+                    "data_position": position, "epoch": epoch, "rollbacks": self.escalation.rollbacks})
+        self.log(f"step {at}: {reason}; rolled back to {folder.name}, skipping the data since, "
+                 f"lr x{self.cfg.guards.rollback_lr_factor} for {self.cfg.guards.rollback_lr_steps} steps")
+        if stop:
+            raise KilnError(f"training diverged: {self.escalation.rollbacks} rollbacks (guards.max_rollbacks="
+                            f"{self.cfg.guards.max_rollbacks}), last at step {at} ({reason}); "
+                            f"the skip and rollback events are in {logs}")
+
+    # --- the loop ---------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
         resumed = self.resume()
         if self.d.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
-        metrics = MetricsLog(self.run_dir / "metrics.jsonl", self.step if resumed else -1) if self.d.is_main else None
+            write_atomic(self.run_dir / "config.yaml", cfg.to_yaml())
+            write_atomic(self.run_dir / "env.json", json.dumps(env_fingerprint(), indent=1))
+            self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", self.step if resumed else -1,
+                                      self.run_dir / "tensorboard")
         if resumed:
             self.log(f"resumed from {resumed} (step {self.step})")
         elif self.step == 0:
-            val = self.evaluate()
-            self.history["val_loss"]["0"] = val
-            metrics and metrics.write({"event": "eval", "step": 0, "val_loss": val})
-            self.log(f"step 0 val_loss {val:.4f}")
-        tokens_per_step = t.batch_size * (cfg.pack.seq_len)
+            self.run_eval()
+        if self.peak is None and self.d.is_main and self.step < t.max_steps:
+            self.log(f"MFU not reported: {self.peak_source}")
+        self.requests.install()
+        self.watchdog.start()
+        profiler = _Profiler(t.profile_steps, self.run_dir / "profile", self.d.rank)
+        tokens_per_step = t.batch_size * cfg.pack.seq_len
         self.model.train()
-        while self.step < t.max_steps:
-            t0 = time.perf_counter()
-            lr = warmup_cosine(self.step + 1, t.lr, t.warmup_steps, t.max_steps, t.min_lr_ratio)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            loss, grad_norm = self.train_step()
-            if self.guard.allows(loss, grad_norm):
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.step += 1
-            self.tokens_seen += tokens_per_step
-            dt = time.perf_counter() - t0
-            record = {"event": "step", "step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                      "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "tokens_seen": self.tokens_seen,
-                      "skipped_steps": self.guard.skipped, "epoch": self.loader.state.epoch,
-                      "data_position": self.loader.state.position}
-            metrics and metrics.write(record)
-            if self.step % t.log_every == 0 or self.step == t.max_steps:
-                self.log(f"step {self.step}/{t.max_steps} loss {loss:.4f} lr {lr:.2e} "
-                         f"grad_norm {grad_norm:.3f} {tokens_per_step / dt:,.0f} tok/s")
-            if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps:
-                val = self.evaluate()
-                self.history["val_loss"][str(self.step)] = val
-                metrics and metrics.write({"event": "eval", "step": self.step, "val_loss": val})
-                self.log(f"step {self.step} val_loss {val:.4f}")
-            if self.step % cfg.checkpoint.every == 0 or self.step == t.max_steps:
-                self.save()
-        metrics and metrics.close()
+        stopped = None
+        try:
+            while self.step < t.max_steps:
+                tick = time.perf_counter()
+                profiler.before(self.step + 1)
+                lr = self.lr_at(self.step + 1)
+                measured = self.train_step()
+                result = self.optimizer_step(lr, measured["loss"], (self.step + 1) % t.update_ratio_every == 0)
+                profiler.after(self.step + 1)
+                if self.step == 0 or resumed:
+                    parallel.set_step_timeout(self.d, cfg.parallel.step_timeout_s)
+                    resumed = None
+                self.step += 1
+                self.tokens_seen += tokens_per_step
+                dt = time.perf_counter() - tick
+                self.budget.spend(dt)
+                self.watchdog.beat(self.step)
+                reason = result["skip_reason"]
+                rollback = bool(reason) and self.escalation.record_skip(self.step, escalate=reason != "fp16_overflow")
+                self._record(measured, result, lr, dt, tokens_per_step)
+                if rollback:
+                    self.rollback(f"{len(self.escalation.recent)} skipped steps within {cfg.guards.rollback_window}")
+                    continue
+                if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps:
+                    self.run_eval()
+                stopped = self._stop_reason(measured)
+                if stopped or measured["save"] or self.step % cfg.checkpoint.every == 0 or self.step == t.max_steps:
+                    self.save(stopped or ("signal" if measured["save"] else "schedule"))
+                    self.requests.save = False
+                if stopped:
+                    self.event({"event": "stop", "step": self.step, "reason": stopped})
+                    self.log(f"step {self.step}: stopping cleanly ({stopped}); the same command resumes")
+                    break
+        finally:
+            self.saver.wait()
+            self.watchdog.stop()
+            self.requests.uninstall()
+            profiler.close()
+            if self.metrics is not None:
+                self.metrics.close()
+        return self.summary(stopped)
+
+    def _stop_reason(self, measured: dict[str, Any]) -> str | None:
+        for fraction in self.budget.new_warnings():
+            self.event({"event": "budget", "step": self.step, "fraction": fraction, "cost": self.budget.cost})
+            self.log(f"budget: {fraction:.0%} of budget.device_hours spent ({self.budget.device_hours:.3f} h, cost {self.budget.cost:.2f})")
+        if measured["stop"]:
+            return "SIGTERM"
+        if self.budget.exhausted():
+            return "budget exhausted"
+        return None
+
+    def _record(self, measured: dict, result: dict, lr: float, dt: float, tokens: int) -> None:
+        tps = tokens / dt
+        record = {"event": "step", "step": self.step, "loss": measured["loss"], "lr": lr, **result,
+                  "tokens_per_s": tps, "step_time_s": dt, "tokens_seen": self.tokens_seen,
+                  "mfu": mfu(self.flops_per_token, tps, self.peak, self.d.world),
+                  "mem_peak_gb": peak_memory_gb(self.d.device),
+                  "time_data_s": measured["time_data_s"], "time_fwd_bwd_s": measured["time_fwd_bwd_s"],
+                  "time_optim_s": result["time_optim_s"], "time_comm_s": measured["time_comm_s"],
+                  "skipped_steps": self.escalation.skipped_steps, "epoch": self.loader.state.epoch,
+                  "data_position": self.loader.state.position,
+                  "device_hours": self.budget.device_hours, "cost_so_far": self.budget.cost,
+                  "cost_per_1k_steps": self.budget.cost / self.step * 1000}
+        record.pop("skip_reason")
+        self.event(record)
+        if result["skip_reason"]:  # with the data position, so `kiln shards inspect` can show the batch
+            self.event({"event": "skip", "step": self.step, "reason": result["skip_reason"], "loss": measured["loss"],
+                        "grad_norm": result["grad_norm"], "data_position": self.loader.state.position,
+                        "epoch": self.loader.state.epoch})
+        if self.step % self.cfg.train.log_every == 0 or self.step == self.cfg.train.max_steps or result["skip_reason"]:
+            skip = f" SKIPPED ({result['skip_reason']})" if result["skip_reason"] else ""
+            self.log(f"step {self.step}/{self.cfg.train.max_steps} loss {measured['loss']:.4f} lr {lr:.2e} "
+                     f"grad_norm {result['grad_norm']:.3f} {tps:,.0f} tok/s{skip}")
+
+    def summary(self, stopped: str | None = None) -> dict[str, Any]:
         last = ckpt.list_checkpoints(self.ckpt_dir)
         vals = self.history["val_loss"]
-        return {"steps": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.guard.skipped,
+        return {"steps": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.escalation.skipped_steps,
+                "rollbacks": self.escalation.rollbacks, "stopped": stopped,
                 "val_loss_start": vals.get("0"), "val_loss_end": vals.get(str(self.step)),
-                "checkpoint": str(last[-1]) if last else None, "params": self.model.num_params(non_embedding=False)}
+                "checkpoint": str(last[-1]) if last else None,
+                "params": sum(p.numel() for p in self.model.parameters())}
 
+
+def _update_ratio(before: list[torch.Tensor], after: list[torch.Tensor]) -> float:
+    """||Δw|| / ||w|| over all parameters: how far one step moved the weights."""
+    num = sum(float(parallel.local_tensor(torch.linalg.vector_norm(a.detach() - b))) ** 2 for a, b in zip(after, before))
+    den = sum(float(parallel.local_tensor(torch.linalg.vector_norm(b))) ** 2 for b in before)
+    return (num / max(den, 1e-30)) ** 0.5
+
+
+def _deep_clone(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _deep_clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_deep_clone(v) for v in obj]
+    return obj
+
+
+class _Profiler:
+    """A torch.profiler trace of steps [first, last] when train.profile_steps asks for one."""
+
+    def __init__(self, window: list[int] | None, out: Path, rank: int) -> None:
+        self.window, self.out, self.rank, self.prof = window, out, rank, None
+
+    def before(self, step: int) -> None:
+        if self.window and step == self.window[0]:
+            self.prof = torch.profiler.profile(record_shapes=True, with_stack=False)
+            self.prof.__enter__()
+
+    def after(self, step: int) -> None:
+        if self.prof is not None and step == self.window[-1]:
+            self.close()
+
+    def close(self) -> None:
+        if self.prof is not None:
+            self.prof.__exit__(None, None, None)
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.prof.export_chrome_trace(str(self.out / f"trace-rank{self.rank:05d}.json"))
+            self.prof = None
