@@ -239,7 +239,7 @@ def test_override_can_not_hide_a_typo_in_the_file(tmp_path):
     [
         (["train.max_steps=-1"], "train.max_steps", ["greater than or equal to 1", "got -1"]),
         (["train.max_steps=0"], "train.max_steps", ["got 0"]),
-        (["train.dtype=fp8"], "train.dtype", ["'fp32' or 'bf16'", "got 'fp8'"]),
+        (["train.dtype=fp8"], "train.dtype", ["'fp32', 'bf16' or 'fp16'", "got 'fp8'"]),
         (["train.lr=abc"], "train.lr", ["got 'abc'"]),
         (["train.lr=0"], "train.lr", ["greater than 0"]),
         (["train.threads=1.5"], "train.threads", ["got 1.5"]),

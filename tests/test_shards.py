@@ -21,7 +21,15 @@ Covered, on the session's `prepared` corpus (copied before anything is corrupted
   record id is the document id; the tokens of that range decode to document text;
 - a small pack with many shards: entries straddling shard boundaries are split
   correctly (per document, the pieces' lengths sum to its token count and the
-  pieces concatenate to its tokens).
+  pieces concatenate to its tokens);
+- `pack.mode: best_fit` on the sample splits fewer documents than concat (only those
+  longer than a sample), keeps every document's tokens in order, pads the rest with
+  <|pad|>, records pad tokens and efficiency, verifies, and is byte-identical when repeated;
+- encoding with 1 or 2 worker processes gives byte-identical shards; the progress line
+  reports documents and MB;
+- `kiln shards inspect DIR --at N` names the documents (id, url, source offset) whose tokens
+  make up sample N, with their token ranges, and decodes the sample; bad index or tokenizer
+  exit 2; overlapping index entries fail verification.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from kiln.data.pipeline import read_docs
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import read_manifest
 from kiln.shards.format import (
-    BIN_HEADER, IDX_ENTRY, IDX_HEADER, ShardSet, read_header, read_index, read_tokens, verify_shards,
+    IDX_ENTRY, IDX_HEADER, ShardSet, read_header, read_index, read_tokens, verify_shards,
 )
 from kiln.shards.pack import pack, split_of
 from kiln.tokenizer import eos_id, load_tokenizer, tokenizer_sha256
@@ -451,7 +459,7 @@ def test_small_pack_splits_entries_across_shard_boundaries(prepared, tmp_path):
     assert verify_shards(out) == read_manifest(out)
     info = m["splits"]["train"]
     assert m["splits"]["val"] == {"files": [], "tokens": 0, "samples": 0, "documents": 0, "dropped_tail_tokens": 0,
-                                  "split_documents": 0}
+                                  "split_documents": 0, "pad_tokens": 0}
     ids = [np.array(tok.encode(d["text"], add_special_tokens=False).ids + [eos]) for d in docs]
     total = sum(map(len, ids))
     assert info["tokens"] == (total // L) * L and info["dropped_tail_tokens"] == total % L
@@ -482,3 +490,181 @@ def test_small_pack_splits_entries_across_shard_boundaries(prepared, tmp_path):
     assert straddling >= 3
     assert len(pieces[len(docs) - 2]) >= 3  # the long document spans at least three shards
     assert m["documents"][-1]["tokens"] == 1
+
+
+# --- best-fit packing ------------------------------------------------------------------------------------
+
+def doc_pieces(folder: Path, files: list[str]) -> dict[int, list[tuple[int, int]]]:
+    """Each document's (global start, length) pieces, in stream order."""
+    pieces: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for gstart, length, doc, _, _ in global_entries(folder, files):
+        pieces[doc].append((gstart, length))
+    return pieces
+
+
+BEST_FIT = PackConfig(seq_len=8191, val_fraction=0.1, samples_per_shard=8, mode="best_fit", best_fit_window=16)
+
+
+@pytest.fixture(scope="module")
+def best_fit(prepared, encoded, tmp_path_factory):
+    """The sample packed best-fit into samples of 8192 tokens (most of its documents are shorter)."""
+    folder = tmp_path_factory.mktemp("bestfit") / "shards"
+    return folder, pack(encoded[0], prepared.out / "tokenizer", folder, BEST_FIT)
+
+
+def concat_split_documents(lengths: list[int], L: int) -> int:
+    pos = crossing = 0
+    for n in lengths:
+        crossing += pos // L != (pos + n - 1) // L
+        pos += n
+    return crossing
+
+
+def test_best_fit_splits_fewer_documents_than_concat(best_fit, encoded):
+    _, _, ids = encoded
+    folder, m = best_fit
+    L = m["sample_len"]
+    assert m["mode"] == "best_fit"
+    concat = 0
+    for split in ("train", "val"):
+        members = [i for i, d in enumerate(m["documents"]) if d["split"] == split]
+        longer = sum(len(ids[i]) > L for i in members)
+        assert m["splits"][split]["split_documents"] == longer  # only documents that cannot fit one sample
+        assert m["splits"][split]["dropped_tail_tokens"] == 0
+        concat += concat_split_documents([len(ids[i]) for i in members], L)
+    assert m["split_documents"] == sum(s["split_documents"] for s in m["splits"].values())
+    assert m["split_documents"] + 20 < concat, (m["split_documents"], concat)  # concat also splits short ones
+    assert verify_shards(folder) == read_manifest(folder)
+
+
+def test_best_fit_keeps_every_document_whole_in_order_and_counts_padding(best_fit, encoded):
+    _, _, ids = encoded
+    folder, m = best_fit
+    L, pad = m["sample_len"], m["pad_id"]
+    assert pad == 2 and m["eos_id"] == 1
+    waste = 0
+    for split in ("train", "val"):
+        files = m["splits"][split]["files"]
+        s = stream(folder, files)
+        pieces = doc_pieces(folder, files)
+        covered = np.zeros(len(s), dtype=bool)
+        for i, d in enumerate(m["documents"]):
+            if d["split"] != split:
+                continue
+            ps = pieces[i]
+            assert np.array_equal(np.concatenate([s[g:g + n] for g, n in ps]), ids[i]), f"doc {i}"
+            assert all(g1 > g0 for (g0, _), (g1, _) in zip(ps, ps[1:]))  # its pieces come in order
+            if len(ids[i]) <= L:  # a short document sits inside one sample
+                (g, n), = ps
+                assert g // L == (g + n - 1) // L
+            for g, n in ps:
+                covered[g:g + n] = True
+        assert (s[~covered] == pad).all()
+        assert int((~covered).sum()) == m["splits"][split]["pad_tokens"]
+        waste += int((~covered).sum())
+    tokens = sum(v["tokens"] for v in m["splits"].values())
+    assert m["packing_efficiency"] == round((tokens - waste) / tokens, 6)
+    assert 0.5 < m["packing_efficiency"] < 1
+
+
+def test_best_fit_packer_decisions():
+    from kiln.shards.packing import BestFitPacker
+
+    p = BestFitPacker(sample_len=10, window=100, pad_id=0)
+    chunks = []
+    for doc, n in enumerate([6, 4, 3, 7, 25, 2]):
+        chunks += p.add(np.full(n, doc + 1, dtype=np.uint16), doc)
+    assert [len(t) for t, _ in chunks] == [20]  # the 25-token document's two whole samples, at once
+    assert chunks[0][1] == [(0, 10, 4), (10, 10, 4)]
+    (tokens, entries), = p.finish()
+    # longest first, each into the fullest sample it fits: [7,3] [6,4] [5,2]
+    assert tokens.reshape(-1, 10).tolist() == [[3] * 3 + [4] * 7, [1] * 6 + [2] * 4, [5] * 5 + [6] * 2 + [0] * 3]
+    assert p.pad_tokens == 3 and p.split_documents == 1
+    assert p.finish() == []
+
+
+# --- parallel encoding --------------------------------------------------------------------------------
+
+def test_two_encoding_processes_give_byte_identical_shards(prepared, encoded, tmp_path, capsys):
+    docs = encoded[0][:40]
+    made = {}
+    for workers in (1, 2):  # best_fit: the packing decisions are deterministic too
+        cfg = BEST_FIT.model_copy(update={"seq_len": 1023, "batch_docs": 4, "workers": workers})
+        made[workers] = pack(docs, prepared.out / "tokenizer", tmp_path / f"w{workers}", cfg, progress=workers == 2)
+    assert made[1]["files"] == made[2]["files"]
+    assert made[1]["documents"] == made[2]["documents"]
+    assert len(made[1]["files"]) >= 4
+    err = capsys.readouterr().err
+    assert "pack: 40 documents" in err and "MB of text" in err
+
+
+# --- kiln shards inspect --------------------------------------------------------------------------------
+
+def test_cli_inspect_names_the_documents_of_a_sequence(shards, manifest, capsys):
+    files = manifest["splits"]["train"]["files"]
+    L = manifest["sample_len"]
+    entries = global_entries(shards, files)
+    # a sample where one document ends and the next begins
+    boundary = next(g for g, _, _, _, _ in entries[1:] if g % L)
+    at = boundary // L
+    expected = [e for e in entries if e[0] < (at + 1) * L and e[0] + e[1] > at * L]
+    assert len(expected) >= 2
+    assert cli_main(["shards", "inspect", str(shards), "--at", str(at)]) == 0
+    out = capsys.readouterr().out
+    first_shard = read_header(shards / files[0]).num_tokens // L
+    assert f"train sequence {at} of {manifest['splits']['train']['samples']}" in out.splitlines()[0]
+    if at < first_shard:
+        assert out.splitlines()[0].endswith(f"train/00000.bin tokens {at * L}..{(at + 1) * L}")
+    for gstart, length, doc, _, _ in expected:
+        meta = manifest["documents"][doc]
+        assert f"url {meta['url']}" in out
+        assert f"source {meta['source']} offset {meta['offset']} length {meta['length']}" in out
+        assert f"(id {meta['id']})" in out
+    assert cli_main(["shards", "inspect", str(shards), "--at", str(at), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert [p["doc"] for p in info["pieces"]] == [e[2] for e in expected]
+    tokens = stream(shards, files)[at * L:(at + 1) * L]
+    assert info["tokens"] == tokens.tolist()
+    first = info["pieces"][0]
+    assert first["sample_tokens"][0] == 0 and info["pieces"][-1]["sample_tokens"][1] == L
+    # each piece's place in its document: (concat) its pieces are contiguous in the split's stream
+    first_start = {doc: min(g for g, _, d, _, _ in entries if d == doc) for _, _, doc, _, _ in expected}
+    for piece, (gstart, length, doc, _, _) in zip(info["pieces"], expected):
+        lo, hi = max(gstart, at * L), min(gstart + length, (at + 1) * L)
+        assert piece["sample_tokens"] == [lo - at * L, hi - at * L]
+        assert piece["doc_tokens"] == [lo - first_start[doc], hi - first_start[doc]]
+    assert info["text"] == load_tokenizer(shards.parent / "tokenizer").decode(tokens.tolist(), skip_special_tokens=False)
+    assert "<|eos|>" in info["text"]
+
+
+def test_cli_inspect_bad_index_or_tokenizer(shards, manifest, tmp_path, capsys):
+    n = manifest["splits"]["val"]["samples"]
+    assert cli_main(["shards", "inspect", str(shards), "--at", str(n), "--split", "val"]) == 2
+    assert f"--at must be 0..{n - 1}" in capsys.readouterr().err
+    other = tmp_path / "tok.json"
+    other.write_text((shards.parent / "tokenizer" / "tokenizer.json").read_text().replace("<|pad|>", "<|pda|>"))
+    assert cli_main(["shards", "inspect", str(shards), "--at", "0", "--tokenizer", str(other)]) == 2
+    assert "not the tokenizer these shards were encoded with" in capsys.readouterr().err
+
+
+def test_cli_inspect_best_fit_shows_padding(best_fit, prepared, capsys):
+    folder, m = best_fit
+    L = m["sample_len"]
+    files = m["splits"]["train"]["files"]
+    s = stream(folder, files)
+    at = next(i for i in range(len(s) // L) if s[(i + 1) * L - 1] == m["pad_id"])
+    assert cli_main(["shards", "inspect", str(folder), "--at", str(at), "--tokenizer", str(prepared.out / "tokenizer")]) == 0
+    out = capsys.readouterr().out
+    assert f"..{L}: padding" not in out and f"-{L}: padding" in out
+
+
+def test_overlapping_index_entries_fail_verification(copy, manifest):
+    name = manifest["splits"]["train"]["files"][0][:-4] + ".idx"
+    raw = bytearray((copy / name).read_bytes())
+    second = IDX_HEADER.size + IDX_ENTRY.itemsize
+    struct.pack_into("<Q", raw, second, struct.unpack_from("<Q", raw, second)[0] - 1)  # starts inside the first entry
+    (copy / name).write_bytes(bytes(raw))
+    rehash(copy, name)
+    with pytest.raises(IntegrityError, match="overlap") as info:
+        verify_shards(copy)
+    assert str(copy / name) in str(info.value)

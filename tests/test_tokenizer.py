@@ -11,7 +11,11 @@ Covered (all with the real HF `tokenizers` library, trained into tmp folders):
 - load_tokenizer: folder and file paths, missing path and invalid JSON -> KilnError;
 - the manifest lists every file with its sha256 and verifies; tampering is caught;
 - text that spells a special token (e.g. "<|eos|>") stays text: lossless, and it
-  never injects the real EOS id.
+  never injects the real EOS id;
+- `tokenizer.added_tokens` domain terms (ASCII, CJK, with a space) are one token each
+  wherever they appear, still lossless, listed in the manifest; an empty term is refused;
+- tokenizer.json loads in `transformers.PreTrainedTokenizerFast(tokenizer_file=...)`,
+  which encodes to the same ids and decodes to the same text (hypothesis), added terms included.
 """
 
 from __future__ import annotations
@@ -227,3 +231,76 @@ def test_tampered_tokenizer_fails_verification(trained, tmp_path):
     with pytest.raises(IntegrityError, match="tokenizer.json"):
         verify_folder(copy)
     verify_folder(out)  # the original is untouched
+
+
+# --- domain terms and transformers ------------------------------------------------------------------
+
+TERMS = ["Kubernetes", "東京都庁", " spaced term"]
+
+
+@pytest.fixture(scope="module")
+def with_terms(tmp_path_factory):
+    out = tmp_path_factory.mktemp("terms") / "tokenizer"
+    cfg = TokenizerConfig(vocab_size=400, max_docs=1000, min_frequency=2, added_tokens=TERMS)
+    return out, train_tokenizer(CORPUS, out, cfg, seed=3)
+
+
+def test_added_tokens_are_kept_whole_and_lossless(with_terms, trained):
+    out, tok = with_terms
+    _, plain = trained
+    ids = {t: tok.token_to_id(t) for t in TERMS}
+    assert None not in ids.values() and len(set(ids.values())) == 3
+    assert tok.get_vocab_size() == plain.get_vocab_size() + 3  # after the trained vocabulary
+    text = "We run Kubernetes near 東京都庁; a spaced term, Kubernetesish, and 東京 alone."
+    enc = tok.encode(text, add_special_tokens=False)
+    assert enc.ids.count(ids["Kubernetes"]) == 2 and enc.ids.count(ids["東京都庁"]) == 1
+    assert enc.ids.count(ids[" spaced term"]) == 1
+    assert len(plain.encode("Kubernetes", add_special_tokens=False).ids) > 1  # without the term it is split
+    assert tok.decode(enc.ids) == text
+    reloaded = load_tokenizer(out)
+    assert reloaded.encode(text, add_special_tokens=False).ids == enc.ids
+    assert read_manifest(out)["added_tokens"] == TERMS
+
+
+def test_empty_or_special_added_token_is_refused(tmp_path):
+    for bad in ["", "<|eos|>"]:
+        with pytest.raises(KilnError, match="tokenizer.added_tokens"):
+            train_tokenizer(CORPUS, tmp_path / "t", TokenizerConfig(vocab_size=400, added_tokens=["ok", bad]), seed=0)
+    assert not (tmp_path / "t").exists()
+
+
+NO_SPECIAL_SPELLING = TEXTS.filter(lambda t: "<|" not in t)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=NO_SPECIAL_SPELLING)
+def test_transformers_fast_tokenizer_gives_the_same_ids_and_text(with_terms, text):
+    from transformers import PreTrainedTokenizerFast
+
+    out, tok = with_terms
+    hf = _hf(out)
+    assert isinstance(hf, PreTrainedTokenizerFast)
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert hf.encode(text, add_special_tokens=False) == ids
+    assert hf.decode(ids, clean_up_tokenization_spaces=False) == text
+
+
+def test_transformers_sees_the_special_tokens_and_terms(with_terms):
+    out, tok = with_terms
+    hf = _hf(out)
+    assert [hf.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == [0, 1, 2]
+    assert len(hf) == tok.get_vocab_size()
+    text = "Kubernetes at 東京都庁 🙂"
+    assert hf.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False).ids
+    assert hf.convert_ids_to_tokens(hf.encode("Kubernetes", add_special_tokens=False)) == ["Kubernetes"]
+
+
+_HF_CACHE: dict = {}
+
+
+def _hf(out: Path):
+    from transformers import PreTrainedTokenizerFast
+
+    if out not in _HF_CACHE:
+        _HF_CACHE[out] = PreTrainedTokenizerFast(tokenizer_file=str(out / TOKENIZER_FILE))
+    return _HF_CACHE[out]

@@ -24,9 +24,7 @@ from conftest import ROOT, tiny_config
 from kiln.cli import main as kiln
 from kiln.errors import IntegrityError
 from kiln.manifest import write_manifest
-from kiln.shards.format import ShardSet
 from kiln.train.checkpoint import latest_valid, list_checkpoints, load_checkpoint, verify_checkpoint
-from kiln.train.loader import Loader
 from kiln.train.metrics import read_metrics
 from kiln.train.schedule import warmup_cosine
 from kiln.train.trainer import Trainer
@@ -67,38 +65,6 @@ def test_warmup_cosine_curve():
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))  # non-increasing after warmup
     assert lrs[-1] == pytest.approx(0.1)
     assert warmup_cosine(55, 1.0, 10, 100, 0.1) == pytest.approx(0.55)  # halfway through the cosine
-
-
-def test_global_batch_is_the_same_for_any_world_size(prepared):
-    samples = ShardSet(prepared.out / "shards", "train")
-    one = Loader(samples, 8, 8, 0, 1, seed=3)
-    two = [Loader(samples, 8, 2, r, 2, seed=3) for r in range(2)]
-    for _ in range(5):
-        whole = torch.cat(one.next_batch())
-        parts = torch.cat([torch.cat(l.next_batch()) for l in two])
-        assert torch.equal(whole, parts)
-
-
-def test_loader_resumes_exactly_and_covers_each_epoch_once(prepared):
-    samples = ShardSet(prepared.out / "shards", "train")
-    a = Loader(samples, 4, 4, 0, 1, seed=11)
-    seen = [a.next_global_indices() for _ in range(3)]
-    state = a.state_dict()
-    rest = [a.next_global_indices() for _ in range(3)]
-    b = Loader(samples, 4, 4, 0, 1, seed=11)
-    b.load_state_dict(state)
-    assert all(np.array_equal(x, y) for x, y in zip(rest, [b.next_global_indices() for _ in range(3)]))
-    c = Loader(samples, 4, 4, 0, 1, seed=11)
-    epoch = np.concatenate([c.next_global_indices() for _ in range(len(samples) // 4)])
-    assert len(set(epoch.tolist())) == len(epoch)  # no sample twice within an epoch
-    c.next_global_indices()
-    assert c.state.epoch == 1  # the next batch starts a new permutation
-
-
-def test_loader_rejects_indivisible_batch(prepared):
-    samples = ShardSet(prepared.out / "shards", "train")
-    with pytest.raises(ValueError, match="multiple of"):
-        Loader(samples, 6, 4, 0, 1, seed=0)
 
 
 # --- the loop -----------------------------------------------------------------------------------

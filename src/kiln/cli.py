@@ -38,13 +38,26 @@ def cmd_data(args) -> int:
     from kiln.config import load_config
     from kiln.data.pipeline import run_data
 
+    if args.inputs[:1] == ["explain"]:  # `kiln data explain DOC_ID_OR_URL --out DIR` (a file named explain: ./explain)
+        return cmd_data_explain(args.inputs[1:], Path(args.out))  # a URL may hold '=': not an override here
     inputs, overrides = _split_overrides(args.inputs)
+    if args.lang_model:
+        overrides.append(f"data.lang_model={args.lang_model}")
     cfg = load_config(args.config, overrides)
     if not inputs:
         raise KilnError("kiln data: give at least one INPUT file or glob")
-    stats = run_data(inputs, Path(args.out), cfg.data, workers=args.workers)
+    stats = run_data(inputs, Path(args.out), cfg.data, workers=args.workers, progress=True)
     print(json.dumps(stats, indent=1, ensure_ascii=False))
     return 1 if stats["file_errors"] and len(stats["file_errors"]) == stats["files"] else 0
+
+
+def cmd_data_explain(keys: list[str], docs_dir: Path) -> int:
+    from kiln.data.explain import explain
+
+    if len(keys) != 1:
+        raise KilnError("kiln data explain: give exactly one DOC_ID_OR_URL, e.g. kiln data explain https://example.org/ --out out/docs")
+    print(explain(keys[0], docs_dir))
+    return 0
 
 
 def cmd_tokenizer_train(args) -> int:
@@ -75,7 +88,7 @@ def cmd_train(args) -> int:
     from kiln.train.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)  # validated before any process group forms
-    d = init_distributed()
+    d = init_distributed(cfg.parallel.startup_timeout_s)
     try:
         summary = Trainer(cfg, d, log=_console().print if d.is_main else (lambda *_: None)).run()
         if d.is_main:
@@ -92,11 +105,40 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    from kiln.eval.generate import generate_from_checkpoint
+
+    out = generate_from_checkpoint(Path(args.checkpoint), args.prompt, args.max_new_tokens, args.temperature,
+                                   args.top_k, args.seed)
+    print(out.prompt + out.text)
+    return 0
+
+
 def cmd_ckpt_verify(args) -> int:
     from kiln.train.checkpoint import verify_checkpoint
 
     m = verify_checkpoint(Path(args.checkpoint))
     print(f"ok: {args.checkpoint} (step {m['step']}, {len(m['files'])} files match manifest.json)")
+    return 0
+
+
+def cmd_ckpt_list(args) -> int:
+    from kiln.train.checkpoint import checkpoint_table
+
+    run = Path(args.run_dir)
+    root = run / "checkpoints" if (run / "checkpoints").is_dir() else run
+    rows = checkpoint_table(root, args.public_key)
+    if not rows:
+        raise KilnError(f"{root}: no checkpoints; pass a run folder ({{out_dir}}/run) or its checkpoints/ folder")
+    for r in rows:
+        name = Path(r["path"]).name
+        if r["valid"]:
+            val = f" val_loss {r['val_loss']:.4f}" if r.get("val_loss") is not None else ""
+            print(f"{name}  valid    step {r['step']} tokens {r['tokens_seen']}{val}")
+        elif r["step"] is None:
+            print(f"{name}  skipped  {r['problem']}")
+        else:
+            print(f"{name}  INVALID  {r['problem']}")
     return 0
 
 
@@ -109,10 +151,60 @@ def cmd_shards_verify(args) -> int:
     return 0
 
 
+def cmd_shards_inspect(args) -> int:
+    from kiln.shards.inspect import format_inspection, inspect_sample
+
+    info = inspect_sample(Path(args.shards_dir), args.split, args.at, Path(args.tokenizer) if args.tokenizer else None)
+    print(json.dumps(info, ensure_ascii=False) if args.json else format_inspection(info))
+    return 0
+
+
 def cmd_doctor(args) -> int:
+    from kiln.config import load_config
     from kiln.ops.doctor import run_doctor
 
-    return run_doctor(as_json=args.json, out_dir=Path(args.out_dir))
+    cfg = load_config(args.config, args.overrides) if (args.config or args.overrides) else None
+    return run_doctor(cfg, Path(args.out_dir) if args.out_dir else None, as_json=args.json,
+                      against=Path(args.against) if args.against else None)
+
+
+def cmd_preflight(args) -> int:
+    from kiln.config import load_config
+    from kiln.ops.preflight import run_preflight
+
+    return run_preflight(load_config(args.config, args.overrides), as_json=args.json)
+
+
+def cmd_plan(args) -> int:
+    from kiln.config import load_config
+    from kiln.ops.plan import make_plan, print_plan
+
+    plan = make_plan(load_config(args.config, args.overrides))
+    print(json.dumps(plan, indent=1)) if args.json else print_plan(plan)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from kiln.ops.report import write_report
+
+    print(write_report(Path(args.run_dir), Path(args.out) if args.out else None))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from kiln.ops.export import export_hf
+
+    print(json.dumps(export_hf(Path(args.checkpoint), Path(args.out_dir))))
+    return 0
+
+
+def cmd_import(args) -> int:
+    from kiln.config import load_config
+    from kiln.ops.export import import_hf
+
+    cfg = load_config(args.config, args.overrides)
+    print(json.dumps({"checkpoint": str(import_hf(Path(args.hf), cfg))}))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,11 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     s.set_defaults(fn=cmd_run)
 
-    s = sub.add_parser("data", help="WARC files -> cleaned, deduplicated documents")
-    s.add_argument("inputs", nargs="+", metavar="INPUT", help="WARC files or globs, then optional KEY=VALUE overrides")
-    s.add_argument("--out", required=True, help="the docs folder to write")
+    s = sub.add_parser("data", help="WARC/JSONL/Parquet files -> cleaned, deduplicated documents; "
+                       "`kiln data explain DOC_ID_OR_URL --out DIR` tells what happened to one")
+    s.add_argument("inputs", nargs="+", metavar="INPUT", help="files, globs or fsspec URLs (s3://...), then optional KEY=VALUE overrides")
+    s.add_argument("--out", required=True, help="the docs folder to write (for explain: to read)")
     s.add_argument("--config")
-    s.add_argument("--workers", type=int, default=None)
+    s.add_argument("--workers", type=int, default=None, help="processes (or Ray tasks at once); default data.workers")
+    s.add_argument("--lang-model", metavar="PATH", help="your own fastText language-ID model (sets data.lang_model)")
     s.set_defaults(fn=cmd_data)
 
     tok = sub.add_parser("tokenizer", help="tokenizer commands").add_subparsers(dest="tok_command", required=True, metavar="ACTION")
@@ -160,20 +254,73 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--text", metavar="FILE", help="a UTF-8 text file instead of the validation shards")
     s.set_defaults(fn=cmd_eval)
 
+    s = sub.add_parser("generate", help="print the prompt and a sampled continuation from a checkpoint")
+    s.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    s.add_argument("--prompt", required=True, metavar="TEXT")
+    s.add_argument("--max-new-tokens", type=int, default=100, metavar="N")
+    s.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0 = greedy")
+    s.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K likeliest tokens")
+    s.add_argument("--seed", type=int, default=0, metavar="S")
+    s.set_defaults(fn=cmd_generate)
+
     ck = sub.add_parser("ckpt", help="checkpoint commands").add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
     s = ck.add_parser("verify", help="exit 0 when every file matches the manifest, else 1 naming the file")
     s.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
     s.set_defaults(fn=cmd_ckpt_verify)
+    s = ck.add_parser("list", help="each checkpoint of a run and whether it is valid")
+    s.add_argument("run_dir", metavar="RUN_DIR")
+    s.add_argument("--public-key", help="also check signatures with this Ed25519 public key (PEM)")
+    s.set_defaults(fn=cmd_ckpt_list)
 
     sh = sub.add_parser("shards", help="token shard commands").add_subparsers(dest="shards_command", required=True, metavar="ACTION")
     s = sh.add_parser("verify", help="exit 0 when every shard matches the manifest, else 1 naming the file")
     s.add_argument("shards_dir", metavar="SHARDS_DIR")
     s.set_defaults(fn=cmd_shards_verify)
+    s = sh.add_parser("inspect", help="decode one sequence and list the documents (url, source, offset) it came from")
+    s.add_argument("shards_dir", metavar="SHARDS_DIR")
+    s.add_argument("--at", type=int, required=True, metavar="SEQUENCE_INDEX")
+    s.add_argument("--split", default="train", choices=["train", "val"])
+    s.add_argument("--tokenizer", help="tokenizer folder or tokenizer.json (default: tokenizer/ beside SHARDS_DIR)")
+    s.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    s.set_defaults(fn=cmd_shards_inspect)
 
-    s = sub.add_parser("doctor", help="environment fingerprint and checks")
+    s = sub.add_parser("doctor", help="environment fingerprint and checks; exit 1 when a check fails")
     s.add_argument("--json", action="store_true")
-    s.add_argument("--out-dir", default=".", help="where the run will write (checked for free space)")
+    s.add_argument("--config", help="the run's config: probes its shards, its dtype, and doctor.* thresholds")
+    s.add_argument("--out-dir", default=None, help="where the run will write (checked for free space); default: the config's out_dir, else .")
+    s.add_argument("--against", metavar="RUN_DIR", help="compare with the environment the run recorded (run/env.json)")
+    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     s.set_defaults(fn=cmd_doctor)
+
+    s = sub.add_parser("preflight", help="a few real training steps on a slice of the data; exit 1 when a signal fails")
+    s.add_argument("config")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    s.set_defaults(fn=cmd_preflight)
+
+    s = sub.add_parser("plan", help="estimate compute (C = 6ND), time on plan.devices and cost, with the assumptions")
+    s.add_argument("config")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    s.set_defaults(fn=cmd_plan)
+
+    s = sub.add_parser("report", help="write a self-contained report.html with the run's plots")
+    s.add_argument("run_dir", metavar="RUN_DIR", help="the run folder ({out_dir}/run)")
+    s.add_argument("--out", metavar="FILE", help="default: RUN_DIR/report.html")
+    s.set_defaults(fn=cmd_report)
+
+    s = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama folder")
+    s.add_argument("--hf", action="store_true", required=True, help="the Hugging Face transformers layout")
+    s.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    s.add_argument("out_dir", metavar="OUT_DIR")
+    s.set_defaults(fn=cmd_export)
+
+    s = sub.add_parser("import", help="write {out_dir}/run/checkpoints/step-00000000 from a Hugging Face Llama folder; "
+                                       "`kiln train CONFIG` then starts from it")
+    s.add_argument("--hf", required=True, metavar="HF_DIR")
+    s.add_argument("--config", required=True, help="the config to train with; its model section must match HF_DIR/config.json")
+    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    s.set_defaults(fn=cmd_import)
     return p
 
 

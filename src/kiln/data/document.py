@@ -14,19 +14,32 @@ class Rejection:
 
 
 @dataclass
+class ReadReport:
+    """What a task's input held besides documents: WARC record types, and a cut at the end."""
+
+    records_by_type: dict[str, int] = field(default_factory=dict)
+    truncated_at: int | None = None
+
+    def count(self, kind: str) -> None:
+        self.records_by_type[kind] = self.records_by_type.get(kind, 0) + 1
+
+
+@dataclass
 class Document:
     id: str
-    source: str  # the input file
-    offset: int  # gzip member offset of the WARC record (a byte range request gets it back)
+    source: str  # the input file (path or URL)
+    offset: int  # WARC: gzip member offset of the record (a byte range request gets it back); JSONL: line offset
     length: int  # compressed length of that member (0 when unknown)
-    url: str | None = None
-    date: str | None = None
-    content_type: str | None = None
+    url: str | None = None  # WARC-Target-URI
+    date: str | None = None  # WARC-Date: when it was fetched
+    content_type: str | None = None  # the HTTP Content-Type
+    record_id: str | None = None  # WARC-Record-ID as written (or the JSONL/Parquet id field)
     payload: bytes | None = None  # raw HTTP body; dropped after extraction
     text: str | None = None
     lang: str | None = None
     lang_score: float | None = None
     rejection: Rejection | None = None
+    edits: dict[str, int] = field(default_factory=dict)  # what rewriting gates changed, e.g. {"pii_email": 2}
 
     def reject(self, stage: str, reason: str, **signals: Any) -> "Document":
         self.rejection = Rejection(stage, reason, signals)
@@ -38,7 +51,8 @@ class Document:
             "id": self.id, "text": self.text, "url": self.url, "source": self.source,
             "offset": self.offset, "length": self.length, "lang": self.lang,
             "lang_score": None if self.lang_score is None else round(self.lang_score, 4),
-            "date": self.date,
+            "date": self.date, "record_id": self.record_id, "content_type": self.content_type,
+            **({"edits": self.edits} if self.edits else {}),
         }
 
     def reject_record(self) -> dict[str, Any]:
@@ -46,5 +60,15 @@ class Document:
         return {
             "id": self.id, "url": self.url, "source": self.source, "offset": self.offset,
             "length": self.length, "stage": self.rejection.stage, "reason": self.rejection.reason,
-            "signals": self.rejection.signals,
+            "signals": self.rejection.signals, "date": self.date, "record_id": self.record_id,
+            "content_type": self.content_type,
         }
+
+    @classmethod
+    def from_record(cls, rec: dict[str, Any]) -> "Document":
+        """A kept or reject record (as a task wrote it) back into a Document."""
+        names = ("id", "source", "offset", "length", "url", "date", "content_type", "record_id", "text", "lang", "lang_score")
+        doc = cls(**{k: rec.get(k) for k in names}, edits=rec.get("edits") or {})
+        if "reason" in rec:
+            doc.rejection = Rejection(rec["stage"], rec["reason"], rec["signals"])
+        return doc

@@ -13,25 +13,32 @@ import torch.nn.functional as F
 from kiln.errors import KilnError
 
 
-def next_token_loss(model: torch.nn.Module, batch: torch.Tensor, autocast_dtype: torch.dtype | None) -> torch.Tensor:
-    """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1]; computed in fp32."""
+def next_token_loss(model: torch.nn.Module, batch: torch.Tensor, autocast_dtype: torch.dtype | None,
+                    pad_id: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1], computed in fp32.
+
+    Targets equal to `pad_id` (best-fit packing's filler) are not predicted. The pad token is a
+    special token that text cannot produce, so masking it never hides real data.
+    """
     inputs, targets = batch[:, :-1], batch[:, 1:]
     with torch.autocast(batch.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         logits = model(inputs)
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                           ignore_index=-100 if pad_id is None else pad_id)
 
 
 @torch.no_grad()
 def summed_loss(model: torch.nn.Module, batches: Iterable[torch.Tensor], device: torch.device,
-                autocast_dtype: torch.dtype | None = None) -> tuple[float, int]:
+                autocast_dtype: torch.dtype | None = None, pad_id: int | None = None) -> tuple[float, int]:
     """(sum of token losses, number of predicted tokens) over `batches`."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     for batch in batches:
         batch = batch.to(device)
-        n = batch[:, 1:].numel()
-        total += float(next_token_loss(model, batch, autocast_dtype)) * n
+        n = int((batch[:, 1:] != pad_id).sum()) if pad_id is not None else batch[:, 1:].numel()
+        if n:
+            total += float(next_token_loss(model, batch, autocast_dtype, pad_id)) * n
         count += n
     model.train(was_training)
     return total, count
@@ -60,7 +67,10 @@ def report(total: float, count: int, text_bytes: int | None = None) -> dict:
 
 
 def evaluate_checkpoint(folder: Path, text_file: Path | None = None, max_samples: int | None = None) -> dict:
-    """Loss and perplexity of a checkpoint on the run's validation shards, or on a UTF-8 text file."""
+    """Loss, perplexity and bits per byte of a checkpoint on the run's validation shards, or on a UTF-8 text file.
+
+    Bits per byte (the summed loss in bits over the UTF-8 bytes of the predicted text) compares runs with
+    different tokenizers; on shards the bytes are those of the predicted tokens."""
     from kiln.shards.format import ShardSet
     from kiln.tokenizer import load_tokenizer, tokenizer_sha256
     from kiln.train.checkpoint import checkpoint_config, load_checkpoint
@@ -86,5 +96,15 @@ def evaluate_checkpoint(folder: Path, text_file: Path | None = None, max_samples
     if len(samples) == 0:
         raise KilnError(f"{shards}: the validation split has no samples; raise pack.val_fraction")
     n = len(samples) if max_samples is None else min(max_samples, len(samples))
-    total, count = summed_loss(model, sample_batches(samples, np.arange(n), 8), device)
-    return report(total, count)
+    total, count = summed_loss(model, sample_batches(samples, np.arange(n), 8), device,
+                               pad_id=samples.manifest.get("pad_id"))
+    widths = token_byte_lengths(tok)
+    text_bytes = sum(int(widths[samples.sample(i)[1:].astype(np.int64)].sum()) for i in range(n))
+    return report(total, count, text_bytes)
+
+
+def token_byte_lengths(tok) -> np.ndarray:
+    """Bytes of text each token id stands for: byte-level BPE maps one byte to one character of the token's
+    string, so it is the string's length; special tokens (EOS between documents) stand for no text."""
+    special = set(tok.get_added_tokens_decoder())
+    return np.array([0 if i in special else len(tok.id_to_token(i) or "") for i in range(tok.get_vocab_size())], dtype=np.int64)

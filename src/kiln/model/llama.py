@@ -1,10 +1,21 @@
-"""Llama: RMSNorm, rotary positions, grouped-query attention, SwiGLU. Pure math: no I/O, no distributed code.
+"""Llama: RMSNorm, rotary positions, grouped-query attention, SwiGLU or MoE. Pure math: no I/O, no distributed code.
 
 RoPE uses the rotate-half layout (as Hugging Face's Llama does), so weights
 export without permutation. Initialisation: every weight ~ N(0, init_std²);
 the two projections that write into the residual stream (attention `wo`,
 feed-forward `w2`) are scaled by 1/sqrt(2·n_layers) so the residual's variance
-does not grow with depth (GPT-2). Norm weights start at 1.
+does not grow with depth (GPT-2). Norm weights start at 1. MoE blocks (see kiln.model.moe) init the
+same way: router and experts ~ N(0, init_std²), experts.w2 with the residual scaling.
+
+RoPE position scaling, to run a model at a longer context than it was trained at (`RopeScaling`):
+- "linear" (position interpolation, Chen et al. 2023): every frequency is divided by `factor`, so position
+  factor·p gets the angles position p had before.
+- "llama3" (Llama 3.1): frequency-dependent. Wavelengths (2π/freq) shorter than
+  original_max_seq_len / high_freq_factor are kept (they resolve local order and never saw a longer context
+  matter); wavelengths longer than original_max_seq_len / low_freq_factor are divided by `factor` as in
+  "linear"; in between, the frequency is interpolated smoothly between the two, with
+  smooth = (original_max_seq_len / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor).
+Both leave the tables unchanged when factor is 1.
 """
 
 from __future__ import annotations
@@ -15,6 +26,24 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kiln.model.moe import MoEArgs, MoEFeedForward
+
+
+@dataclass
+class RopeScaling:
+    type: str  # "linear" | "llama3"
+    factor: float
+    original_max_seq_len: int = 8192  # llama3: the context the model was trained at
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+
+    def __post_init__(self) -> None:
+        if self.type not in ("linear", "llama3"):
+            raise ValueError(f"rope scaling type {self.type!r} is not one of 'linear', 'llama3'")
+        if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(f"llama3 rope scaling needs high_freq_factor > low_freq_factor, "
+                             f"got {self.high_freq_factor} and {self.low_freq_factor}")
 
 
 @dataclass
@@ -31,6 +60,8 @@ class ModelArgs:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     init_std: float = 0.02
+    rope_scaling: RopeScaling | None = None
+    moe: MoEArgs | None = None  # None or n_experts=0: dense SwiGLU in every block
 
     @property
     def kv_heads(self) -> int:
@@ -60,8 +91,23 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def scale_frequencies(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """The scaled rotary frequencies (rules in the module docstring)."""
+    if s.type == "linear":
+        return inv_freq / s.factor
+    wavelength = 2 * math.pi / inv_freq
+    smooth = ((s.original_max_seq_len / wavelength - s.low_freq_factor)
+              / (s.high_freq_factor - s.low_freq_factor)).clamp(0, 1)
+    # Written as f/factor + smooth·f·(1 - 1/factor), not (1-smooth)·f/factor + smooth·f: the same number,
+    # and exactly f when factor is 1.
+    return inv_freq / s.factor + smooth * inv_freq * (1 - 1 / s.factor)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float,
+                scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if scaling is not None:
+        inv_freq = scale_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)  # rotate-half layout
     return angles.cos().float(), angles.sin().float()
@@ -105,12 +151,15 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, a: ModelArgs) -> None:
+    def __init__(self, a: ModelArgs, layer_id: int) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(a.dim, a.norm_eps)
         self.attention = Attention(a)
         self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
-        self.feed_forward = FeedForward(a)
+        if a.moe is not None and a.moe.is_moe_layer(layer_id):
+            self.feed_forward: nn.Module = MoEFeedForward(a.dim, a.moe.ffn_hidden or a.hidden, a.moe)
+        else:
+            self.feed_forward = FeedForward(a)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -122,12 +171,12 @@ class Llama(nn.Module):
         super().__init__()
         self.args = a
         self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
-        self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
+        self.layers = nn.ModuleList(Block(a, i) for i in range(a.n_layers))
         self.norm = RMSNorm(a.dim, a.norm_eps)
         self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
         if a.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta)
+        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
@@ -138,7 +187,8 @@ class Llama(nn.Module):
             if name.endswith("norm.weight"):
                 nn.init.ones_(p)
             else:
-                std = residual_std if name.endswith(("wo.weight", "w2.weight")) else self.args.init_std
+                residual = name.endswith(("wo.weight", "w2.weight", "experts.w2"))
+                std = residual_std if residual else self.args.init_std
                 nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -156,9 +206,39 @@ class Llama(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.tok_embeddings.weight.numel() if non_embedding else n
 
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6·N for the weights plus 12·layers·seq·dim for attention (PaLM, appendix B)."""
+    def active_params(self) -> int:
+        """Weights one token multiplies through: non-embedding parameters plus the output projection, and in an
+        MoE block the router and only top_k of the experts."""
         n = sum(p.numel() for p in self.parameters()) - self.tok_embeddings.weight.numel()
         if self.args.tie_embeddings:
             n += self.output.weight.numel()
-        return 6 * n + 12 * self.args.n_layers * seq_len * self.args.dim
+        for moe in self.moe_layers():
+            per_expert = sum(p[0].numel() for p in moe.experts.parameters())
+            n -= (moe.n_experts - moe.top_k) * per_expert
+        return n
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6·N for the (active) weights plus 12·layers·seq·dim for attention (PaLM,
+        appendix B)."""
+        return 6 * self.active_params() + 12 * self.args.n_layers * seq_len * self.args.dim
+
+    def moe_layers(self) -> list[MoEFeedForward]:
+        return [m for m in self.modules() if isinstance(m, MoEFeedForward)]
+
+    def moe_losses(self) -> dict[str, torch.Tensor | int]:
+        """Router losses and counters of the last forward, summed over MoE layers (zeros for a dense model).
+
+        aux_loss and z_loss are differentiable scalars to add to the LM loss with their coefficients;
+        dropped_tokens / routed_tokens count (token, expert) assignments lost to capacity / routed.
+        """
+        zero = torch.zeros((), device=self.output.weight.device)
+        total: dict[str, torch.Tensor | int] = {"aux_loss": zero, "z_loss": zero, "dropped_tokens": 0,
+                                                "routed_tokens": 0}
+        for moe in self.moe_layers():
+            if moe.stats is None:
+                continue
+            for key in ("aux_loss", "z_loss"):
+                total[key] = total[key] + moe.stats[key]
+            total["dropped_tokens"] += int(moe.stats["dropped_tokens"])
+            total["routed_tokens"] += moe.stats["routed_tokens"]
+        return total

@@ -1,4 +1,10 @@
-"""`kiln doctor`: an environment fingerprint and checks, each with a verdict and, when it fails, a fix."""
+"""`kiln doctor`: an environment fingerprint and checks, each with a verdict and, when it fails, a fix.
+
+The checks, in the order the field reports diagnose a slow or failing launch: the software stack, the
+host's limits (disk, /dev/shm, open files), environment variables known to hurt, then measured
+throughput (data loader, matmul, all-reduce) and the GPUs' hardware state through NVML.
+`fingerprint()` is also what a run records in `run/env.json`; `--against RUN_DIR` compares the two.
+"""
 
 from __future__ import annotations
 
@@ -8,29 +14,38 @@ import platform
 import resource
 import shutil
 import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 from kiln import __version__
+from kiln.config import Config, DoctorConfig
+from kiln.errors import KilnError
+from kiln.ops.check import Check, guarded, print_checks, skip
+
+# Differences in these between a recorded run and now change numerics or break collectives: a failed check.
+PINNED = ("kiln", "python", "torch", "cuda", "nccl", "driver", "gpus")
 
 
-@dataclass
-class Check:
-    name: str
-    ok: bool
-    detail: str
-    fix: str = ""
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
-def fingerprint() -> dict:
+def fingerprint(nvml=None) -> dict:
+    """What a run depends on: versions, devices and host size. Plain JSON; a run stores it as run/env.json."""
     import torch
+
+    from kiln.ops.nvml import load_nvml, nvml_fingerprint
 
     fp = {
         "kiln": __version__, "python": platform.python_version(), "os": platform.platform(),
-        "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+        "cpu": _cpu_model(), "cpu_count": os.cpu_count(),
         "torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
-        "gpus": [], "nccl": None,
+        "nccl": None, "driver": None, "gpus": [],
     }
     try:
         fp["ram_gb"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
@@ -41,8 +56,40 @@ def fingerprint() -> dict:
                        "memory_gb": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
                       for i in range(torch.cuda.device_count())]
         fp["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    nvml = nvml or load_nvml()
+    if nvml is not None:
+        fp["driver"] = nvml_fingerprint(nvml)["driver"]
     return fp
 
+
+def _gpu_names(value):
+    return [g.get("name") if isinstance(g, dict) else g for g in value] if isinstance(value, list) else value
+
+
+def compare_env(recorded: dict, now: dict) -> list[dict]:
+    """Every key the run recorded whose value differs now, marked `pinned` when the difference should stop a resume.
+
+    GPUs compare by model name (a run may record names only; memory follows from the model)."""
+    diffs = []
+    for k in sorted(recorded):
+        was, is_ = (_gpu_names(recorded[k]), _gpu_names(now.get(k))) if k == "gpus" else (recorded[k], now.get(k))
+        if was != is_:
+            diffs.append({"key": k, "recorded": was, "now": is_, "pinned": k in PINNED})
+    return diffs
+
+
+def recorded_env(run_dir: Path) -> dict:
+    """run/env.json of a run; RUN_DIR may be the run folder or the out_dir above it."""
+    for path in (Path(run_dir) / "env.json", Path(run_dir) / "run" / "env.json"):
+        if path.is_file():
+            try:
+                return json.loads(path.read_text())
+            except json.JSONDecodeError as exc:
+                raise KilnError(f"{path}: not valid JSON ({exc}); the run's environment record is damaged") from None
+    raise KilnError(f"{run_dir}: no env.json (nor run/env.json); give the run folder that `kiln train` wrote")
+
+
+# --- checks -----------------------------------------------------------------------------------
 
 def check_python() -> Check:
     ok = sys.version_info >= (3, 11)
@@ -57,7 +104,8 @@ def check_torch() -> Check:
     return Check("torch", ok, f"{torch.__version__}, {torch.get_num_threads()} threads", "" if ok else "reinstall torch")
 
 
-def check_cuda() -> Check:
+def check_cuda(nvml=None) -> Check:
+    """A CUDA build needs a visible GPU and a driver that supports at least the CUDA version torch was built for."""
     import torch
 
     if torch.version.cuda is None:
@@ -65,7 +113,15 @@ def check_cuda() -> Check:
     if not torch.cuda.is_available():
         return Check("cuda", False, f"torch built for CUDA {torch.version.cuda} but no GPU is visible",
                      "check nvidia-smi, the driver, and CUDA_VISIBLE_DEVICES")
-    return Check("cuda", True, f"{torch.cuda.device_count()} GPU(s), CUDA {torch.version.cuda}")
+    detail = f"{torch.cuda.device_count()} GPU(s), torch built for CUDA {torch.version.cuda}"
+    if nvml is not None:
+        drv = nvml.nvmlSystemGetCudaDriverVersion()  # e.g. 12080 for 12.8
+        built = tuple(int(x) for x in torch.version.cuda.split(".")[:2])
+        if (drv // 1000, drv % 1000 // 10) < built:
+            return Check("cuda", False, f"{detail}; the driver supports only CUDA {drv // 1000}.{drv % 1000 // 10}",
+                         "upgrade the NVIDIA driver, or install a torch built for an older CUDA (make setup TORCH_SPEC=...)")
+        detail += f", driver supports {drv // 1000}.{drv % 1000 // 10}"
+    return Check("cuda", True, detail)
 
 
 def check_language_model() -> Check:
@@ -79,43 +135,154 @@ def check_language_model() -> Check:
     return Check("language_id", lang == "en", f"offline lid.176.ftz: en -> {lang} ({score:.2f})")
 
 
-def check_disk(out_dir: Path, need_gb: float = 1.0) -> Check:
-    probe = out_dir if out_dir.exists() else Path.cwd()
+def check_disk(out_dir: Path, need_gb: float) -> Check:
+    probe = Path(out_dir)
+    while not probe.exists():  # the out_dir may not exist yet: measure the filesystem it will be created on
+        probe = probe.parent
     free = shutil.disk_usage(probe).free / 2**30
     ok = free >= need_gb
-    return Check("disk", ok, f"{free:.1f} GiB free at {probe}", "" if ok else f"free at least {need_gb} GiB or pick another out_dir")
+    return Check("disk", ok, f"{free:.1f} GiB free at {probe} (need {need_gb:g})",
+                 "" if ok else f"free at least {need_gb:g} GiB there or set out_dir elsewhere (doctor.min_free_disk_gb)")
 
 
-def check_shm(need_gb: float = 0.5) -> Check:
+def check_shm(need_gb: float) -> Check:
     if not Path("/dev/shm").exists():
-        return Check("shm", True, "no /dev/shm on this system")
+        return skip("shm", "no /dev/shm on this system")
     size = shutil.disk_usage("/dev/shm").total / 2**30
     ok = size >= need_gb
-    return Check("shm", ok, f"/dev/shm {size:.1f} GiB", "" if ok else "enlarge /dev/shm (docker: --shm-size=8g)")
+    return Check("shm", ok, f"/dev/shm {size:.1f} GiB (need {need_gb:g})",
+                 "" if ok else "enlarge /dev/shm (docker: --shm-size=16g; k8s: an emptyDir with medium: Memory)")
 
 
-def check_open_files(need: int = 4096) -> Check:
+def check_open_files(need: int) -> Check:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    ok = soft >= need or soft == resource.RLIM_INFINITY
-    return Check("open_files", ok, f"soft limit {soft}, hard {hard}", "" if ok else f"ulimit -n {min(max(need, soft), hard)}")
+    ok = soft == resource.RLIM_INFINITY or soft >= need
+    return Check("open_files", ok, f"soft limit {soft}, hard {hard} (need {need})",
+                 "" if ok else f"ulimit -n {need if hard == resource.RLIM_INFINITY else min(need, hard)} (or raise the hard limit in limits.conf)")
 
 
-CHECKS: list[Callable[[], Check]] = [check_python, check_torch, check_cuda, check_language_model, check_shm, check_open_files]
+# (variable, values that hurt (None: any value), why). Each is a setting people leave behind after debugging.
+HARMFUL_ENV: list[tuple[str, tuple[str, ...] | None, str]] = [
+    ("NCCL_P2P_DISABLE", ("1",), "GPU-to-GPU traffic goes through host memory instead of NVLink/PCIe P2P"),
+    ("NCCL_SHM_DISABLE", ("1",), "processes on one node cannot use shared memory for collectives"),
+    ("NCCL_IB_DISABLE", ("1",), "traffic between nodes falls back from InfiniBand/RoCE to TCP sockets"),
+    ("NCCL_NET_GDR_LEVEL", ("0", "loc"), "GPUDirect RDMA is off: network traffic is staged through host memory"),
+    ("NCCL_DEBUG", ("info", "trace"), "NCCL logs every communicator and channel (TRACE: every call) to stderr"),
+    ("NCCL_ALGO", None, "overrides NCCL's own algorithm choice, tuned per topology and message size"),
+    ("NCCL_PROTO", None, "overrides NCCL's own protocol choice, tuned per topology and message size"),
+    ("CUDA_LAUNCH_BLOCKING", ("1",), "every CUDA kernel launch waits for the GPU: a debugging mode, several times slower"),
+]
 
 
-def run_doctor(as_json: bool = False, out_dir: Path = Path(".")) -> int:
-    checks = [c() for c in CHECKS] + [check_disk(out_dir)]
-    fp = fingerprint()
+def check_env(env: dict[str, str] | None = None) -> Check:
+    env = os.environ if env is None else env
+    bad = [(var, env[var], why) for var, values, why in HARMFUL_ENV
+           if var in env and (values is None or env[var].strip().lower() in values)]
+    if not bad:
+        return Check("env", True, f"none of {len(HARMFUL_ENV)} known-harmful NCCL/CUDA settings")
+    return Check("env", False, "; ".join(f"{var}={value}: {why}" for var, value, why in bad),
+                 "unset " + " ".join(var for var, _, _ in bad) + " (set them only while debugging)")
+
+
+def check_matmul(dtype: str, d: DoctorConfig) -> tuple[Check, float]:
+    from kiln.ops.probes import device_peak, matmul_tflops
+
+    tflops = matmul_tflops(dtype, d.matmul_size, d.probe_seconds)
+    name, peak, source = device_peak(dtype)
+    if peak is None:
+        ok = tflops > 0
+        return Check("matmul", ok, f"{tflops:.3f} TFLOP/s {dtype} on {name}; peak unknown for this device, not judged"), tflops
+    ok = tflops >= d.min_matmul_fraction * peak
+    return Check("matmul", ok, f"{tflops:.1f} TFLOP/s {dtype} on {name} = {tflops / peak:.0%} of the {peak:g} peak ({source})",
+                 "" if ok else "check clocks and throttling (gpu*_clocks), other processes on the GPU (nvidia-smi), and power limits"), tflops
+
+
+def check_loader(cfg: Config, device_tflops: float, d: DoctorConfig) -> Check:
+    """The loader must keep up with the fastest the device could consume tokens: measured TFLOP/s / FLOPs per token."""
+    from kiln.ops.probes import loader_tokens_per_s
+    from kiln.shards.format import ShardSet
+    from kiln.train.trainer import build_model
+
+    shards = cfg.out / "shards"
+    if not (shards / "manifest.json").is_file():
+        return skip("loader", f"no shards at {shards} yet (run `kiln pack` first)")
+    vocab = int(ShardSet(shards, "train").manifest["vocab_size"])
+    flops_per_token = build_model(cfg, vocab).flops_per_token(cfg.pack.seq_len)
+    need = device_tflops * 1e12 / flops_per_token
+    got = loader_tokens_per_s(shards, cfg.train.batch_size, cfg.seed, d.probe_seconds)
+    ok = got >= need
+    return Check("loader", ok, f"{got:,.0f} tokens/s from {shards}; the device can consume up to {need:,.0f}",
+                 "" if ok else "put the shards on local NVMe or page cache, or use more loader ranks; the device will wait for data")
+
+
+def check_allreduce(d: DoctorConfig) -> list[Check]:
+    import torch
+
+    from kiln.ops.probes import allreduce_bandwidth
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    procs = d.allreduce_procs or (gpus if gpus else 2)
+    if gpus and gpus < procs:
+        return [skip("allreduce", f"{gpus} GPU visible; an NCCL all-reduce needs at least 2")]
+    backend = "nccl" if gpus else "gloo"
+    res = allreduce_bandwidth(procs, [d.allreduce_small_bytes, d.allreduce_large_bytes], d.probe_seconds / 2)
+    small, large = res[d.allreduce_small_bytes], res[d.allreduce_large_bytes]
+    detail = (f"{backend} over {procs} processes: {small['busbw_gbps']:.2f} GB/s at {d.allreduce_small_bytes:,} bytes, "
+              f"{large['busbw_gbps']:.2f} GB/s at {d.allreduce_large_bytes:,} bytes")
+    if not (small["correct"] and large["correct"]):
+        return [Check("allreduce", False, detail + "; the reduced values are WRONG",
+                      "a broken transport: try NCCL_P2P_LEVEL=NVL or update the driver, and report the node")]
+    if backend == "gloo":
+        return [Check("allreduce", True, detail + " (gloo on CPU: bandwidth reported, not judged)")]
+    ok = small["busbw_gbps"] >= d.min_allreduce_small_gbps
+    return [Check("allreduce", ok, detail + f" (need {d.min_allreduce_small_gbps:g} GB/s for small messages)",
+                  "" if ok else "check the gpu*_pcie/nvlink checks and NCCL env; run nccl-tests all_reduce_perf to compare")]
+
+
+def collect(cfg: Config | None, out_dir: Path, against: Path | None = None, nvml=None) -> tuple[dict, list[Check]]:
+    """The fingerprint and every check's verdict. `cfg` adds the probes that need the run's shards and dtype."""
+    from kiln.ops.nvml import gpu_checks, load_nvml
+
+    d = cfg.doctor if cfg is not None else DoctorConfig()
+    nvml = nvml or load_nvml()
+    fp = fingerprint(nvml)
+    checks: list[Check] = []
+    for name, fn in [("python", check_python), ("torch", check_torch), ("cuda", lambda: check_cuda(nvml)),
+                     ("language_id", check_language_model), ("disk", lambda: check_disk(out_dir, d.min_free_disk_gb)),
+                     ("shm", lambda: check_shm(d.min_shm_gb)), ("open_files", lambda: check_open_files(d.min_open_files)),
+                     ("env", check_env)]:
+        checks += guarded(name, fn)
+    tflops = [0.0]
+
+    def matmul() -> Check:
+        check, tflops[0] = check_matmul(cfg.train.dtype if cfg else "fp32", d)
+        return check
+
+    checks += guarded("matmul", matmul)
+    checks += guarded("loader", lambda: check_loader(cfg, tflops[0], d) if cfg else skip("loader", "give --config CONFIG to probe the run's shards"))
+    checks += guarded("allreduce", lambda: check_allreduce(d))
+    checks += guarded("gpu", lambda: gpu_checks(nvml, d.gpu_temp_margin_c) if nvml else [skip("gpu", "no NVIDIA driver (NVML) on this machine")])
+    if against is not None:
+        diffs = compare_env(recorded_env(against), fp)
+        pinned = [x for x in diffs if x["pinned"]]
+        text = "; ".join(f"{x['key']}: {x['recorded']} -> {x['now']}" for x in diffs) or "same environment"
+        checks.append(Check("against_run", not pinned, text,
+                            "" if not pinned else f"install what the run used ({', '.join(x['key'] for x in pinned)}) "
+                                                  "or start a new run; mixed versions change numerics"))
+    return fp, checks
+
+
+def run_doctor(cfg: Config | None = None, out_dir: Path | None = None, as_json: bool = False, against: Path | None = None) -> int:
+    out_dir = Path(out_dir) if out_dir is not None else (cfg.out if cfg is not None else Path("."))
+    fp, checks = collect(cfg, out_dir, against)
+    failed = [c for c in checks if not c.ok]
     if as_json:
-        print(json.dumps({"fingerprint": fp, "checks": [asdict(c) for c in checks]}, indent=1))
+        diffs = compare_env(recorded_env(against), fp) if against is not None else None
+        print(json.dumps({"fingerprint": fp, "checks": [c.as_dict() for c in checks], "ok": not failed,
+                          **({"against": diffs} if diffs is not None else {})}, indent=1))
     else:
         from rich.console import Console
-        from rich.table import Table
 
-        console = Console()
-        console.print("environment: " + ", ".join(f"{k}={v}" for k, v in fp.items() if v not in (None, [])))
-        table = Table("check", "verdict", "detail", "fix")
-        for c in checks:
-            table.add_row(c.name, "[green]ok[/]" if c.ok else "[red]FAIL[/]", c.detail, c.fix)
-        console.print(table)
-    return 0 if all(c.ok for c in checks) else 1
+        Console(highlight=False).print("environment: " + ", ".join(f"{k}={v}" for k, v in fp.items() if v not in (None, [])))
+        print_checks(checks)
+    return 1 if failed else 0

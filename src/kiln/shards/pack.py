@@ -1,16 +1,16 @@
-"""Encode documents, split train/val by a hash of the document id, pack with EOS into shards.
+"""Encode documents, split train/val by a hash of the document id, pack them into shards.
 
-Documents are joined, each followed by EOS, into one token stream per split;
-the stream is cut into samples of `seq_len + 1` tokens (inputs and shifted
-targets) and into shards of `samples_per_shard` samples. The tail shorter
-than one sample is dropped and counted.
+Each split is one token stream: the packer (`pack.mode`, see packing.py) turns
+documents, each followed by EOS, into samples of `seq_len + 1` tokens (inputs
+and shifted targets); the writer cuts the stream into shards of
+`samples_per_shard` samples. A concat tail shorter than one sample is dropped
+and counted.
 """
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import numpy as np
 import xxhash
@@ -18,8 +18,10 @@ import xxhash
 from kiln.config import PackConfig
 from kiln.errors import KilnError
 from kiln.manifest import staging_dir, write_manifest
+from kiln.shards.encode import encode_documents
 from kiln.shards.format import FORMAT_VERSION, IDX_ENTRY, ShardHeader, token_dtype, write_shard
-from kiln.tokenizer import eos_id, load_tokenizer, tokenizer_sha256
+from kiln.shards.packing import Entry, Packer, make_packer
+from kiln.tokenizer import TOKENIZER_FILE, eos_id, load_tokenizer, pad_id, tokenizer_sha256
 
 SPLITS = ("train", "val")
 
@@ -30,28 +32,27 @@ def split_of(doc_id: str, val_fraction: float) -> str:
 
 
 class SplitWriter:
-    """Accumulates one split's token stream and writes full shards as they fill."""
+    """Accumulates one split's token stream from its packer and writes full shards as they fill."""
 
-    def __init__(self, folder: Path, split: str, header: ShardHeader, samples_per_shard: int) -> None:
-        self.folder, self.split, self.header = folder / split, split, header
+    def __init__(self, folder: Path, split: str, header: ShardHeader, samples_per_shard: int, packer: Packer) -> None:
+        self.folder, self.split, self.header, self.packer = folder / split, split, header, packer
         self.folder.mkdir(parents=True, exist_ok=True)
         self.shard_tokens = samples_per_shard * header.sample_len
         self.tokens: list[np.ndarray] = []
-        self.entries: list[tuple[int, int, int]] = []
+        self.entries: list[Entry] = []  # start relative to the buffered tokens
         self.buffered = 0
         self.files: list[str] = []
         self.total_tokens = self.documents = 0
-        self.split_docs = 0  # documents whose tokens straddle a sample boundary
 
     def add(self, ids: np.ndarray, doc: int) -> None:
         self.documents += 1
-        start = self.total_tokens + self.buffered
-        L = self.header.sample_len
-        if start // L != (start + len(ids) - 1) // L:
-            self.split_docs += 1
-        self.tokens.append(ids)
-        self.entries.append((self.buffered, len(ids), doc))
-        self.buffered += len(ids)
+        for chunk, entries in self.packer.add(ids, doc):
+            self._append(chunk, entries)
+
+    def _append(self, tokens: np.ndarray, entries: list[Entry]) -> None:
+        self.tokens.append(tokens)
+        self.entries += [(self.buffered + start, length, doc) for start, length, doc in entries]
+        self.buffered += len(tokens)
         while self.buffered >= self.shard_tokens:
             self._write(self.shard_tokens)
 
@@ -73,46 +74,87 @@ class SplitWriter:
         self.tokens, self.entries, self.buffered = ([rest] if len(rest) else []), carry, len(rest)
 
     def close(self) -> dict[str, Any]:
+        for chunk, entries in self.packer.finish():
+            self._append(chunk, entries)
         L = self.header.sample_len
         full = (self.buffered // L) * L
         if full:
             self._write(full)
         return {"files": self.files, "tokens": self.total_tokens, "samples": self.total_tokens // L,
-                "documents": self.documents, "dropped_tail_tokens": self.buffered, "split_documents": self.split_docs}
+                "documents": self.documents, "dropped_tail_tokens": self.buffered,
+                "split_documents": self.packer.split_documents, "pad_tokens": self.packer.pad_tokens}
 
 
-def encode_documents(docs: Iterable[dict], tokenizer, batch: int) -> Iterator[tuple[dict, list[int]]]:
-    it = iter(docs)
-    while chunk := list(itertools.islice(it, batch)):
-        for doc, enc in zip(chunk, tokenizer.encode_batch([d["text"] for d in chunk], add_special_tokens=False)):
-            yield doc, enc.ids
+def packing_efficiency(splits: dict[str, dict[str, Any]]) -> float:
+    """Document tokens in samples over all the tokens packing produced (padding and the dropped tail are waste)."""
+    tokens = sum(s["tokens"] for s in splits.values())
+    waste = sum(s["pad_tokens"] for s in splits.values())
+    dropped = sum(s["dropped_tail_tokens"] for s in splits.values())
+    return round((tokens - waste) / max(tokens + dropped, 1), 6)
 
 
-def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, fingerprint: str = "") -> dict[str, Any]:
-    """Encode and pack `docs` into `out` (committed atomically with its manifest). Returns the manifest."""
+def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, fingerprint: str = "",
+         progress: bool | None = None) -> dict[str, Any]:
+    """Encode and pack `docs` into `out` (committed atomically with its manifest). Returns the manifest.
+
+    `progress`: a progress bar on stderr; None shows it when stderr is a terminal.
+    """
     tok = load_tokenizer(tokenizer_dir)
-    eos = eos_id(tok)
+    eos, pad = eos_id(tok), pad_id(tok)
     vocab = tok.get_vocab_size()
     dtype = token_dtype(vocab)
+    tokenizer_dir = Path(tokenizer_dir)
+    tokenizer_file = tokenizer_dir / TOKENIZER_FILE if tokenizer_dir.is_dir() else tokenizer_dir
     header = ShardHeader(dtype.itemsize, vocab, cfg.seq_len + 1, 0, tokenizer_sha256(tokenizer_dir))
     documents: list[dict[str, Any]] = []
-    with staging_dir(out) as tmp:
-        writers = {s: SplitWriter(tmp, s, header, cfg.samples_per_shard) for s in SPLITS}
-        for doc, ids in encode_documents(docs, tok, cfg.batch_docs):
+    with staging_dir(out) as tmp, PackProgress(progress) as advance:
+        writers = {s: SplitWriter(tmp, s, header, cfg.samples_per_shard, make_packer(cfg, pad)) for s in SPLITS}
+        for doc, ids in encode_documents(docs, tokenizer_file, cfg.batch_docs, cfg.workers, dtype, eos, advance):
             split = split_of(doc["id"], cfg.val_fraction)
-            writers[split].add(np.array(ids + [eos], dtype=dtype), len(documents))
+            writers[split].add(ids, len(documents))
             documents.append({"id": doc["id"], "split": split, "source": doc.get("source"),
                               "offset": doc.get("offset"), "length": doc.get("length"), "url": doc.get("url"),
-                              "tokens": len(ids) + 1})
+                              "tokens": len(ids)})
         splits = {s: w.close() for s, w in writers.items()}
         if splits["train"]["samples"] == 0:
             raise KilnError(f"too few tokens to fill one training sample of {cfg.seq_len + 1}; lower pack.seq_len or add data")
-        packed = sum(s["tokens"] for s in splits.values())
         manifest = write_manifest(
             tmp, stage="pack", fingerprint=fingerprint, format_version=FORMAT_VERSION, dtype=dtype.name,
-            vocab_size=vocab, eos_id=eos, tokenizer_sha256=header.tokenizer_sha256, seq_len=cfg.seq_len,
-            sample_len=cfg.seq_len + 1, splits=splits,
-            packing_efficiency=round(packed / max(packed + sum(s["dropped_tail_tokens"] for s in splits.values()), 1), 6),
-            documents=documents,
+            vocab_size=vocab, eos_id=eos, pad_id=pad, tokenizer_sha256=header.tokenizer_sha256, seq_len=cfg.seq_len,
+            sample_len=cfg.seq_len + 1, mode=cfg.mode, splits=splits, packing_efficiency=packing_efficiency(splits),
+            split_documents=sum(s["split_documents"] for s in splits.values()), documents=documents,
         )
     return manifest
+
+
+class PackProgress:
+    """A rich progress line (documents, MB, MB/s); yields the `advance(documents, text_bytes)` callback or None."""
+
+    def __init__(self, show: bool | None) -> None:
+        from rich.console import Console
+
+        self.console = Console(stderr=True)
+        self.show = self.console.is_terminal if show is None else show
+        self.bar = None
+
+    def __enter__(self):
+        if not self.show:
+            return None
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(SpinnerColumn(), TextColumn("pack: {task.fields[docs]:,} documents, "
+                                                        "{task.fields[mb]:,.1f} MB of text, {task.fields[rate]:.1f} MB/s"),
+                            TimeElapsedColumn(), console=self.console, transient=False)
+        self.bar.start()
+        task = self.bar.add_task("pack", total=None, docs=0, mb=0.0, rate=0.0)
+
+        def advance(docs: int, text_bytes: int) -> None:
+            t = self.bar.tasks[0]
+            mb = t.fields["mb"] + text_bytes / 1e6
+            self.bar.update(task, docs=t.fields["docs"] + docs, mb=mb, rate=mb / max(t.elapsed or 0, 1e-9))
+
+        return advance
+
+    def __exit__(self, *exc) -> None:
+        if self.bar:
+            self.bar.stop()

@@ -1,7 +1,10 @@
 """Byte-level BPE tokenizer (HF `tokenizers`): train on a seeded sample of the corpus, save, load.
 
 Byte-level pre-tokenization with no normaliser makes encoding lossless:
-decode(encode(text)) == text for any Unicode string.
+decode(encode(text)) == text for any Unicode string. Domain terms from
+`tokenizer.added_tokens` are added after training, each kept whole as one
+token. The saved tokenizer.json loads in `transformers.PreTrainedTokenizerFast(tokenizer_file=...)`
+with the same ids (except that transformers turns text spelling `<|eos|>` into the special token).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import random
 from pathlib import Path
 from typing import Iterable
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kiln.config import TokenizerConfig
 from kiln.errors import KilnError
@@ -58,12 +61,22 @@ def train_tokenizer(docs: Iterable[dict], out: Path, cfg: TokenizerConfig, seed:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator((d["text"] for d in sample), trainer=trainer, length=len(sample))
+    add_domain_terms(tok, cfg.added_tokens)
     with staging_dir(out) as tmp:
         tok.save(str(tmp / TOKENIZER_FILE))
         write_atomic(tmp / "training_docs.txt", "".join(d["id"] + "\n" for d in sample))
         write_manifest(tmp, stage="tokenizer", fingerprint=fingerprint, vocab_size=tok.get_vocab_size(),
-                       special_tokens=SPECIAL_TOKENS, training_docs=len(sample), seed=seed)
+                       special_tokens=SPECIAL_TOKENS, added_tokens=list(cfg.added_tokens), training_docs=len(sample),
+                       seed=seed)
     return tok
+
+
+def add_domain_terms(tok: Tokenizer, terms: list[str]) -> None:
+    """Each term becomes one token wherever it appears (matched before byte-level splitting)."""
+    for term in terms:
+        if not term or term in SPECIAL_TOKENS:
+            raise KilnError(f"tokenizer.added_tokens: {term!r} cannot be a domain term; remove it from the config")
+    tok.add_tokens([AddedToken(term, normalized=False, special=False) for term in terms])
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
@@ -84,9 +97,17 @@ def tokenizer_sha256(path: str | Path) -> str:
     return sha256_file(path / TOKENIZER_FILE if path.is_dir() else path)
 
 
-def eos_id(tok: Tokenizer) -> int:
-    ident = tok.token_to_id(EOS)
+def special_id(tok: Tokenizer, token: str) -> int:
+    ident = tok.token_to_id(token)
     if ident is None:
-        raise KilnError(f"tokenizer has no {EOS} token; train it with `kiln tokenizer train`")
+        raise KilnError(f"tokenizer has no {token} token; train it with `kiln tokenizer train`")
     return ident
+
+
+def eos_id(tok: Tokenizer) -> int:
+    return special_id(tok, EOS)
+
+
+def pad_id(tok: Tokenizer) -> int:
+    return special_id(tok, PAD)
 

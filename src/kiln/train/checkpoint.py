@@ -218,7 +218,12 @@ def verify_checkpoint(folder: Path, public_key: str | None = None) -> dict[str, 
 
 def latest_valid(root: Path, log: Callable[[str], None] = print, public_key: str | None = None) -> Path | None:
     """The newest checkpoint that verifies; a corrupt newer one is reported (file and hash) and skipped."""
-    for folder in reversed(list_checkpoints(root)):
+    return latest_valid_of(list_checkpoints(root), log, public_key)
+
+
+def latest_valid_of(folders: list[Path], log: Callable[[str], None] = lambda *_: None,
+                    public_key: str | None = None) -> Path | None:
+    for folder in reversed(folders):
         try:
             verify_folder(folder)
             if public_key:

@@ -23,17 +23,18 @@ class NonFiniteGuard:
 class SpikeGuard:
     """A loss or gradient norm far above the rolling window of accepted steps (z-score)."""
 
-    def __init__(self, zscore: float, window: int, min_history: int) -> None:
-        self.zscore, self.min_history = zscore, min_history
+    def __init__(self, zscore: float, grad_zscore: float | None, window: int, min_history: int) -> None:
+        self.zscore, self.grad_zscore, self.min_history = zscore, grad_zscore, min_history
         self.losses: deque[float] = deque(maxlen=window)
         self.norms: deque[float] = deque(maxlen=window)
 
     def check(self, loss: float, grad_norm: float) -> str | None:
-        for name, value, history in (("loss_spike", loss, self.losses), ("grad_norm_spike", grad_norm, self.norms)):
-            if len(history) >= self.min_history:
+        checks = (("loss_spike", loss, self.losses, self.zscore), ("grad_norm_spike", grad_norm, self.norms, self.grad_zscore))
+        for name, value, history, zscore in checks:
+            if zscore and len(history) >= self.min_history:
                 mean = sum(history) / len(history)
                 std = math.sqrt(sum((x - mean) ** 2 for x in history) / len(history))
-                if value > mean + self.zscore * max(std, 1e-3 * abs(mean), 1e-12):
+                if value > mean + zscore * max(std, 1e-3 * abs(mean), 1e-12):
                     return name
         return None
 
@@ -66,6 +67,10 @@ class Escalation:
             return False
         self.recent = [s for s in self.recent if s > step - self.cfg.rollback_window] + [step]
         return len(self.recent) >= self.cfg.rollback_after
+
+    def first_recent_skip(self) -> int:
+        """Where the trouble started: a good checkpoint is one written before this step."""
+        return min(self.recent)
 
     def record_rollback(self, to_step: int) -> bool:
         """Count a rollback to `to_step`; True when the run must stop instead."""

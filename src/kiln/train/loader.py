@@ -1,65 +1,156 @@
-"""Sample order for training: one seeded global permutation per epoch, sliced by rank.
+"""Sample order for training: one seeded global order per epoch, sliced by rank, prefetched in a thread.
 
-The state is (seed, epoch, position): `position` counts samples of the epoch's
-permutation already handed out. Every rank walks the same permutation and takes
-its slice of each global batch, so the global batch is the same set of samples
-for any world size, and a restored state continues with no sample repeated or
-skipped.
+The state is (seed, epoch, position): `position` counts draws of the epoch's
+order already handed out. Every rank walks the same order and takes its slice
+of each global batch, so the global batch is the same set of samples for any
+world size, and a restored state (saved under any world size) continues with
+no sample repeated or skipped.
+
+With `prefetch` > 0 a background thread assembles the next batches into a
+bounded queue; each batch travels with the state after it, and `state` is
+that of the last batch handed out, never of one merely prefetched. Batches are
+built in pinned memory when a GPU is present, so `.to(device, non_blocking=True)`
+overlaps the copy.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+import weakref
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
 from kiln.shards.format import ShardSet
+from kiln.train.data import Mixture
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoaderState:
     seed: int
     epoch: int = 0
     position: int = 0
 
 
+class BatchPlan:
+    """What the next batch is, given a state; used by the caller or by the prefetch thread, never both at once."""
+
+    def __init__(self, samples: Mixture, global_batch: int, micro_batch: int, rank: int, world: int) -> None:
+        self.samples, self.global_batch, self.micro_batch = samples, global_batch, micro_batch
+        self.per_rank = global_batch // world
+        self.rank = rank
+        self.pin = torch.cuda.is_available()
+        self._order_key: tuple[int, int] | None = None
+        self._order = np.empty(0, dtype=np.int64)
+
+    def order(self, seed: int, epoch: int) -> np.ndarray:
+        if self._order_key != (seed, epoch):
+            self._order, self._order_key = self.samples.epoch_order(seed, epoch), (seed, epoch)
+        return self._order
+
+    def advance(self, state: LoaderState) -> tuple[np.ndarray, LoaderState]:
+        """The next global batch's flat indices and the state after it; an epoch's remainder smaller than a batch is skipped."""
+        epoch, position = state.epoch, state.position
+        if position + self.global_batch > len(self.samples):
+            epoch, position = epoch + 1, 0
+        idx = self.order(state.seed, epoch)[position: position + self.global_batch]
+        return idx, LoaderState(state.seed, epoch, position + self.global_batch)
+
+    def assemble(self, global_indices: np.ndarray) -> list[torch.Tensor]:
+        """This rank's slice as micro-batches, each (micro_batch, sample_len) int64."""
+        mine = global_indices[self.rank * self.per_rank: (self.rank + 1) * self.per_rank]
+        shape = (len(mine), self.samples.sample_len)
+        # numpy's allocator reuses freed memory; torch's returns large blocks to the OS and page-faults them back
+        rows = torch.empty(shape, dtype=torch.int64, pin_memory=True) if self.pin else torch.from_numpy(np.empty(shape, np.int64))
+        self.samples.gather(mine, rows.numpy())
+        return list(rows.split(self.micro_batch))
+
+
+class Prefetcher:
+    """A daemon thread walking the plan ahead of the caller into a queue of (batch, state after it)."""
+
+    def __init__(self, plan: BatchPlan, state: LoaderState, depth: int) -> None:
+        self.queue: queue.Queue = queue.Queue(depth)
+        self.stopped = threading.Event()
+        # The thread holds the plan, not the Loader, so an abandoned Loader is collected and its finalizer stops this.
+        self.thread = threading.Thread(target=self._run, args=(plan, state, self.queue, self.stopped),
+                                       name="kiln-prefetch", daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _run(plan: BatchPlan, state: LoaderState, q: queue.Queue, stopped: threading.Event) -> None:
+        def put(item) -> None:
+            while not stopped.is_set():
+                try:
+                    q.put(item, timeout=0.05)
+                    return
+                except queue.Full:
+                    pass
+
+        try:
+            while not stopped.is_set():
+                idx, state = plan.advance(state)
+                put((plan.assemble(idx), state))
+        except BaseException as exc:  # handed to the caller, raised there
+            put((exc, None))
+
+    def get(self) -> tuple[list[torch.Tensor], LoaderState]:
+        batch, state = self.queue.get()
+        if isinstance(batch, BaseException):
+            self.close()
+            raise batch
+        return batch, state
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+
+def _close(running: list[Prefetcher]) -> None:
+    while running:
+        running.pop().close()
+
+
 class Loader:
-    def __init__(self, samples: ShardSet, global_batch: int, micro_batch: int, rank: int, world: int, seed: int) -> None:
+    def __init__(self, samples: Mixture | ShardSet, global_batch: int, micro_batch: int, rank: int, world: int,
+                 seed: int, prefetch: int = 0) -> None:
+        samples = samples if isinstance(samples, Mixture) else Mixture([samples])
         if global_batch % (micro_batch * world):
             raise ValueError(f"train.batch_size={global_batch} must be a multiple of micro_batch_size×world = {micro_batch}×{world}")
         if global_batch > len(samples):
             raise ValueError(f"train.batch_size={global_batch} exceeds the {len(samples)} training samples; lower it or add data")
         self.samples, self.global_batch, self.micro_batch = samples, global_batch, micro_batch
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.prefetch = rank, world, prefetch
+        self.plan = BatchPlan(samples, global_batch, micro_batch, rank, world)
         self.state = LoaderState(seed)
-        self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
-
-    def permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            rng = np.random.Generator(np.random.PCG64([self.state.seed, epoch]))
-            self._perm, self._perm_epoch = rng.permutation(len(self.samples)), epoch
-        return self._perm
-
-    def next_global_indices(self) -> np.ndarray:
-        """Advance by one global batch; an epoch's remainder smaller than a batch is skipped."""
-        if self.state.position + self.global_batch > len(self.samples):
-            self.state.epoch, self.state.position = self.state.epoch + 1, 0
-        perm = self.permutation(self.state.epoch)
-        idx = perm[self.state.position: self.state.position + self.global_batch]
-        self.state.position += self.global_batch
-        return idx
+        self._running: list[Prefetcher] = []  # at most one
+        weakref.finalize(self, _close, self._running)
 
     def next_batch(self) -> list[torch.Tensor]:
         """This rank's micro-batches of the next global batch, each (micro_batch, sample_len) int64."""
-        idx = self.next_global_indices()
-        per_rank = self.global_batch // self.world
-        mine = idx[self.rank * per_rank: (self.rank + 1) * per_rank]
-        rows = np.stack([self.samples.sample(int(i)) for i in mine]).astype(np.int64)
-        return list(torch.from_numpy(rows).split(self.micro_batch))
+        if not self.prefetch:
+            idx, self.state = self.plan.advance(self.state)
+            return self.plan.assemble(idx)
+        if not self._running:
+            self._running.append(Prefetcher(self.plan, self.state, self.prefetch))
+        batch, self.state = self._running[0].get()
+        return batch
+
+    def next_global_indices(self) -> np.ndarray:
+        """Advance by one global batch without reading it (all ranks' indices)."""
+        _close(self._running)
+        idx, self.state = self.plan.advance(self.state)
+        return idx
+
+    def close(self) -> None:
+        """Stop the prefetch thread (it restarts from `state` on the next batch)."""
+        _close(self._running)
 
     def state_dict(self) -> dict:
         return asdict(self.state)
 
     def load_state_dict(self, state: dict) -> None:
+        _close(self._running)
         self.state = LoaderState(**state)

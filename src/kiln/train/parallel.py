@@ -42,8 +42,23 @@ def init_distributed(startup_timeout_s: float = 1800) -> Dist:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         # Long at start-up: loading data and compiling on some ranks can take minutes.
-        dist.init_process_group(backend, timeout=timedelta(seconds=startup_timeout_s))
+        timeout = timedelta(seconds=startup_timeout_s)
+        dist.init_process_group(backend, store=attempt_store(rank, world, timeout), rank=rank, world_size=world,
+                                timeout=timeout)
     return Dist(rank, world, local, device)
+
+
+def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
+    """The rendezvous store, under a prefix per torchrun restart.
+
+    torchrun's workers share its agent's store across restarts; without a fresh prefix a restarted
+    rank can read the addresses the previous attempt left there and fail to connect ("Connection
+    refused" in connectFullMesh).
+    """
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+                          is_master=rank == 0 and not agent, timeout=timeout)
+    return dist.PrefixStore(f"kiln/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def set_step_timeout(d: Dist, seconds: float) -> None:

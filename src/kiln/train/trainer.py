@@ -20,18 +20,19 @@ from kiln.config import Config
 from kiln.errors import KilnError
 from kiln.eval import next_token_loss, sample_batches, summed_loss
 from kiln.manifest import sha256_file, write_atomic
-from kiln.model import Llama, ModelArgs
-from kiln.shards.format import ShardSet
+from kiln.model import Llama, ModelArgs, MoEArgs, RopeScaling
 from kiln.tokenizer import tokenizer_sha256
 from kiln.train import checkpoint as ckpt
 from kiln.train import parallel
 from kiln.train.budget import Budget
 from kiln.train.clip import clip, group_norms, layer_groups
 from kiln.train.guards import Escalation, NonFiniteGuard, SpikeGuard
+from kiln.train.data import open_splits
 from kiln.train.loader import Loader
 from kiln.train.metrics import MetricsLog, mfu, peak_memory_gb, peak_tflops
 from kiln.train.parallel import Dist, all_reduce_sum, init_distributed
-from kiln.train.schedule import warmup_cosine
+from kiln.train.precision import apply_precision_policy
+from kiln.train.schedule import build_schedule
 from kiln.train.signals import StopRequests
 from kiln.train.watchdog import Watchdog
 
@@ -42,9 +43,13 @@ ENV_KEYS = ("python", "torch", "cuda", "nccl", "gpus", "kiln")
 
 def build_model(cfg: Config, vocab_size: int) -> Llama:
     m = cfg.model
+    rope_scaling = RopeScaling(**m.rope_scaling.model_dump()) if m.rope_scaling else None
+    moe = MoEArgs(n_experts=m.moe.n_experts, top_k=m.moe.top_k, capacity_factor=m.moe.capacity_factor,
+                  every_n_layers=m.moe.every_n_layers, ffn_hidden=m.moe.ffn_hidden) if m.moe.n_experts else None
     args = ModelArgs(vocab_size=vocab_size, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
                      ffn_hidden=m.ffn_hidden, multiple_of=m.multiple_of, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
-                     max_seq_len=cfg.pack.seq_len, tie_embeddings=m.tie_embeddings, init_std=m.init_std)
+                     max_seq_len=cfg.pack.seq_len, tie_embeddings=m.tie_embeddings, init_std=m.init_std,
+                     rope_scaling=rope_scaling, moe=moe)
     return Llama(args)
 
 
@@ -77,26 +82,31 @@ class Trainer:
         shards, tok_dir = cfg.out / "shards", cfg.out / "tokenizer"
         self.tokenizer_file = tok_dir / "tokenizer.json"
         tok_sha = tokenizer_sha256(tok_dir)
-        self.train_set = ShardSet(shards, "train", tok_sha)
-        self.val_set = ShardSet(shards, "val", tok_sha)
+        self.train_set, self.val_set = open_splits(cfg, tok_sha)
         if self.train_set.sample_len != cfg.pack.seq_len + 1:
             raise KilnError(f"{shards}: samples of {self.train_set.sample_len} tokens, config says pack.seq_len={cfg.pack.seq_len}; re-run `kiln pack`")
         vocab = int(self.train_set.manifest["vocab_size"])
+        self.pad_id = self.train_set.manifest.get("pad_id")
         self.data_fingerprint = sha256_file(shards / "manifest.json")
 
         micro = t.micro_batch_size or t.batch_size // self.d.world
         if micro < 1:
             raise KilnError(f"train.batch_size={t.batch_size} is smaller than the world size {self.d.world}")
         try:
-            self.loader = Loader(self.train_set, t.batch_size, micro, self.d.rank, self.d.world, cfg.seed)
+            self.loader = Loader(self.train_set, t.batch_size, micro, self.d.rank, self.d.world, cfg.seed, cfg.loader.prefetch)
         except ValueError as exc:
             raise KilnError(str(exc)) from None
 
         self.model = build_model(cfg, vocab).to(self.d.device)
         self.flops_per_token = self.model.flops_per_token(cfg.pack.seq_len)
-        self.groups = layer_groups(self.model, cfg.model.n_layers, t.upper_layers)
+        self.moe = cfg.model.moe.n_experts > 0
         self.mode = parallel.parallel_mode(cfg.parallel.mode, self.d)
         self.autocast = DTYPES[t.dtype]
+        if t.fp32_modules:
+            if self.mode == "fsdp":
+                raise KilnError("train.fp32_modules works with autocast (one process or DDP); under FSDP2 the "
+                                "mixed-precision policy casts every parameter: leave it empty or use parallel.mode=ddp")
+            apply_precision_policy(self.model, t.fp32_modules)
         if cfg.parallel.activation_checkpointing:
             parallel.apply_activation_checkpointing(self.model)
         if self.mode == "fsdp":
@@ -108,13 +118,20 @@ class Trainer:
         if cfg.parallel.compile:
             self.model.compile()
         self.wrapped = parallel.wrap_model(self.model, self.d, self.mode)
+        # After sharding: FSDP2 replaces the parameters with DTensors.
+        self.groups = layer_groups(self.model, cfg.model.n_layers, t.upper_layers)
+        if self.d.device.type == "cuda":
+            # fp32 matmuls on tensor cores (TF32), which is what the peak table's fp32 figures assume.
+            torch.set_float32_matmul_precision("high")
         self.optimizer = torch.optim.AdamW(param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                                            foreach=True)
         self.scaler = torch.amp.GradScaler(self.d.device.type, init_scale=2.0**16) if t.dtype == "fp16" else None
 
         self.non_finite = NonFiniteGuard()
-        self.spikes = SpikeGuard(cfg.guards.spike_zscore, cfg.guards.spike_window, cfg.guards.spike_min_history)
+        g = cfg.guards
+        self.spikes = SpikeGuard(g.spike_zscore, g.grad_spike_zscore, g.spike_window, g.spike_min_history)
         self.escalation = Escalation(cfg.guards)
+        self.schedule = build_schedule(cfg)
         self.budget = Budget(cfg.budget, self.d.world)
         self.saver = ckpt.Saver(cfg.checkpoint.async_save, log)
         self.requests = StopRequests()
@@ -133,8 +150,7 @@ class Trainer:
             self.metrics.write(record)
 
     def lr_at(self, step: int) -> float:
-        t = self.cfg.train
-        return warmup_cosine(step, t.lr, t.warmup_steps, t.max_steps, t.min_lr_ratio) * self.escalation.lr_factor(step)
+        return self.schedule.lr(step) * self.escalation.lr_factor(step)
 
     # --- checkpoints ------------------------------------------------------------------------
 
@@ -155,6 +171,8 @@ class Trainer:
             self.history = state["history"]
             rngs = data["rng"]
             ckpt.restore_rng(rngs[self.d.rank] if self.d.rank < len(rngs) else rngs[0])
+        if "schedule" in state:  # on rollback too: the breathing phases rewind with the step
+            self.schedule.load_state_dict(state["schedule"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         return state
 
@@ -208,7 +226,8 @@ class Trainer:
         state = {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
                  "world_size": self.d.world, "config_hash": self.config_hash, "history": self.history,
                  "spikes": self.spikes.state_dict(), "escalation": self.escalation.state_dict(),
-                 "budget": self.budget.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None}
+                 "budget": self.budget.state_dict(), "schedule": self.schedule.state_dict(),
+                 "scaler": self.scaler.state_dict() if self.scaler else None}
         fields = {"config_hash": self.config_hash, "data_fingerprint": self.data_fingerprint, "env": env_fingerprint()}
         vals = {int(s): v for s, v in self.history["val_loss"].items() if int(s) > 0}
         best = min(vals, key=vals.get) if (cfg.checkpoint.keep_best and vals) else None
@@ -236,7 +255,7 @@ class Trainer:
             raise KilnError(f"{self.cfg.out / 'shards'}: the validation split has too few samples; raise pack.val_fraction")
         mine = torch.arange(n)[self.d.rank::w].numpy()  # equal counts: FSDP2 needs every rank in every forward
         total, count = summed_loss(self.wrapped, sample_batches(self.val_set, mine, self.loader.micro_batch),
-                                   self.d.device, self.autocast)
+                                   self.d.device, self.autocast, self.pad_id)
         total, count = all_reduce_sum([total, count], self.d)
         self.watchdog.beat(self.step)
         return total / count
@@ -258,10 +277,12 @@ class Trainer:
         t_data = time.perf_counter() - tick
         tick = time.perf_counter()
         loss_sum = 0.0
+        moe_sums = {"aux_loss": 0.0, "z_loss": 0.0, "dropped_tokens": 0, "routed_tokens": 0}
         for i, batch in enumerate(micro_batches):
             with parallel.gradient_sync(self.wrapped, self.mode, enabled=i == len(micro_batches) - 1):
-                loss = next_token_loss(self.wrapped, batch.to(self.d.device, non_blocking=True), self.autocast)
-                scaled = loss / len(micro_batches)
+                loss = next_token_loss(self.wrapped, batch.to(self.d.device, non_blocking=True), self.autocast, self.pad_id)
+                total = loss + self._router_loss(moe_sums) if self.moe else loss
+                scaled = total / len(micro_batches)
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.item()
         t_fwd_bwd = time.perf_counter() - tick
@@ -269,8 +290,18 @@ class Trainer:
         flags = [float(self.requests.stop), float(self.requests.save)]
         loss_total, stop, save = all_reduce_sum([loss_sum / len(micro_batches), *flags], self.d)
         t_comm = time.perf_counter() - tick
-        return {"loss": loss_total / self.d.world, "stop": stop > 0, "save": save > 0,
-                "time_data_s": t_data, "time_fwd_bwd_s": t_fwd_bwd, "time_comm_s": t_comm}
+        out = {"loss": loss_total / self.d.world, "stop": stop > 0, "save": save > 0,
+               "time_data_s": t_data, "time_fwd_bwd_s": t_fwd_bwd, "time_comm_s": t_comm}
+        if self.moe:  # this rank's router numbers: the balance a rank sees is what its experts get
+            out.update({f"moe/{k}": v / len(micro_batches) if "loss" in k else v for k, v in moe_sums.items()})
+        return out
+
+    def _router_loss(self, sums: dict[str, float]) -> torch.Tensor:
+        """MoE load-balancing and z losses of the last forward, weighted; their values are added to `sums`."""
+        m, stats = self.cfg.model.moe, self.model.moe_losses()
+        for k in sums:
+            sums[k] += float(stats[k])
+        return m.aux_loss_coef * stats["aux_loss"] + m.z_loss_coef * stats["z_loss"]
 
     def optimizer_step(self, lr: float, loss: float, measure_update: bool) -> dict[str, Any]:
         """Clip, judge with the guards, step or skip. Returns grad norms, verdict and update ratio."""
@@ -280,6 +311,10 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         norms = group_norms(self.groups)
+        layer_norms = None
+        if self.schedule.wants_layer_norms():  # before clipping: the calibrator measures the raw spread
+            blocks = {str(i): list(b.parameters()) for i, b in enumerate(self.model.layers)}
+            layer_norms = [float(n) for n in group_norms(blocks).values()]
         t = self.cfg.train
         grad_norm = clip(self.groups, norms, t.grad_clip, t.grad_clip_groups)
         out: dict[str, Any] = {"grad_norm": grad_norm, **{f"grad_norm/{g}": float(n) for g, n in norms.items()}}
@@ -300,6 +335,9 @@ class Trainer:
                 out["update_to_weight"] = _update_ratio(before, list(self.model.parameters()))
         if reason is None:
             self.spikes.accept(loss, grad_norm)
+        if self.schedule.measures_noise:  # the breathing schedule's gradient noise is grad_norm / param_norm
+            out["param_norm"] = float(parallel.local_tensor(torch.nn.utils.get_total_norm([p.detach() for p in self.model.parameters()])))
+        self.schedule.observe_step(self.step + 1, grad_norm, out.get("param_norm", 0.0), layer_norms)
         self.optimizer.zero_grad(set_to_none=True)
         out["skip_reason"] = reason
         out["time_optim_s"] = time.perf_counter() - tick
@@ -311,13 +349,15 @@ class Trainer:
         """Back to the newest good checkpoint, keeping the data position: the window that caused the
         trouble is skipped, and the learning rate is lowered for a while."""
         self.saver.wait()
-        folder = ckpt.latest_valid(self.ckpt_dir, log=lambda *_: None, public_key=self.cfg.checkpoint.public_key)
+        trouble = self.escalation.first_recent_skip()
+        good = [c for c in ckpt.list_checkpoints(self.ckpt_dir) if ckpt.step_of(c) < trouble]
+        folder = ckpt.latest_valid_of(good, public_key=self.cfg.checkpoint.public_key)
         logs = self.run_dir / "metrics.jsonl"
         if folder is None:
-            raise KilnError(f"step {self.step}: {reason} and no checkpoint to roll back to; see {logs}")
+            raise KilnError(f"step {self.step}: {reason}, and no checkpoint from before step {trouble} to roll back to; "
+                            f"see {logs}")
         position, epoch, at = self.loader.state.position, self.loader.state.epoch, self.step
-        self._load(folder, resume=False)
-        self.loader.state.position, self.loader.state.epoch = position, epoch
+        self._load(folder, resume=False)  # the loader keeps its position
         stop = self.escalation.record_rollback(self.step)
         self.event({"event": "rollback", "step": at, "to_step": self.step, "reason": reason,
                     "data_position": position, "epoch": epoch, "rollbacks": self.escalation.rollbacks})
@@ -373,8 +413,9 @@ class Trainer:
                 if rollback:
                     self.rollback(f"{len(self.escalation.recent)} skipped steps within {cfg.guards.rollback_window}")
                     continue
-                if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps:
-                    self.run_eval()
+                if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps \
+                        or self.schedule.wants_eval(self.step):
+                    self.schedule.observe_eval(self.step, self.run_eval())
                 stopped = self._stop_reason(measured)
                 if stopped or measured["save"] or self.step % cfg.checkpoint.every == 0 or self.step == t.max_steps:
                     self.save(stopped or ("signal" if measured["save"] else "schedule"))
@@ -385,11 +426,13 @@ class Trainer:
                     break
         finally:
             self.saver.wait()
+            self.loader.close()
             self.watchdog.stop()
             self.requests.uninstall()
             profiler.close()
             if self.metrics is not None:
                 self.metrics.close()
+                self.metrics = None
         return self.summary(stopped)
 
     def _stop_reason(self, measured: dict[str, Any]) -> str | None:
@@ -404,7 +447,8 @@ class Trainer:
 
     def _record(self, measured: dict, result: dict, lr: float, dt: float, tokens: int) -> None:
         tps = tokens / dt
-        record = {"event": "step", "step": self.step, "loss": measured["loss"], "lr": lr, **result,
+        moe = {k: v for k, v in measured.items() if k.startswith("moe/")}
+        record = {"event": "step", "step": self.step, "loss": measured["loss"], "lr": lr, **result, **moe,
                   "tokens_per_s": tps, "step_time_s": dt, "tokens_seen": self.tokens_seen,
                   "mfu": mfu(self.flops_per_token, tps, self.peak, self.d.world),
                   "mem_peak_gb": peak_memory_gb(self.d.device),

@@ -36,7 +36,6 @@ class Watchdog:
         self.step = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.prefix = f"kiln/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
     def beat(self, step: int) -> None:
         self.step = step
@@ -56,9 +55,11 @@ class Watchdog:
     def _store(self):
         if self.d.world == 1:
             return None
-        # A client of its own: the main thread's store connection is not shared across threads.
-        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                             timeout=timedelta(seconds=max(30.0, self.cfg.heartbeat_s * 4)))
+        # A client of its own (the main thread's connection is not shared across threads), under the
+        # same per-restart prefix as the process group.
+        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                               timeout=timedelta(seconds=max(30.0, self.cfg.heartbeat_s * 4)))
+        return dist.PrefixStore(f"kiln/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/watchdog", client)
 
     def _run(self) -> None:
         try:
@@ -66,48 +67,52 @@ class Watchdog:
         except Exception as exc:  # no store: still watch this rank
             self.log(f"watchdog: no distributed store ({exc}); watching rank {self.d.rank} only")
             store = None
-        seen: dict[int, tuple[int, float, dict]] = {}  # rank -> (progress, when it last changed, beat)
-        while not self._stop.wait(self.cfg.heartbeat_s):
+        t0 = time.monotonic()
+        progress: dict[int, tuple[int, float]] = {}  # rank -> (progress, when it last changed), on our clock
+        ticks: dict[int, tuple[int, float]] = {}  # rank -> (heartbeat count, when it last changed)
+        beats: dict[int, dict] = {}
+        tick = 0
+        while tick == 0 or not self._stop.wait(self.cfg.heartbeat_s):  # publish at once, then every heartbeat_s
+            tick += 1
             now = time.monotonic()
-            beats = {self.d.rank: {"progress": self.progress, "step": self.step, "host": self.d.host, "pid": os.getpid()}}
+            beats[self.d.rank] = {"progress": self.progress, "step": self.step, "host": self.d.host,
+                                  "pid": os.getpid(), "tick": tick}
             try:
                 if store is not None:
-                    store.set(f"{self.prefix}/hb/{self.d.rank}", json.dumps(beats[self.d.rank]))
-                    if store.check([f"{self.prefix}/dump"]):
-                        self._dump_and_exit(json.loads(store.get(f"{self.prefix}/dump")))
+                    store.set(f"hb/{self.d.rank}", json.dumps(beats[self.d.rank]))
+                    if store.check(["dump"]):
+                        self._dump_and_exit(json.loads(store.get("dump")))
                     for r in range(self.d.world):
-                        key = f"{self.prefix}/hb/{r}"
-                        if r != self.d.rank and store.check([key]):
-                            beats[r] = json.loads(store.get(key))
+                        if r != self.d.rank and store.check([f"hb/{r}"]):
+                            beats[r] = json.loads(store.get(f"hb/{r}"))
             except Exception:
                 pass  # the store going away means the group is being torn down; torchrun handles it
             for r, beat in beats.items():
-                prev = seen.get(r)
-                if prev is None or prev[0] != beat["progress"]:
-                    seen[r] = (beat["progress"], now, beat)
-            for r in range(self.d.world):
-                prev = seen.get(r)
-                since = now - (prev[1] if prev else self._started(now))
-                if since > self.cfg.stall_timeout_s:
-                    beat = prev[2] if prev else {"host": "unknown", "step": "unknown", "pid": "unknown"}
-                    report = {"rank": r, "host": beat["host"], "pid": beat["pid"], "step": beat["step"],
-                              "stalled_s": round(since, 1), "reported_by": self.d.rank}
-                    self.log(f"watchdog: rank {r} on host {beat['host']} (pid {beat['pid']}) has not advanced "
-                             f"past step {beat['step']} for {since:.0f} s; dumping stacks and exiting so torchrun "
-                             f"can restart the group (a stopped or dead rank cannot dump its own stacks)")
-                    if store is not None:
-                        try:
-                            store.set(f"{self.prefix}/dump", json.dumps(report))
-                        except Exception:
-                            pass
-                    self._dump_and_exit(report)
+                for seen, value in ((progress, beat["progress"]), (ticks, beat["tick"])):
+                    if r not in seen or seen[r][0] != value:
+                        seen[r] = (value, now)
+            stalled = [r for r in range(self.d.world) if now - progress.get(r, (0, t0))[1] > self.cfg.stall_timeout_s]
+            if stalled:
+                self._report(stalled, beats, ticks, now, store)
 
-    _t0: float | None = None
-
-    def _started(self, now: float) -> float:
-        if self._t0 is None:
-            self._t0 = now
-        return self._t0
+    def _report(self, stalled: list[int], beats: dict, ticks: dict, now: float, store) -> None:
+        """Blame the rank that is behind: one whose heartbeat stopped (stopped or dead), else the lowest
+        step; the others are waiting for it in a collective."""
+        silent = [r for r in stalled if now - ticks.get(r, (0, 0.0))[1] > 3 * self.cfg.heartbeat_s]
+        culprit = (silent or sorted(stalled, key=lambda r: beats.get(r, {}).get("step", -1)))[0]
+        beat = beats.get(culprit, {"host": "unknown", "step": "unknown", "pid": "unknown"})
+        report = {"rank": culprit, "host": beat["host"], "pid": beat["pid"], "step": beat["step"],
+                  "heartbeat_stopped": culprit in silent, "reported_by": self.d.rank}
+        self.log(f"watchdog: rank {culprit} on host {beat['host']} (pid {beat['pid']}) has not advanced past step "
+                 f"{beat['step']} for over {self.cfg.stall_timeout_s:.0f} s"
+                 f"{' and its heartbeat stopped (stopped or dead: it cannot dump its stacks)' if culprit in silent else ''}; "
+                 f"dumping stacks and exiting so torchrun can restart the group")
+        if store is not None:
+            try:
+                store.set("dump", json.dumps(report))
+            except Exception:
+                pass
+        self._dump_and_exit(report)
 
     def _dump_and_exit(self, report: dict) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)

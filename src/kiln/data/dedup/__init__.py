@@ -1,0 +1,44 @@
+"""Deduplication, global over the kept documents in the stage's canonical order.
+
+- `ExactDedup` (exact.py): xxh3-128 of normalised text, streaming; the first seen survives.
+- `MinHashDedup` (minhash.py) and `SimHashDedup` (simhash.py): near duplicates. Both take
+  `add(doc_id, text)` for every document that survived exact dedup, then `ledger()` (one row
+  per removed document: cluster, survivor, member, similarity) or `duplicates()`
+  ({removed id: (survivor id, similarity)}). The survivor is the cluster's first document.
+- `near_dedup(cfg)` builds the one `data.dedup.method` asks for (None for `none`);
+  `write_ledger` writes the rows as docs/dedup_ledger.jsonl.zst; `drop_near_duplicates` then
+  rejects the ledger's members in a second pass over the same stream (reason `near_duplicate`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from kiln.data.dedup.clusters import LEDGER, write_ledger
+from kiln.data.dedup.exact import ExactDedup, text_key
+from kiln.data.dedup.minhash import MinHashDedup
+from kiln.data.dedup.simhash import SimHashDedup
+from kiln.data.document import Document
+
+__all__ = ["LEDGER", "ExactDedup", "MinHashDedup", "SimHashDedup", "drop_near_duplicates", "near_dedup", "text_key",
+           "write_ledger"]
+
+
+def near_dedup(cfg, spill_dir: str | None = None) -> "MinHashDedup | SimHashDedup | None":
+    """The near-duplicate index `cfg` (a DedupConfig) asks for; `spill_dir` holds MinHash's shingle file."""
+    if cfg.method == "minhash":
+        return MinHashDedup(cfg.bands, cfg.rows, cfg.threshold, cfg.ngram, cfg.tokens, cfg.seed, spill_dir)
+    if cfg.method == "simhash":
+        return SimHashDedup(cfg.hamming, cfg.ngram, cfg.tokens)
+    return None
+
+
+def drop_near_duplicates(docs: Iterator[Document], ledger: list[dict[str, Any]]) -> Iterator[Document]:
+    """Reject every kept document the ledger names as a member, pointing at its survivor."""
+    removed = {row["member"]: row for row in ledger}
+    for doc in docs:
+        row = removed.get(doc.id) if doc.rejection is None else None
+        if row is not None:
+            doc.reject("dedup", "near_duplicate", duplicate_of=row["survivor"], similarity=row["similarity"],
+                       cluster=row["cluster"])
+        yield doc

@@ -1,0 +1,100 @@
+"""MinHash LSH near-duplicate detection, global over the kept documents in canonical order.
+
+Signature: for each of bands x rows hash functions h_k(x) = (a_k x + b_k mod 2^64) >> 32
+(multiply-shift, a_k odd), the minimum over the document's shingle hashes, computed for all
+k at once with numpy. Documents whose signatures agree on every row of some band become
+candidate pairs; a candidate pair is a duplicate only when the exact Jaccard similarity of
+the two shingle sets reaches `threshold`. Shingle sets are spilled to a temporary file as
+they arrive, so memory holds the signatures (4 x bands x rows bytes per document), not texts.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from kiln.data.dedup.clusters import UnionFind, ledger_rows, link_buckets
+from kiln.data.dedup.shingles import jaccard, shingle_hashes
+
+_CHUNK = 4096  # shingles per block of the (shingles x hash functions) matrix
+
+
+class MinHashDedup:
+    def __init__(self, bands: int = 20, rows: int = 6, threshold: float = 0.8, ngram: int = 5,
+                 tokens: str = "auto", seed: int = 1, spill_dir: str | None = None) -> None:
+        self.bands, self.rows, self.threshold, self.ngram, self.tokens = bands, rows, threshold, ngram, tokens
+        rng = np.random.default_rng(seed)
+        k = bands * rows
+        self.a = rng.integers(1, 2**63, size=k, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+        self.b = rng.integers(0, 2**63, size=k, dtype=np.uint64)
+        self.ids: list[str] = []
+        self.signatures: list[np.ndarray] = []
+        self.spans: list[tuple[int, int]] = []  # (byte offset, shingle count) in the spill file
+        self._spill = tempfile.TemporaryFile(dir=spill_dir)
+        self._size = 0
+        self.pairs_checked = 0
+
+    def signature(self, shingles: np.ndarray) -> np.ndarray:
+        sig = np.full(len(self.a), np.iinfo(np.uint32).max, dtype=np.uint32)
+        with np.errstate(over="ignore"):
+            for start in range(0, len(shingles), _CHUNK):
+                x = shingles[start:start + _CHUNK, None]
+                block = ((x * self.a + self.b) >> np.uint64(32)).astype(np.uint32)
+                np.minimum(sig, block.min(axis=0), out=sig)
+        return sig
+
+    def add(self, doc_id: str, text: str) -> None:
+        shingles = shingle_hashes(text, self.ngram, self.tokens)
+        self.ids.append(doc_id)
+        self.signatures.append(self.signature(shingles))
+        self._spill.write(shingles.tobytes())
+        self.spans.append((self._size, len(shingles)))
+        self._size += shingles.nbytes
+
+    def _shingles(self, i: int) -> np.ndarray:
+        offset, count = self.spans[i]
+        return np.frombuffer(os.pread(self._spill.fileno(), count * 8, offset), dtype=np.uint64)
+
+    def _buckets(self) -> list[list[int]]:
+        """Groups of documents (each in canonical order) that agree on a whole band, band by band."""
+        if not self.signatures:
+            return []
+        sigs = np.stack(self.signatures).reshape(len(self.ids), self.bands, self.rows)
+        out = []
+        for band in range(self.bands):
+            keys = np.ascontiguousarray(sigs[:, band, :]).view(f"V{4 * self.rows}").ravel()
+            order = np.argsort(keys, kind="stable")
+            sorted_keys = keys[order]
+            edges = np.flatnonzero(sorted_keys[1:] != sorted_keys[:-1]) + 1
+            for group in np.split(order, edges):
+                if len(group) > 1:
+                    out.append(sorted(group.tolist()))
+        return out
+
+    def _confirm(self, j: int, i: int) -> float | None:
+        sim = jaccard(self._shingles(j), self._shingles(i))
+        return sim if sim >= self.threshold else None
+
+    def run(self) -> tuple[UnionFind, dict[int, tuple[int, float]]]:
+        self._spill.flush()  # _shingles reads the file descriptor, under Python's buffer
+        uf = UnionFind()
+        for _ in self.ids:
+            uf.add()
+        links: dict[int, tuple[int, float]] = {}
+        self.pairs_checked = link_buckets(self._buckets(), uf, self._confirm, links)
+        return uf, links
+
+    def ledger(self) -> list[dict[str, Any]]:
+        uf, links = self.run()
+        return ledger_rows(self.ids, uf, links, lambda r, i: jaccard(self._shingles(r), self._shingles(i)))
+
+    def duplicates(self) -> dict[str, tuple[str, float]]:
+        """{removed id: (survivor id, Jaccard similarity to the survivor)}."""
+        return {row["member"]: (row["survivor"], row["similarity"]) for row in self.ledger()}
+
+    def index_bytes(self) -> int:
+        """Bytes the index holds in memory (signatures and spill offsets; the ids are the caller's)."""
+        return sum(s.nbytes for s in self.signatures) + 16 * len(self.spans)

@@ -1,0 +1,49 @@
+"""Shingles: the hashed token n-grams that both near-duplicate methods compare.
+
+Tokens are words, with each Han/kana character a word of its own (`auto`, so Chinese and
+Japanese get character n-grams), or every non-space character (`char`). Text is lower-cased
+first. Each token is hashed once with xxh3-64; an n-gram's hash is a polynomial of its tokens'
+hashes computed with numpy over the whole document (wrapping uint64 arithmetic).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import xxhash
+
+from kiln.data.gates.text import words
+
+_MULT = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplication by it is a bijection mod 2^64
+
+
+def tokens(text: str, mode: str = "auto") -> list[str]:
+    text = text.lower()
+    if mode == "char":
+        return re.findall(r"\S", text)
+    if mode == "word":
+        return text.split()
+    return words(text)
+
+
+def shingle_hashes(text: str, n: int = 5, mode: str = "auto") -> np.ndarray:
+    """Sorted unique uint64 hashes of the document's token n-grams (one shingle if it has fewer tokens)."""
+    toks = tokens(text, mode)
+    if not toks:
+        return np.empty(0, dtype=np.uint64)
+    h = np.fromiter((xxhash.xxh3_64_intdigest(t.encode("utf-8", "surrogatepass")) for t in toks), dtype=np.uint64, count=len(toks))
+    n = min(n, len(h))
+    acc = h[: len(h) - n + 1].copy()
+    with np.errstate(over="ignore"):
+        for j in range(1, n):
+            acc = acc * _MULT + h[j: len(h) - n + 1 + j]
+    return np.unique(acc)
+
+
+def jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    """Jaccard similarity of two sorted unique shingle arrays."""
+    if not len(a) and not len(b):
+        return 1.0
+    inter = len(np.intersect1d(a, b, assume_unique=True))
+    return inter / (len(a) + len(b) - inter)

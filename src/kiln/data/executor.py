@@ -1,0 +1,66 @@
+"""Run independent tasks on a local process pool or on Ray, handing each result back as it finishes.
+
+A task function is pure: it takes its arguments and returns its result; the caller
+commits results (the driver owns the work folder), so a Ray cluster needs no shared
+filesystem and a killed worker leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from itertools import islice
+from typing import Any, Callable, Iterator
+
+from kiln.errors import KilnError
+
+
+def run_tasks(fn: Callable[[Any], Any], tasks: list[Any], workers: int, executor: str = "local",
+              ray_address: str | None = None) -> Iterator[Any]:
+    """Yield fn(task) for every task, in completion order; at most `workers` run at once."""
+    if not tasks:
+        return iter(())
+    if executor == "ray":
+        return _ray(fn, tasks, workers, ray_address)
+    if workers <= 1:
+        return (fn(t) for t in tasks)
+    return _pool(fn, tasks, workers)
+
+
+def _pool(fn, tasks, workers) -> Iterator[Any]:
+    # Submitting a bounded window (not pool.map over everything) keeps finished results
+    # flowing back in completion order, so each is committed as soon as it exists.
+    pending = iter(tasks)
+    with ProcessPoolExecutor(min(workers, len(tasks))) as pool:
+        running = {pool.submit(fn, t) for t in islice(pending, workers * 2)}
+        while running:
+            done, running = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                yield future.result()
+                running.update(pool.submit(fn, t) for t in islice(pending, 1))
+
+
+def _ray(fn, tasks, workers, address) -> Iterator[Any]:
+    try:
+        import ray
+    except ImportError:
+        raise KilnError("data.executor=ray needs Ray; pip install 'kiln-lm[ray]' or use data.executor=local") from None
+    started = not ray.is_initialized()
+    if started:
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:
+            # A local Ray for this run: no dashboard, no token file (nothing leaves the machine).
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+    try:
+        remote = ray.remote(num_cpus=1, max_retries=2)(fn)
+        pending = iter(tasks)
+        running = [remote.remote(t) for t in islice(pending, workers * 2)]
+        while running:
+            done, running = ray.wait(running, num_returns=1)
+            yield ray.get(done[0])
+            running += [remote.remote(t) for t in islice(pending, 1)]
+    finally:
+        if started:
+            ray.shutdown()

@@ -1,0 +1,63 @@
+"""Quality gates: small steps that each compute signals, then keep, drop (reason, signals) or edit.
+
+`default_gates(cfg)` lists the steps in the order they run; `apply_gates` runs them over documents. One module per gate family:
+basic (length, letters, duplicate lines), gopher, c4, fineweb, noise, residue, blocklist, pii;
+`distribution` is the corpus-wide source check that runs after the merge.
+
+Edits (line removal, truncation, redaction) change the text; what they counted is kept in
+`doc.edits` and, when a later gate drops the document, in its signals under "edits".
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from kiln.data.document import Document
+from kiln.data.gates.basic import low_letters, repetitive_lines, too_short
+from kiln.data.gates.blocklist import url_blocklist
+from kiln.data.gates.c4 import c4_lines
+from kiln.data.gates.distribution import SourceProfiles, source_weights
+from kiln.data.gates.fineweb import fineweb_rules
+from kiln.data.gates.gopher import gopher_quality, gopher_repetition
+from kiln.data.gates.noise import token_noise
+from kiln.data.gates.pii import redact_pii
+from kiln.data.gates.residue import format_residue
+from kiln.data.gates.types import Edit, Gate, Verdict
+
+__all__ = ["Edit", "Gate", "Verdict", "SourceProfiles", "apply_gates", "default_gates", "low_letters",
+           "repetitive_lines", "source_weights", "too_short"]
+
+
+def default_gates(cfg) -> list[Gate]:
+    """The steps `cfg` (a DataConfig) turns on, in running order."""
+    q = cfg.quality
+    on = lambda section, make: [make(section)] if section.enabled else []  # noqa: E731
+    return [
+        *([url_blocklist(cfg.blocklist.file)] if cfg.blocklist.file else []),
+        *on(q.residue, format_residue),  # measures markup before the edits below remove any of it
+        *on(q.gopher_repetition, gopher_repetition),  # FineWeb's order: Gopher, C4, FineWeb
+        *on(q.gopher_quality, gopher_quality),
+        *on(q.c4, c4_lines),
+        *on(q.fineweb, fineweb_rules),
+        *on(q.noise, token_noise),
+        # after the edits, so that every kept document meets them as written out
+        too_short(cfg.min_chars), low_letters(cfg.min_letter_frac), repetitive_lines(cfg.max_dup_line_frac),
+        *on(q.pii, redact_pii),
+    ]
+
+
+def apply_gates(docs: Iterator[Document], gates: list[Gate]) -> Iterator[Document]:
+    for doc in docs:
+        if doc.rejection is None:
+            edits = doc.edits
+            for gate in gates:
+                result = gate(doc.url if getattr(gate, "reads_url", False) else doc.text or "")
+                if isinstance(result, Edit):
+                    doc.text = result.text
+                    for k, v in result.counts.items():
+                        edits[k] = edits.get(k, 0) + v
+                elif result is not None:
+                    reason, signals = result
+                    doc.reject("quality", reason, **signals, **({"edits": dict(edits)} if edits else {}))
+                    break
+        yield doc

@@ -1,0 +1,40 @@
+"""The first, cheapest gates: length, letters, repeated lines (Gopher's duplicate-line fraction).
+
+Characters rather than words are counted so that languages written without
+spaces are measured the same way.
+"""
+
+from __future__ import annotations
+
+import re
+
+from kiln.data.gates.types import Gate, Verdict
+
+_LETTERS = re.compile(r"[^\W\d_]")  # what str.isalpha accepts, counted in C
+
+
+def too_short(min_chars: int) -> Gate:
+    def gate(text: str) -> Verdict:
+        n = len(text)
+        return ("too_short", {"chars": n, "min_chars": min_chars}) if n < min_chars else None
+    return gate
+
+
+def repetitive_lines(max_frac: float) -> Gate:
+    def gate(text: str) -> Verdict:
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        if not lines:
+            return None
+        dup = 1 - len(set(lines)) / len(lines)
+        return ("repetitive_lines", {"dup_line_frac": round(dup, 4), "max": max_frac}) if dup > max_frac else None
+    return gate
+
+
+def low_letters(min_frac: float) -> Gate:
+    def gate(text: str) -> Verdict:
+        visible = len(text) - sum(c.isspace() for c in text)
+        if not visible:
+            return ("low_letters", {"letter_frac": 0.0, "min": min_frac})
+        frac = len(_LETTERS.findall(text)) / visible
+        return ("low_letters", {"letter_frac": round(frac, 4), "min": min_frac}) if frac < min_frac else None
+    return gate

@@ -1,0 +1,33 @@
+"""FineWeb's own rules (Penedo et al. 2024): punctuated lines, short lines, duplicated lines, lists."""
+
+from __future__ import annotations
+
+from kiln.data.gates.text import TERMINAL_PUNCT, lines, ratio, words
+from kiln.data.gates.types import Gate, Verdict, drop
+
+
+def fineweb_rules(cfg) -> Gate:
+    def gate(text: str) -> Verdict:
+        ls = lines(text)
+        if not ls:
+            return None
+        s: dict = {"line_punct_ratio": ratio(sum(ln.endswith(TERMINAL_PUNCT) for ln in ls), len(ls))}
+        if s["line_punct_ratio"] < cfg.min_line_punct_ratio:
+            return drop("fineweb_line_punct", s, min=cfg.min_line_punct_ratio)
+        s["short_line_ratio"] = ratio(sum(len(ln) <= cfg.short_line_chars for ln in ls), len(ls))
+        if s["short_line_ratio"] > cfg.max_short_line_ratio:
+            return drop("fineweb_short_lines", s, max=cfg.max_short_line_ratio)
+        seen: set[str] = set()
+        dup_chars = 0
+        for ln in ls:
+            if ln in seen:
+                dup_chars += len(ln)
+            seen.add(ln)
+        s["dup_line_char_ratio"] = ratio(dup_chars, len(text.replace("\n", "")))
+        if s["dup_line_char_ratio"] > cfg.max_dup_line_char_ratio:
+            return drop("fineweb_dup_line_chars", s, max=cfg.max_dup_line_char_ratio)
+        s["list_ratio"] = ratio(text.count("\n"), len(words(text)))
+        if s["list_ratio"] > cfg.max_list_ratio:
+            return drop("fineweb_list_ratio", s, max=cfg.max_list_ratio)
+        return None
+    return gate

@@ -1,0 +1,38 @@
+"""PII redaction: e-mail addresses and public IP addresses are replaced and counted.
+
+Private, loopback and documentation addresses (192.168.x.x, 127.0.0.1, ...) are kept: they
+identify nobody, and technical text is full of them.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+
+from kiln.data.gates.types import Edit, Gate
+
+EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@(?:[A-Za-z0-9-]+\.)+[A-Za-z]{2,}\b")
+IPV4 = re.compile(r"(?<![\d.])\d{1,3}(?:\.\d{1,3}){3}(?![\d.])")  # ipaddress then checks the octets
+
+
+def redact_pii(cfg) -> Gate:
+    def gate(text: str) -> Edit | None:
+        emails = ips = 0
+        if "@" in text:
+            text, emails = EMAIL.subn(cfg.email_replacement, text)
+
+        def public(m: re.Match) -> str:
+            nonlocal ips
+            try:
+                public_ip = ipaddress.ip_address(m.group()).is_global
+            except ValueError:  # an octet over 255: a version number, not an address
+                return m.group()
+            if public_ip:
+                ips += 1
+                return cfg.ip_replacement
+            return m.group()
+
+        text = IPV4.sub(public, text)
+        counts = {k: v for k, v in (("pii_emails", emails), ("pii_ips", ips)) if v}
+        return Edit(text, counts) if counts else None
+    return gate

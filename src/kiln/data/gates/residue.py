@@ -1,0 +1,54 @@
+"""Format residue: markup that survived extraction (SEEDS' syntax/format gate).
+
+Counted per document: HTML tags and entities left in the text, JSON fragments that do not
+parse, and Markdown/ASCII table rows whose cell count disagrees with the row before. The
+document is dropped when these events exceed `max_per_kchar` per 1,000 characters.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from kiln.data.gates.noise import _ENTITY, _TAG
+from kiln.data.gates.types import Gate, Verdict, drop
+
+_TAGS = re.compile(_TAG)
+_ENTITIES = re.compile(_ENTITY)
+
+
+def _broken_json(text: str) -> int:
+    """Lines that look like a JSON object or array ('{' or '[' then a '"key":') but do not parse."""
+    broken = 0
+    for line in text.split("\n"):
+        line = line.strip().rstrip(",")
+        if line.startswith(("{", "[")) and '":' in line:
+            try:
+                json.loads(line)
+            except ValueError:
+                broken += 1
+    return broken
+
+
+def _ragged_table_rows(text: str) -> int:
+    ragged, prev = 0, None
+    for line in text.split("\n"):
+        line = line.strip()
+        if line.startswith("|") and line.count("|") >= 2:
+            cells = line.strip("|").count("|") + 1
+            ragged += prev is not None and cells != prev
+            prev = cells
+        else:
+            prev = None
+    return ragged
+
+
+def format_residue(cfg) -> Gate:
+    def gate(text: str) -> Verdict:
+        if "<" not in text and "&" not in text and '":' not in text and "|" not in text:
+            return None
+        s = {"tags": len(_TAGS.findall(text)), "entities": len(_ENTITIES.findall(text)),
+             "broken_json": _broken_json(text), "ragged_table_rows": _ragged_table_rows(text)}
+        s["per_kchar"] = round(sum(s.values()) * 1000 / max(len(text), 1), 3)
+        return drop("format_residue", s, max=cfg.max_per_kchar) if s["per_kchar"] > cfg.max_per_kchar else None
+    return gate

@@ -1,0 +1,26 @@
+"""The contract every quality step follows.
+
+A gate reads a document's text (or, when it sets `reads_url`, its URL) and
+returns a Verdict: None to keep, or (reason, signals) to drop. A step that
+rewrites text (line removal, truncation, redaction) returns an Edit with the
+new text and what it counted; the counts travel with the document.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+Verdict = tuple[str, dict[str, Any]] | None
+
+
+class Edit(NamedTuple):
+    text: str
+    counts: dict[str, int]
+
+
+Gate = Callable[[str], "Verdict | Edit"]
+
+
+def drop(reason: str, signals: dict[str, Any], **limit: Any) -> Verdict:
+    """A drop verdict whose signals hold every number the gate computed plus the limit it broke."""
+    return (reason, {**signals, **limit})

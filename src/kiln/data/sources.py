@@ -1,0 +1,208 @@
+"""Where input records come from: local paths or any fsspec URL, in three formats.
+
+- WARC (`.warc`, `.warc.gz`, and anything not named below): `kiln.data.read`.
+- JSONL (`.jsonl`, `.ndjson`, `.json`, each optionally `.gz` or `.zst`): one JSON object a
+  line; the text, id and URL come from `data.text_field`, `data.id_field`, `data.url_field`.
+- Parquet (`.parquet`): the same three columns.
+
+Provenance for JSONL is the line's byte offset and length in the decompressed stream;
+for Parquet, the row index (length 1). A line that is not JSON, or has no string in
+the text field, is a `read/invalid_json` or `read/missing_text` rejection: the rest of
+the file goes on.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import zlib
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+from kiln.data.document import Document, ReadReport
+from kiln.errors import KilnError
+
+_JSONL = (".jsonl", ".ndjson", ".json")
+
+
+def is_url(source: str) -> bool:
+    return "://" in source and not source.startswith("file://")
+
+
+def _filesystem(source: str, storage_options: dict[str, Any]):
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(source, **storage_options)
+    except ImportError as exc:  # e.g. s3:// without s3fs installed
+        raise KilnError(f"{source}: no filesystem for this URL ({exc}); install the extra, e.g. pip install 'kiln-lm[s3]'") from None
+    return fs, path
+
+
+def open_input(source: str, storage_options: dict[str, Any] | None = None) -> IO[bytes]:
+    """A seekable binary file object for a local path or an fsspec URL."""
+    if not is_url(source):
+        return open(source.removeprefix("file://"), "rb")
+    fs, path = _filesystem(source, storage_options or {})
+    try:
+        return fs.open(path, "rb")
+    except FileNotFoundError:
+        raise KilnError(f"{source}: no such object; check the URL and data.storage_options") from None
+
+
+def input_size(source: str, storage_options: dict[str, Any] | None = None) -> int:
+    if not is_url(source):
+        return os.path.getsize(source.removeprefix("file://"))
+    fs, path = _filesystem(source, storage_options or {})
+    return int(fs.size(path))
+
+
+def input_identity(source: str, storage_options: dict[str, Any] | None = None) -> tuple[str, int, str]:
+    """(source, size, version): what a resumed run checks to know the input did not change."""
+    if not is_url(source):
+        st = os.stat(source.removeprefix("file://"))
+        return (source, st.st_size, str(st.st_mtime_ns))
+    fs, path = _filesystem(source, storage_options or {})
+    info = fs.info(path)
+    version = info.get("ETag") or info.get("mtime") or info.get("LastModified") or ""
+    return (source, int(info["size"]), str(version))
+
+
+def expand_inputs(patterns: list[str], storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Paths, globs and URLs (globs work in URLs too) -> input files, each glob sorted."""
+    files: list[str] = []
+    for pattern in patterns:
+        if is_url(pattern):
+            fs, path = _filesystem(pattern, storage_options or {})
+            protocol = pattern.split("://", 1)[0]
+            try:
+                matches = sorted(fs.glob(path)) if glob.has_magic(path) else ([path] if fs.isfile(path) else [])
+            except (OSError, PermissionError) as exc:
+                raise KilnError(f"input {pattern}: cannot list it ({exc}); check the URL and data.storage_options") from None
+            if not matches:
+                raise KilnError(f"input {pattern!r} matches no object; check the URL (and data.storage_options for credentials/endpoint)")
+            files += [f"{protocol}://{m}" for m in matches]
+            continue
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not matches:
+            raise KilnError(f"input {pattern!r} matches no file; check the path or glob")
+        for m in matches:
+            if not Path(m.removeprefix("file://")).is_file():
+                raise KilnError(f"input {m} does not exist or is not a file")
+            files.append(m)
+    if not files:
+        raise KilnError("no input files given; pass WARC/JSONL/Parquet files or set data.inputs in the config")
+    return files
+
+
+def input_format(source: str) -> str:
+    name = source.lower().removesuffix(".gz").removesuffix(".zst")
+    if name.endswith(_JSONL):
+        return "jsonl"
+    if source.lower().endswith(".parquet"):
+        return "parquet"
+    return "warc"
+
+
+# --- JSONL ----------------------------------------------------------------------------------
+
+def _chunks(raw: IO[bytes], source: str, size: int = 1 << 16) -> Iterator[bytes]:
+    """The decompressed stream in pieces, every byte out before a cut is noticed (then EOFError).
+
+    Decompressor objects rather than GzipFile: GzipFile drops the data of the read that hits a cut.
+    Concatenated members (gzip) and frames (zstd) are read one after another.
+    """
+    name = source.lower()
+    if name.endswith(".gz"):
+        new = lambda: zlib.decompressobj(31)  # noqa: E731
+    elif name.endswith(".zst"):
+        import zstandard
+
+        new = zstandard.ZstdDecompressor().decompressobj
+    else:
+        while block := raw.read(size):
+            yield block
+        return
+    d, pending = new(), False
+    while block := raw.read(size):
+        while block:
+            yield d.decompress(block)
+            pending = not d.eof
+            block = d.unused_data if d.eof else b""
+            if d.eof:
+                d = new()
+    if pending:
+        raise EOFError("compressed stream ends inside a member")
+
+
+def _lines(raw: IO[bytes], source: str) -> Iterator[bytes]:
+    rest = b""
+    for chunk in _chunks(raw, source):
+        *lines, rest = (rest + chunk).split(b"\n")
+        for line in lines:
+            yield line + b"\n"
+    if rest:
+        yield rest
+
+
+def _field(rec: dict[str, Any], name: str) -> str | None:
+    value = rec.get(name)
+    return None if value is None or value == "" else str(value)
+
+
+def _record_doc(rec: Any, source: str, offset: int, length: int, where: str, fields: tuple[str, str, str]) -> Document:
+    """A JSONL line or Parquet row -> a Document (rejected when it has no text)."""
+    text_field, id_field, url_field = fields
+    doc = Document(id=f"{Path(source).name}:{where}", source=source, offset=offset, length=length, content_type="text/plain")
+    if not isinstance(rec, dict):
+        return doc.reject("read", "invalid_json", error=f"a JSON {type(rec).__name__}, not an object")
+    raw_id = _field(rec, id_field)
+    doc.id, doc.record_id, doc.url = raw_id or doc.id, raw_id, _field(rec, url_field)
+    text = rec.get(text_field)
+    if not isinstance(text, str):
+        return doc.reject("read", "missing_text", field=text_field, found=type(text).__name__ if text_field in rec else "absent")
+    doc.text = text
+    return doc
+
+
+def read_jsonl(source: str, report: ReadReport, fields: tuple[str, str, str],
+               storage_options: dict[str, Any] | None = None) -> Iterator[Document]:
+    with open_input(source, storage_options) as raw:
+        offset = 0
+        try:
+            for number, line in enumerate(_lines(raw, source), 1):
+                length, start = len(line), offset
+                offset += length
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError as exc:  # also invalid UTF-8
+                    yield Document(id=f"{Path(source).name}:{number}", source=source, offset=start, length=length).reject(
+                        "read", "invalid_json", line=number, error=str(exc)[:200])
+                    continue
+                yield _record_doc(rec, source, start, length, str(number), fields)
+        except (EOFError, zlib.error, ValueError, OSError):  # a cut or damaged .gz/.zst: keep every line before it, say where
+            report.truncated_at = offset
+
+
+# --- Parquet --------------------------------------------------------------------------------
+
+def read_parquet(source: str, report: ReadReport, fields: tuple[str, str, str], storage_options: dict[str, Any] | None = None) -> Iterator[Document]:
+    import pyarrow.parquet as pq
+
+    with open_input(source, storage_options) as raw:
+        try:
+            pf = pq.ParquetFile(raw)
+        except Exception as exc:  # pyarrow raises ArrowInvalid and friends
+            raise KilnError(f"{source}: not a readable Parquet file ({exc})") from None
+        names = pf.schema_arrow.names
+        if fields[0] not in names:
+            raise KilnError(f"{source}: no column {fields[0]!r} (data.text_field); columns are {names}")
+        columns = [c for c in dict.fromkeys(fields) if c in names]
+        row = 0
+        for batch in pf.iter_batches(batch_size=1024, columns=columns):
+            for rec in batch.to_pylist():
+                yield _record_doc(rec, source, row, 1, f"row{row}", fields)
+                row += 1

@@ -1,0 +1,107 @@
+"""Sample text from a model: greedy (temperature 0) or temperature with optional top-k, seeded.
+
+The prompt is preceded by <|eos|>: in the packed training stream every document follows an
+EOS, so that is what "the start of a document" looks like to the model. Sampling stops at
+the next <|eos|> (not included) or after `max_new_tokens`; the model sees at most its last
+`max_seq_len` tokens (no KV cache: each new token re-reads the window, which is fine at the
+sizes Kiln trains on a laptop and keeps this code obviously correct).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.errors import KilnError
+
+
+@dataclass
+class Generation:
+    prompt: str
+    text: str  # the continuation only
+    token_ids: list[int]  # the continuation's ids (without the stopping EOS)
+    stop: str  # "eos" or "max_new_tokens"
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    if max_new_tokens < 0:
+        raise KilnError(f"--max-new-tokens must be 0 or more, got {max_new_tokens}")
+    if not temperature >= 0:
+        raise KilnError(f"--temperature must be 0 (greedy) or more, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise KilnError(f"--top-k must be 1 or more (or left out for the whole vocabulary), got {top_k}")
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator) -> int:
+    """One token id from the last position's logits (1-D, over the vocabulary)."""
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.no_grad()
+def sample_ids(model: torch.nn.Module, context: list[int], max_new_tokens: int, temperature: float = 1.0,
+               top_k: int | None = None, seed: int = 0, eos: int | None = None,
+               vocab_size: int | None = None) -> tuple[list[int], str]:
+    """New token ids after `context` and why sampling stopped ("eos" or "max_new_tokens").
+
+    Ids from `vocab_size` up (rows a padded embedding has beyond the tokenizer) are never chosen.
+    """
+    check_sampling(max_new_tokens, temperature, top_k)
+    if not context:
+        raise KilnError("generation needs at least one context token")
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    window = model.args.max_seq_len
+    was_training = model.training
+    model.eval()
+    ids, new = list(context), []
+    stop = "max_new_tokens"
+    try:
+        for _ in range(max_new_tokens):
+            tokens = torch.tensor([ids[-window:]], dtype=torch.long, device=device)
+            token = next_token(model(tokens)[0, -1, :vocab_size], temperature, top_k, generator)
+            if token == eos:
+                stop = "eos"
+                break
+            ids.append(token)
+            new.append(token)
+    finally:
+        model.train(was_training)
+    return new, stop
+
+
+def generate(model: torch.nn.Module, tokenizer, prompt: str, max_new_tokens: int = 100, temperature: float = 1.0,
+             top_k: int | None = None, seed: int = 0) -> Generation:
+    """Continue `prompt` with `model`; the same seed gives the same text."""
+    from kiln.tokenizer import eos_id
+
+    eos = eos_id(tokenizer)
+    context = [eos] + tokenizer.encode(prompt, add_special_tokens=False).ids
+    new, stop = sample_ids(model, context, max_new_tokens, temperature, top_k, seed, eos, tokenizer.get_vocab_size())
+    return Generation(prompt, tokenizer.decode(new, skip_special_tokens=False), new, stop)
+
+
+def generate_from_checkpoint(folder: str | Path, prompt: str, max_new_tokens: int = 100, temperature: float = 1.0,
+                             top_k: int | None = None, seed: int = 0) -> Generation:
+    """Load a verified checkpoint folder (weights, config.yaml, tokenizer.json) on the CPU and continue `prompt`."""
+    from kiln.tokenizer import load_tokenizer
+    from kiln.train.checkpoint import checkpoint_config, load_checkpoint
+    from kiln.train.trainer import build_model
+
+    check_sampling(max_new_tokens, temperature, top_k)  # before the (slow) load
+    folder = Path(folder)
+    cfg = checkpoint_config(folder)
+    tok = load_tokenizer(folder / "tokenizer.json")
+    weights = load_checkpoint(folder)["model"]
+    # The embedding's rows, not the tokenizer's size: the model may pad its vocabulary.
+    model = build_model(cfg, weights["tok_embeddings.weight"].shape[0])
+    model.load_state_dict(weights)
+    return generate(model, tok, prompt, max_new_tokens, temperature, top_k, seed)

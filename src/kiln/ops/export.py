@@ -1,0 +1,262 @@
+"""`kiln export --hf` and `kiln import --hf`: a checkpoint to and from a Hugging Face Llama folder.
+
+Kiln's Llama uses HF's rotate-half RoPE and the same RMSNorm order (normalise in fp32, cast, scale),
+so the weights map one to one by name with no permutation. Neither direction needs `transformers`
+installed: the folder is config.json + safetensors + tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln.config import Config
+from kiln.errors import KilnError
+from kiln.manifest import read_manifest, staging_dir, write_atomic, write_manifest
+from kiln.tokenizer import BOS, EOS, PAD, load_tokenizer, tokenizer_sha256
+
+# Kiln name -> Hugging Face LlamaForCausalLM name; {i} is the layer number.
+NAMES = [
+    ("tok_embeddings.weight", "model.embed_tokens.weight"),
+    ("layers.{i}.attention.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
+    ("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
+    ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+    ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+    ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+]
+EXPORT_STAGE = "hf-export"
+
+
+def _pattern(template: str) -> re.Pattern:
+    escaped = re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)")
+    return re.compile("^" + escaped + "$")
+
+
+def rename(name: str, to_hf: bool) -> str | None:
+    for kiln_name, hf_name in NAMES:
+        src, dst = (kiln_name, hf_name) if to_hf else (hf_name, kiln_name)
+        if m := _pattern(src).match(name):
+            return dst.replace("{i}", m.groupdict().get("i") or "")
+    return None
+
+
+# Per-expert slices of Kiln's stacked expert weights (Mixtral's legacy layout, which transformers 4 and 5 both load).
+EXPERT_NAMES = [
+    ("layers.{i}.feed_forward.router.weight", "model.layers.{i}.block_sparse_moe.gate.weight"),
+    ("layers.{i}.feed_forward.experts.w1", "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight"),
+    ("layers.{i}.feed_forward.experts.w3", "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight"),
+    ("layers.{i}.feed_forward.experts.w2", "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight"),
+]
+
+
+def moe_settings(cfg: Config, where: Path) -> dict | None:
+    """The Mixtral settings of an MoE model, None for a dense one; a clear error for what Mixtral cannot express."""
+    moe = getattr(cfg.model, "moe", None)
+    if moe is None or not moe.n_experts:
+        return None
+    if moe.every_n_layers != 1:
+        raise KilnError(f"{where}: model.moe.every_n_layers={moe.every_n_layers} mixes dense and MoE blocks; "
+                        "export --hf writes Mixtral, which has experts in every block, so this model is not supported")
+    if moe.top_k == 1:
+        raise KilnError(f"{where}: model.moe.top_k=1 weights the expert by its probability (Switch); Mixtral renormalises "
+                        "the top-k weights to 1, so export --hf does not support top_k=1")
+    return {"num_local_experts": moe.n_experts, "num_experts_per_tok": moe.top_k,
+            "router_aux_loss_coef": moe.aux_loss_coef, "output_router_logits": False, "sliding_window": None}
+
+
+def rope_parameters(cfg: Config) -> dict:
+    theta = cfg.model.rope_theta
+    s = getattr(cfg.model, "rope_scaling", None)
+    if s is None:
+        return {"rope_type": "default", "rope_theta": theta}
+    if s.type == "linear":
+        return {"rope_type": "linear", "rope_theta": theta, "factor": s.factor}
+    return {"rope_type": "llama3", "rope_theta": theta, "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_seq_len}
+
+
+def hf_config(cfg: Config, vocab_size: int, tok, where: Path = Path(".")) -> dict:
+    from kiln.train.trainer import build_model
+
+    args = build_model(cfg, vocab_size).args  # the resolved sizes (ffn hidden, kv heads) the weights have
+    moe = moe_settings(cfg, where)
+    rope = rope_parameters(cfg)
+    config = {
+        "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"], "model_type": "mixtral" if moe else "llama",
+        "torch_dtype": "float32", "vocab_size": vocab_size, "hidden_size": args.dim,
+        "intermediate_size": (cfg.model.moe.ffn_hidden or args.hidden) if moe else args.hidden,
+        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim, "hidden_act": "silu", "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "rope_parameters": rope,
+        # transformers 4 reads the scaling from rope_scaling; 5 from rope_parameters.
+        "rope_scaling": None if rope["rope_type"] == "default" else rope,
+        "tie_word_embeddings": args.tie_embeddings, "attention_bias": False, "attention_dropout": 0.0,
+        "mlp_bias": False, "initializer_range": args.init_std, "use_cache": True,
+        "bos_token_id": tok.token_to_id(BOS), "eos_token_id": tok.token_to_id(EOS), "pad_token_id": tok.token_to_id(PAD),
+    }
+    return config | (moe or {})
+
+
+def to_hf(weights: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in weights.items():
+        if (hf := rename(name, to_hf=True)) is not None:
+            out[hf] = t.contiguous()
+            continue
+        for kiln_name, hf_name in EXPERT_NAMES:
+            if m := _pattern(kiln_name).match(name):
+                hf_name = hf_name.replace("{i}", m["i"])
+                if "{e}" not in hf_name:
+                    out[hf_name] = t.contiguous()
+                for e in range(t.shape[0]) if "{e}" in hf_name else []:
+                    out[hf_name.replace("{e}", str(e))] = t[e].contiguous()
+                break
+        else:
+            raise KilnError(f"{where}: weight {name!r} has no Hugging Face Llama/Mixtral equivalent")
+    return out
+
+
+def from_hf(state: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
+    out, experts = {}, {}
+    for name, t in state.items():
+        if "rotary_emb" in name:
+            continue  # older exports stored RoPE tables; Kiln recomputes them
+        if (kiln := rename(name, to_hf=False)) is not None:
+            out[kiln] = t
+            continue
+        for kiln_name, hf_name in EXPERT_NAMES:
+            if m := _pattern(hf_name).match(name):
+                target = kiln_name.replace("{i}", m["i"])
+                if "e" in m.groupdict():
+                    experts.setdefault(target, {})[int(m["e"])] = t
+                else:
+                    out[target] = t
+                break
+        else:
+            raise KilnError(f"{where}: tensor {name!r} is not part of a Kiln Llama or Mixtral")
+    for target, parts in experts.items():
+        out[target] = torch.stack([parts[e] for e in sorted(parts)])
+    return out
+
+
+def tokenizer_files(tok, seq_len: int) -> dict[str, dict]:
+    # Kiln pads on the right in training (samples are packed, no padding), and Kiln encodes text that spells a
+    # special token as text (split_special_tokens), so the HF tokenizer must behave the same.
+    return {
+        "tokenizer_config.json": {
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
+            "add_bos_token": False, "add_eos_token": False, "padding_side": "right", "model_max_length": seq_len,
+            "split_special_tokens": True, "clean_up_tokenization_spaces": False,
+        },
+        "special_tokens_map.json": {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD},
+    }
+
+
+def _fresh_out(out_dir: Path) -> None:
+    """Never overwrite a folder we did not write: only an earlier export may be replaced."""
+    if out_dir.exists() and any(out_dir.iterdir()):
+        try:
+            ours = read_manifest(out_dir).get("stage") == EXPORT_STAGE
+        except KilnError:
+            ours = False
+        if not ours:
+            raise KilnError(f"{out_dir} exists and is not an earlier `kiln export --hf`; choose an empty or new OUT_DIR")
+
+
+def export_hf(checkpoint: Path, out_dir: Path) -> dict:
+    """Write `out_dir` as a transformers Llama (or, for MoE, Mixtral) folder from a verified Kiln checkpoint."""
+    from kiln.train.checkpoint import checkpoint_config, load_checkpoint
+
+    cfg = checkpoint_config(checkpoint)
+    weights = load_checkpoint(checkpoint)["model"]
+    tok = load_tokenizer(Path(checkpoint) / "tokenizer.json")
+    vocab = weights["tok_embeddings.weight"].shape[0]
+    config = hf_config(cfg, vocab, tok, checkpoint)
+    hf = to_hf(weights, checkpoint)
+    if config["tie_word_embeddings"]:
+        hf.pop("lm_head.weight", None)  # HF ties it to embed_tokens on load
+    _fresh_out(out_dir)
+    with staging_dir(out_dir) as tmp:
+        save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_atomic(tmp / "config.json", json.dumps(config, indent=1))
+        write_atomic(tmp / "generation_config.json", json.dumps(
+            {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+             "pad_token_id": config["pad_token_id"], "max_length": cfg.pack.seq_len}, indent=1))
+        shutil.copyfile(Path(checkpoint) / "tokenizer.json", tmp / "tokenizer.json")
+        for name, content in tokenizer_files(tok, cfg.pack.seq_len).items():
+            write_atomic(tmp / name, json.dumps(content, indent=1))
+        write_manifest(tmp, stage=EXPORT_STAGE, source=str(checkpoint), step=read_manifest(checkpoint).get("step"))
+    result = {"out_dir": str(out_dir), "model_type": config["model_type"], "parameters": sum(v.numel() for v in hf.values())}
+    if config["model_type"] == "mixtral" and cfg.model.moe.capacity_factor is not None:
+        result["note"] = (f"model.moe.capacity_factor={cfg.model.moe.capacity_factor} is not exported: Mixtral routes "
+                          "without capacity limits, so outputs match Kiln's only where no token was dropped")
+    return result
+
+
+# --- import -------------------------------------------------------------------------------------
+
+def _config_mismatches(hf: dict, expected: dict) -> list[str]:
+    keys = ["model_type", "vocab_size", "num_local_experts", "num_experts_per_tok", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "mlp_bias"]
+    out = [f"{k}: config.json has {hf.get(k)!r}, the config gives {expected.get(k)!r}"
+           for k in keys if (k in hf or k in expected) and hf.get(k, expected.get(k)) != expected.get(k)]
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {"rope_type": "default"}
+    rope = {"rope_theta": hf.get("rope_theta", 10000.0), **rope, "rope_type": rope.get("rope_type", rope.get("type", "default"))}
+    for k, v in expected["rope_parameters"].items():
+        if rope.get(k) != v:
+            out.append(f"rope {k}: config.json has {rope.get(k)!r}, the config's model.rope_* gives {v!r}")
+    if hf.get("max_position_embeddings", expected["max_position_embeddings"]) < expected["max_position_embeddings"]:
+        out.append(f"max_position_embeddings {hf['max_position_embeddings']} < pack.seq_len {expected['max_position_embeddings']}")
+    return out
+
+
+def import_hf(hf_dir: Path, cfg: Config) -> Path:
+    """Write `{out_dir}/run/checkpoints/step-00000000/` from an HF Llama/Mixtral folder; `kiln train` resumes from it.
+
+    The config must describe the same model (checked against config.json), and the run's tokenizer and shards
+    must exist and be the folder's tokenizer. The checkpoint is written by the Trainer itself, so it carries
+    exactly the state (config hash, loader, guards, environment) a resume expects.
+    """
+    from kiln.train.checkpoint import list_checkpoints, step_dir
+    from kiln.train.trainer import Trainer
+
+    hf_dir = Path(hf_dir)
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        if not (hf_dir / name).is_file():
+            raise KilnError(f"{hf_dir}: no {name}; import reads a folder with config.json, one model.safetensors and tokenizer.json")
+    try:
+        hf = json.loads((hf_dir / "config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise KilnError(f"{hf_dir / 'config.json'}: not valid JSON ({exc})") from None
+    run_tok = cfg.out / "tokenizer" / "tokenizer.json"
+    if not run_tok.is_file() or tokenizer_sha256(run_tok) != tokenizer_sha256(hf_dir / "tokenizer.json"):
+        raise KilnError(f"{run_tok} is missing or differs from {hf_dir / 'tokenizer.json'}; the run's shards must be packed "
+                        f"with the imported tokenizer: copy it to {run_tok.parent}/ and run `kiln pack`")
+    mismatches = _config_mismatches(hf, hf_config(cfg, int(hf.get("vocab_size", 0)), load_tokenizer(run_tok), hf_dir))
+    if mismatches:
+        raise KilnError(f"{hf_dir / 'config.json'} does not match the config's model section: {'; '.join(mismatches)}; "
+                        "set the model.* keys to the folder's sizes")
+    weights = {k: v.to(torch.float32) for k, v in from_hf(load_file(str(hf_dir / "model.safetensors")), hf_dir).items()}
+    if cfg.model.tie_embeddings:
+        weights.setdefault("output.weight", weights["tok_embeddings.weight"])
+    trainer = Trainer(cfg, log=lambda *_: None)
+    if list_checkpoints(trainer.ckpt_dir):
+        raise KilnError(f"{trainer.ckpt_dir} already holds checkpoints; import into a new run (another out_dir)")
+    try:
+        trainer.model.load_state_dict(weights)
+    except RuntimeError as exc:
+        raise KilnError(f"{hf_dir / 'model.safetensors'} does not fit the config's model: {str(exc)[:300]}") from None
+    trainer.save("import")
+    trainer.saver.wait()
+    return step_dir(trainer.ckpt_dir, 0)

@@ -1,0 +1,100 @@
+"""`kiln plan CONFIG`: how much compute the run needs, how long it takes on G devices and what it costs.
+
+C ≈ 6·N·D (N non-embedding parameters, D training tokens; Kaplan et al. 2020), and the model's own count
+(6·N_active plus attention, `Llama.flops_per_token`). Time comes from the step time `kiln preflight` measured
+on this machine when it applies (same model, batch and dtype, planning for this device), else from the
+device's datasheet peak and an assumed MFU. Every assumption is printed with the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from kiln.config import Config
+from kiln.errors import KilnError
+
+
+def _vocab(cfg: Config) -> int:
+    manifest = cfg.out / "shards" / "manifest.json"
+    return int(json.loads(manifest.read_text())["vocab_size"]) if manifest.is_file() else cfg.tokenizer.vocab_size
+
+
+def _measured(cfg: Config) -> dict | None:
+    path = cfg.out / "preflight.json"
+    if cfg.plan.device is not None or not path.is_file():
+        return None
+    m = json.loads(path.read_text())
+    same = (m.get("model_hash"), m.get("batch_size"), m.get("dtype")) == (cfg.section_hash("model", "pack"), cfg.train.batch_size, cfg.train.dtype)
+    return m if same else None
+
+
+def _peak(cfg: Config) -> tuple[str, float | None]:
+    from kiln.ops.probes import device_peak
+    from kiln.train.metrics import PEAK_TFLOPS
+
+    if cfg.plan.device is None:
+        name, peak, _ = device_peak(cfg.train.dtype)
+        return name, peak
+    for key, peaks in PEAK_TFLOPS.items():
+        if key.lower() == cfg.plan.device.lower():
+            return key, peaks.get(cfg.train.dtype)
+    raise KilnError(f"plan.device={cfg.plan.device!r} is not in the peak table; use one of {', '.join(PEAK_TFLOPS)}")
+
+
+def make_plan(cfg: Config) -> dict:
+    from kiln.train.trainer import build_model
+
+    with torch.device("meta"):  # sizes only: a 70B config must not allocate 280 GB here
+        model = build_model(cfg, _vocab(cfg))
+    n = model.num_params(non_embedding=True)
+    tokens_per_step = cfg.train.batch_size * cfg.pack.seq_len
+    d = cfg.plan.tokens or cfg.train.max_steps * tokens_per_step
+    flops_per_token = model.flops_per_token(cfg.pack.seq_len)
+    g = cfg.plan.devices
+    device, peak = _peak(cfg)
+    assumptions = [f"N = {n:,} non-embedding parameters ({model.num_params(non_embedding=False):,} in all)",
+                   f"D = {d:,} tokens" + ("" if cfg.plan.tokens else f" = train.max_steps {cfg.train.max_steps} × "
+                                          f"batch_size {cfg.train.batch_size} × seq_len {cfg.pack.seq_len}"),
+                   f"{flops_per_token:,} training FLOPs per token (6·N_active + attention, PaLM appendix B)"]
+    measured = _measured(cfg)
+    if measured:
+        tokens_per_s = measured["tokens_per_s"] * g / measured["world"]
+        assumptions.append(f"{measured['tokens_per_s']:,.0f} tokens/s per device measured by `kiln preflight` on "
+                           f"{measured['device']}, scaled linearly to {g} device(s) (communication is not free: an upper bound)")
+        source = "preflight"
+    elif peak:
+        tokens_per_s = g * peak * 1e12 * cfg.plan.mfu / flops_per_token
+        assumptions.append(f"{device} peak {peak:g} TFLOP/s in {cfg.train.dtype} (datasheet) at plan.mfu = {cfg.plan.mfu:.0%}")
+        source = "peak × MFU"
+    else:
+        raise KilnError(f"no step time to plan with: the peak of {device!r} is unknown; run `kiln preflight` first "
+                        "or set plan.device (e.g. plan.device=H100)")
+    seconds = d / tokens_per_s
+    price = getattr(getattr(cfg, "budget", None), "price_per_device_hour", 0.0) or 0.0
+    hours = seconds / 3600
+    assumptions.append(f"price {price:g} per device-hour (budget.price_per_device_hour)")
+    mfu = tokens_per_s * flops_per_token / (g * peak * 1e12) if peak else None
+    return {"params_non_embedding": n, "tokens": d, "compute_6ND": 6 * n * d, "compute_flops": flops_per_token * d,
+            "devices": g, "device": device, "peak_tflops": peak, "mfu": mfu, "time_source": source,
+            "tokens_per_s": tokens_per_s, "hours": hours, "device_hours": hours * g, "cost": hours * g * price,
+            "steps": -(-d // tokens_per_step), "assumptions": assumptions}
+
+
+def print_plan(plan: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table("estimate", "value", title="kiln plan")
+    t.add_row("compute C = 6·N·D", f"{plan['compute_6ND']:.3e} FLOPs")
+    t.add_row("compute (model count)", f"{plan['compute_flops']:.3e} FLOPs")
+    t.add_row("throughput", f"{plan['tokens_per_s']:,.0f} tokens/s on {plan['devices']} × {plan['device']} ({plan['time_source']})")
+    if plan["mfu"] is not None:
+        t.add_row("MFU", f"{plan['mfu']:.1%}")
+    t.add_row("wall time", f"{plan['hours']:.3f} h ({plan['hours'] * 60:.1f} min)")
+    t.add_row("device-hours", f"{plan['device_hours']:.3f}")
+    t.add_row("cost", f"{plan['cost']:.2f}")
+    console = Console(highlight=False)
+    console.print(t)
+    console.print("assumptions:\n" + "\n".join(f"  - {a}" for a in plan["assumptions"]))

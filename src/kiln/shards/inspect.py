@@ -1,0 +1,89 @@
+"""`kiln shards inspect DIR --at SEQUENCE_INDEX`: one sample's tokens, decoded, and the documents they came from."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln.errors import KilnError
+from kiln.shards.format import ShardSet, read_index
+from kiln.tokenizer import load_tokenizer, tokenizer_sha256
+
+
+def sample_provenance(folder: Path, split: str, index: int) -> dict[str, Any]:
+    """Where sample `index` of `split` lives and, for each document piece in it, the document's provenance.
+
+    `pieces[i]["sample_tokens"]` is the piece's [start, end) within the sample and
+    `doc_tokens` the same tokens' [start, end) within the document (EOS counted).
+    """
+    ss = ShardSet(folder, split)
+    if not 0 <= index < len(ss):
+        raise KilnError(f"{folder}: the {split} split has {len(ss)} sequences; --at must be 0..{len(ss) - 1}")
+    shard = int(np.searchsorted(ss.starts, index, side="right") - 1)
+    L = ss.sample_len
+    start = (index - int(ss.starts[shard])) * L
+    end = start + L
+    before: dict[int, int] = defaultdict(int)  # each document's tokens earlier in the split
+    for name in ss.names[:shard]:
+        for e in read_index((Path(folder) / name).with_suffix(".idx")):
+            before[int(e["doc"])] += int(e["length"])
+    documents = ss.manifest["documents"]
+    pieces = []
+    for e in read_index((Path(folder) / ss.names[shard]).with_suffix(".idx")):
+        e_start, e_end, doc = int(e["start"]), int(e["start"] + e["length"]), int(e["doc"])
+        if e_end <= start or e_start >= end:
+            if e_end <= start:
+                before[doc] += e_end - e_start
+            continue
+        lo, hi = max(e_start, start), min(e_end, end)
+        meta = documents[doc]
+        first = before[doc] + lo - e_start
+        pieces.append({"doc": doc, "id": meta["id"], "url": meta.get("url"), "source": meta.get("source"),
+                       "offset": meta.get("offset"), "length": meta.get("length"), "doc_total_tokens": meta["tokens"],
+                       "sample_tokens": [lo - start, hi - start], "doc_tokens": [first, first + hi - lo]})
+    return {"folder": str(folder), "split": split, "index": index, "samples": len(ss), "shard": ss.names[shard],
+            "tokenizer_sha256": ss.manifest["tokenizer_sha256"],
+            "shard_tokens": [start, end], "tokens": np.asarray(ss.sample(index), dtype=np.int64).tolist(),
+            "pieces": pieces}
+
+
+def inspect_sample(folder: Path, split: str, index: int, tokenizer: Path | None = None) -> dict[str, Any]:
+    """sample_provenance plus the decoded text of the sample and of each piece.
+
+    `tokenizer` defaults to the `tokenizer/` folder beside `folder` ({out_dir}/tokenizer).
+    """
+    info = sample_provenance(folder, split, index)
+    tok_path = Path(tokenizer) if tokenizer else Path(folder).parent / "tokenizer"
+    expected = info["tokenizer_sha256"]
+    if not tok_path.exists() or tokenizer_sha256(tok_path) != expected:
+        raise KilnError(f"{tok_path}: not the tokenizer these shards were encoded with ({expected[:12]}…); "
+                        "pass the right one with --tokenizer")
+    tok = load_tokenizer(tok_path)
+    tokens = info["tokens"]
+    info["text"] = tok.decode(tokens, skip_special_tokens=False)
+    for p in info["pieces"]:
+        a, b = p["sample_tokens"]
+        p["text"] = tok.decode(tokens[a:b], skip_special_tokens=False)
+    return info
+
+
+def format_inspection(info: dict[str, Any]) -> str:
+    lines = [f"{info['folder']} {info['split']} sequence {info['index']} of {info['samples']}: "
+             f"{info['shard']} tokens {info['shard_tokens'][0]}..{info['shard_tokens'][1]}"]
+    at = 0
+    for p in info["pieces"]:
+        a, b = p["sample_tokens"]
+        if a > at:
+            lines.append(f"  tokens {at}-{a}: padding")
+        lines.append(f"  tokens {a}-{b}: document {p['doc']} (id {p['id']}), its tokens {p['doc_tokens'][0]}-"
+                     f"{p['doc_tokens'][1]} of {p['doc_total_tokens']}")
+        lines.append(f"      url {p['url']}")
+        lines.append(f"      source {p['source']} offset {p['offset']} length {p['length']}")
+        at = b
+    if at < len(info["tokens"]):
+        lines.append(f"  tokens {at}-{len(info['tokens'])}: padding")
+    lines += ["--- decoded ---", info["text"]]
+    return "\n".join(lines)

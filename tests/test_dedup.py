@@ -1,0 +1,201 @@
+"""Deduplication: exact keys, MinHash LSH confirmed by Jaccard, SimHash, clusters and the ledger.
+
+The planted corpus: distinct documents, near copies with word 5-gram Jaccard >= 0.8 (which
+must be removed, recall >= 0.95), and pairs of distinct documents sharing half their text
+(Jaccard <= 0.5, which must be kept: false removals <= 1%).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kiln.config import DedupConfig
+from kiln.data.dedup import (LEDGER, ExactDedup, MinHashDedup, SimHashDedup, drop_near_duplicates, near_dedup, text_key,
+                             write_ledger)
+from kiln.data.dedup.clusters import UnionFind
+from kiln.data.dedup.shingles import jaccard, shingle_hashes
+from kiln.data.document import Document
+
+VOCAB = [f"{a}{b}" for a in "bcdfghklmnprstvz" for b in ("ai", "eo", "ul", "ix", "an", "or", "em", "us")]
+
+
+def doc_words(rng: random.Random, n: int) -> list[str]:
+    return [rng.choice(VOCAB) for _ in range(n)]
+
+
+def mutate(words: list[str], rng: random.Random, target: float) -> list[str]:
+    """Replace single words at random until the 5-gram Jaccard with the original falls to about `target`."""
+    out = list(words)
+    base = shingle_hashes(" ".join(words))
+    while jaccard(base, shingle_hashes(" ".join(out))) > target + 0.03:
+        out[rng.randrange(len(out))] = rng.choice(VOCAB) + "x"
+    return out
+
+
+def planted_corpus(seed: int = 0, originals: int = 150, near: int = 100, halves: int = 100):
+    """(docs in canonical order, ids that must go, ids that must stay)."""
+    rng = random.Random(seed)
+    docs, must_go, must_stay = [], set(), set()
+    bases = [doc_words(rng, rng.randint(150, 400)) for _ in range(originals)]
+    docs += [(f"orig-{i}", " ".join(w)) for i, w in enumerate(bases)]
+    for k in range(near):
+        src = bases[k % originals]
+        copy = mutate(src, rng, rng.uniform(0.8, 0.97))
+        assert jaccard(shingle_hashes(" ".join(src)), shingle_hashes(" ".join(copy))) >= 0.8
+        docs.append((f"near-{k}", " ".join(copy)))
+        must_go.add(f"near-{k}")
+    for k in range(halves):
+        a = doc_words(rng, 300)
+        b = a[:150] + doc_words(rng, 150)  # shares its first half: Jaccard about 1/3
+        assert jaccard(shingle_hashes(" ".join(a)), shingle_hashes(" ".join(b))) <= 0.5
+        docs += [(f"half-a-{k}", " ".join(a)), (f"half-b-{k}", " ".join(b))]
+        must_stay |= {f"half-a-{k}", f"half-b-{k}"}
+    must_stay |= {f"orig-{i}" for i in range(originals)}
+    return docs, must_go, must_stay
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return planted_corpus()
+
+
+@pytest.mark.parametrize("method", ["minhash", "simhash"])
+def test_planted_copies_are_removed_and_distinct_pages_kept(corpus, method):
+    docs, must_go, must_stay = corpus
+    index = near_dedup(DedupConfig(method=method))
+    for doc_id, text in docs:
+        index.add(doc_id, text)
+    removed = index.duplicates()
+    recall = len(must_go & removed.keys()) / len(must_go)
+    false_removals = len(must_stay & removed.keys()) / len(must_stay)
+    assert false_removals <= 0.01
+    if method == "minhash":
+        assert recall >= 0.95
+        assert all(removed[k][0] == f"orig-{int(k.split('-')[1]) % 150}" for k in must_go & removed.keys())
+        assert all(sim >= 0.8 for _, sim in removed.values())
+    else:  # SimHash at Hamming 3 finds only the closest copies (recall ~0.2 here): the cheap alternative
+        assert removed.keys() <= must_go and recall >= 0.1
+
+
+def test_minhash_confirms_candidates_by_exact_jaccard():
+    rng = random.Random(1)
+    a = doc_words(rng, 300)
+    b = mutate(a, rng, 0.65)  # a likely LSH candidate, below the threshold
+    index = MinHashDedup(threshold=0.8)
+    index.add("a", " ".join(a))
+    index.add("b", " ".join(b))
+    assert index.duplicates() == {}
+    loose = MinHashDedup(bands=40, rows=2, threshold=0.5)  # 2-row bands: the pair is surely a candidate
+    loose.add("a", " ".join(a))
+    loose.add("b", " ".join(b))
+    sim = jaccard(shingle_hashes(" ".join(a)), shingle_hashes(" ".join(b)))
+    assert loose.duplicates() == {"b": ("a", round(sim, 4))}
+
+
+def test_clusters_survivor_is_first_in_canonical_order_and_ledger_is_written(tmp_path):
+    rng = random.Random(2)
+    base = doc_words(rng, 300)
+    texts = {"x": " ".join(mutate(base, rng, 0.9)), "y": " ".join(base), "z": " ".join(mutate(base, rng, 0.9)),
+             "other": " ".join(doc_words(rng, 300))}
+    index = MinHashDedup()
+    for k in ("x", "y", "z", "other"):
+        index.add(k, texts[k])
+    rows = index.ledger()
+    assert [(r["cluster"], r["survivor"], r["member"]) for r in rows] == [(0, "x", "y"), (0, "x", "z")]
+    for r in rows:
+        assert r["similarity"] == round(jaccard(shingle_hashes(texts["x"]), shingle_hashes(texts[r["member"]])), 4)
+    write_ledger(tmp_path / LEDGER, rows)
+    with open(tmp_path / LEDGER, "rb") as f:
+        back = [json.loads(line) for line in io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(f))]
+    assert back == rows and LEDGER == "dedup_ledger.jsonl.zst"
+    stream = [Document(id=k, source="s", offset=0, length=0, text=texts[k]) for k in ("x", "y", "z", "other")]
+    out = list(drop_near_duplicates(iter(stream), rows))
+    assert [d.rejection and (d.rejection.stage, d.rejection.reason, d.rejection.signals["duplicate_of"]) for d in out] == [
+        None, ("dedup", "near_duplicate", "x"), ("dedup", "near_duplicate", "x"), None]
+    assert out[1].rejection.signals == {"duplicate_of": "x", "similarity": rows[0]["similarity"], "cluster": 0}
+
+
+def test_result_does_not_depend_on_anything_but_order(corpus):
+    docs, _, _ = corpus
+    first, second = MinHashDedup(), MinHashDedup()
+    for doc_id, text in docs[:200]:
+        first.add(doc_id, text)
+        second.add(doc_id, text)
+    assert first.ledger() == second.ledger()
+    assert first.index_bytes() == 200 * (4 * 120 + 16)
+
+
+def test_simhash_char_variant_finds_chinese_copies():
+    rng = random.Random(3)
+    han = [chr(0x4E00 + i) for i in range(800)]
+    a = "".join(rng.choice(han) for _ in range(600))
+    b = a[:300] + "的" + a[300:]  # one character inserted
+    c = "".join(rng.choice(han) for _ in range(600))
+    index = SimHashDedup(tokens="auto")
+    for k, t in (("a", a), ("b", b), ("c", c)):
+        index.add(k, t)
+    dups = index.duplicates()
+    assert set(dups) == {"b"} and dups["b"][0] == "a"
+    word_level = SimHashDedup(tokens="word")  # no spaces: the whole text is one token, so one shingle
+    for k, t in (("a", a), ("b", b)):
+        word_level.add(k, t)
+    assert word_level.duplicates() == {}
+
+
+def test_near_dedup_factory():
+    assert isinstance(near_dedup(DedupConfig()), MinHashDedup)
+    assert isinstance(near_dedup(DedupConfig(method="simhash")), SimHashDedup)
+    assert near_dedup(DedupConfig(method="none")) is None
+    m = near_dedup(DedupConfig(bands=4, rows=3))
+    assert m.signature(shingle_hashes("a b c d e f")).shape == (12,)
+
+
+def test_empty_and_short_documents():
+    index = MinHashDedup()
+    for k, t in (("e1", ""), ("e2", "   "), ("s1", "hello world"), ("s2", "Hello  world")):
+        index.add(k, t)
+    assert index.duplicates() == {"e2": ("e1", 1.0), "s2": ("s1", 1.0)}
+
+
+def test_exact_dedup_keeps_first():
+    docs = [Document(id=i, source="s", offset=0, length=0, text=t) for i, t in (("1", "A b"), ("2", "a  B"), ("3", "c"))]
+    out = list(ExactDedup()(iter(docs)))
+    assert [d.rejection and (d.rejection.reason, d.rejection.signals) for d in out] == [
+        None, ("exact_duplicate", {"duplicate_of": "1"}), None]
+
+
+def test_union_find_keeps_smallest_root():
+    uf = UnionFind()
+    for _ in range(5):
+        uf.add()
+    uf.union(4, 2)
+    uf.union(3, 4)
+    uf.union(1, 3)
+    assert [uf.find(i) for i in range(5)] == [0, 1, 1, 1, 1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(words=st.lists(st.sampled_from(VOCAB), min_size=1, max_size=60), n=st.integers(1, 6))
+def test_shingles_and_jaccard_properties(words, n):
+    text = " ".join(words)
+    s = shingle_hashes(text, n)
+    assert s.dtype == np.uint64 and np.all(s[1:] > s[:-1])  # sorted, unique
+    assert len(s) <= max(len(words) - n + 1, 1)
+    assert np.array_equal(s, shingle_hashes(text.upper().replace(" ", "  \n"), n))  # case and spacing blind
+    other = shingle_hashes(" ".join(reversed(words)), n)
+    assert jaccard(s, s) == 1.0 and 0.0 <= jaccard(s, other) == jaccard(other, s) <= 1.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(text=st.text(max_size=80))
+def test_text_key_is_stable(text):
+    assert text_key(text) == text_key("  " + text + "\n ")
+    assert text_key(text) != text_key(text + " x")

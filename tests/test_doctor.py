@@ -1,0 +1,144 @@
+"""`kiln doctor`: passes on this machine with every probe run for real (loader on real shards, matmul, a gloo
+all-reduce over 2 spawned processes); fails with a verdict and a fix when a check is broken on purpose.
+The NVIDIA checks cannot run here (no GPU): their verdict logic is tested with a fake NVML module."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import tiny_config
+from kiln.cli import main as kiln
+from kiln.ops.doctor import check_disk, check_env, compare_env, fingerprint
+from kiln.ops.nvml import gpu_checks
+
+FAST = ["doctor.probe_seconds=0.2", "doctor.allreduce_small_bytes=4096", "doctor.allreduce_large_bytes=1048576"]
+
+
+@pytest.fixture
+def config(prepared, tmp_path):
+    out = tmp_path / "out"
+    for name in ("tokenizer", "shards"):
+        shutil.copytree(prepared.out / name, out / name)
+    path = tmp_path / "c.yaml"
+    path.write_text(tiny_config(out).to_yaml())
+    return path
+
+
+def doctor_json(capsys, *args) -> tuple[int, dict]:
+    rc = kiln(["doctor", "--json", *args, *FAST])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_doctor_passes_here_with_every_probe_measured(config, monkeypatch, capsys):
+    for var in ("NCCL_P2P_DISABLE", "NCCL_DEBUG", "CUDA_LAUNCH_BLOCKING"):
+        monkeypatch.delenv(var, raising=False)
+    rc, report = doctor_json(capsys, "--config", str(config))
+    checks = {c["name"]: c for c in report["checks"]}
+    assert rc == 0 and report["ok"], [c for c in report["checks"] if not c["ok"]]
+    for name in ("python", "torch", "cuda", "language_id", "disk", "shm", "open_files", "env", "matmul", "loader", "allreduce"):
+        assert checks[name]["verdict"] == "ok", checks[name]
+    assert checks["gpu"]["verdict"] == "skip"  # no NVML here
+    assert "peak unknown" in checks["matmul"]["detail"]  # a CPU: measured, not judged against a guess
+    assert "tokens/s from" in checks["loader"]["detail"]
+    assert "gloo over 2 processes" in checks["allreduce"]["detail"]
+    fp = report["fingerprint"]
+    assert fp == {**fingerprint(), "ram_gb": fp["ram_gb"]} and fp["torch"].startswith("2.")
+
+
+def test_doctor_fails_usefully_when_checks_are_broken_on_purpose(config, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")  # a leftover from debugging
+    recorded = {**fingerprint(), "torch": "2.0.0", "ram_gb": 1.0}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "env.json").write_text(json.dumps(recorded))
+    rc, report = doctor_json(capsys, "--config", str(config), "--against", str(tmp_path / "run"),
+                             "doctor.min_free_disk_gb=1e9")  # more than any disk here
+    bad = {c["name"]: c for c in report["checks"] if not c["ok"]}
+    assert rc == 1 and set(bad) == {"env", "disk", "against_run"}, bad
+    assert "NCCL_P2P_DISABLE=1" in bad["env"]["detail"] and bad["env"]["fix"] == "unset NCCL_P2P_DISABLE (set them only while debugging)"
+    assert "need 1e+09" in bad["disk"]["detail"] and "doctor.min_free_disk_gb" in bad["disk"]["fix"]
+    assert "torch: 2.0.0 -> " in bad["against_run"]["detail"] and "(torch)" in bad["against_run"]["fix"]
+    assert {d["key"]: d["pinned"] for d in report["against"]} == {"torch": True, "ram_gb": False}
+
+
+def test_env_check_names_each_harmful_setting():
+    assert check_env({"NCCL_DEBUG": "WARN", "NCCL_IB_DISABLE": "0"}).ok
+    c = check_env({"NCCL_DEBUG": "INFO", "NCCL_ALGO": "Tree", "CUDA_LAUNCH_BLOCKING": "1"})
+    assert not c.ok and c.fix.startswith("unset NCCL_DEBUG NCCL_ALGO CUDA_LAUNCH_BLOCKING")
+
+
+def test_disk_check_measures_the_filesystem_the_out_dir_will_be_on(tmp_path):
+    c = check_disk(tmp_path / "not" / "yet", need_gb=0.001)
+    assert c.ok and f"at {tmp_path}" in c.detail
+
+
+def test_against_compares_gpu_names_as_the_trainer_records_them():
+    now = {"torch": "2.13.0", "gpus": [{"name": "NVIDIA H100", "memory_gb": 79.6}], "os": "Linux"}
+    assert compare_env({"torch": "2.13.0", "gpus": ["NVIDIA H100"]}, now) == []
+    assert compare_env({"gpus": ["NVIDIA A100"]}, now) == [
+        {"key": "gpus", "recorded": ["NVIDIA A100"], "now": ["NVIDIA H100"], "pinned": True}]
+
+
+# --- NVIDIA checks, with a fake NVML (no GPU on this machine) -------------------------------------
+
+class FakeNVML:
+    """The pynvml calls and constants gpu_checks uses; one healthy H100-like GPU unless changed."""
+    NVMLError = type("NVMLError", (Exception,), {})
+    NVML_MEMORY_ERROR_TYPE_CORRECTED, NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC = 0, 1, 0
+    NVML_TEMPERATURE_GPU, NVML_TEMPERATURE_THRESHOLD_SLOWDOWN, NVML_CLOCK_SM = 0, 1, 1
+    NVML_NVLINK_MAX_LINKS, NVML_FEATURE_DISABLED, NVML_FEATURE_ENABLED = 18, 0, 1
+
+    def __init__(self, **state):
+        self.s = {"gen": 5, "max_gen": 5, "width": 16, "max_width": 16, "pstate": 0, "ecc": (0, 3), "temp": 60,
+                  "slowdown": 90, "reasons": 0, "sm": 1980, "links": [1] * 18} | state
+
+    def nvmlDeviceGetCount(self): return 1
+    def nvmlDeviceGetHandleByIndex(self, i): return i
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h): return self.s["gen"]
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, h): return self.s["max_gen"]
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h): return self.s["width"]
+    def nvmlDeviceGetMaxPcieLinkWidth(self, h): return self.s["max_width"]
+    def nvmlDeviceGetPerformanceState(self, h): return self.s["pstate"]
+    def nvmlDeviceGetTemperature(self, h, sensor): return self.s["temp"]
+    def nvmlDeviceGetTemperatureThreshold(self, h, kind): return self.s["slowdown"]
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, h): return self.s["reasons"]
+    def nvmlDeviceGetClockInfo(self, h, kind): return self.s["sm"]
+    def nvmlDeviceGetMaxClockInfo(self, h, kind): return 1980
+
+    def nvmlDeviceGetTotalEccErrors(self, h, kind, counter):
+        return self.s["ecc"][0] if kind == self.NVML_MEMORY_ERROR_TYPE_UNCORRECTED else self.s["ecc"][1]
+
+    def nvmlDeviceGetNvLinkState(self, h, link):
+        if link >= len(self.s["links"]):
+            raise self.NVMLError("not supported")
+        return self.s["links"][link]
+
+
+def verdicts(nvml) -> dict[str, bool]:
+    return {c.name.removeprefix("gpu0_"): c.ok for c in gpu_checks(nvml)}
+
+
+@pytest.mark.parametrize("state, failing", [
+    ({}, set()),
+    ({"width": 8}, {"pcie"}),                       # trained at x8 in an x16 slot
+    ({"gen": 3}, {"pcie"}),                         # busy (P0) but below its generation
+    ({"gen": 1, "pstate": 8}, set()),               # idle GPUs lower the link to save power
+    ({"ecc": (2, 0)}, {"ecc"}),
+    ({"temp": 87}, {"temperature"}),                # within 5 °C of slowdown
+    ({"reasons": 0x40, "sm": 1100}, {"clocks"}),    # HW thermal slowdown
+    ({"reasons": 0x04}, set()),                     # software power cap: normal at full load
+    ({"links": [1] * 17 + [0]}, {"nvlink"}),        # one NVLink down
+    ({"links": []}, set()),                         # no NVLink at all (PCIe card)
+])
+def test_gpu_checks_fail_on_degraded_links_errors_heat_and_throttling(state, failing):
+    v = verdicts(FakeNVML(**state))
+    assert set(v) == {"pcie", "ecc", "temperature", "clocks", "nvlink"}
+    assert {name for name, ok in v.items() if not ok} == failing
+
+
+def test_gpu_check_details_and_fixes_say_what_to_do():
+    checks = {c.name: c for c in gpu_checks(FakeNVML(width=8, reasons=0x08, sm=900))}
+    assert checks["gpu0_pcie"].detail.startswith("gen 5/5, x8/x16") and "reseat" in checks["gpu0_pcie"].fix
+    assert "SM clock 900/1980 MHz; throttled: HW slowdown" in checks["gpu0_clocks"].detail

@@ -1,0 +1,188 @@
+"""The training engine's parts: FSDP2 and hybrid sharding on 2 real gloo ranks, activation
+checkpointing, compile, fp16 with a GradScaler, the precision policy, layer-group clipping, MFU,
+the profiler, MoE through the Trainer, and schedules driven by the loop."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, tiny_config
+from kiln.train.clip import clip, group_norms, layer_groups
+from kiln.train.metrics import PEAK_TFLOPS, mfu, peak_tflops, read_metrics
+from kiln.train.trainer import Trainer, build_model
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def workdir(prepared, tmp_path):
+    out = tmp_path / "out"
+    for name in ("tokenizer", "shards"):
+        shutil.copytree(prepared.out / name, out / name)
+    return out
+
+
+def steps(out: Path) -> list[dict]:
+    return [m for m in read_metrics(out / "run" / "metrics.jsonl") if m["event"] == "step"]
+
+
+def run(out: Path, **sections) -> dict:
+    return Trainer(tiny_config(out, **sections), log=lambda *_: None).run()
+
+
+def torchrun(tmp_path: Path, out: Path, **sections) -> None:
+    cfg = tmp_path / f"{out.name}.yaml"
+    cfg.write_text(tiny_config(out, **sections).to_yaml())
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "kiln", "train", str(cfg)], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# --- sharding -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mesh", [None, [2, 1]], ids=["fsdp", "hsdp-2x1"])
+def test_fsdp2_on_two_gloo_ranks_matches_one_process(workdir, tmp_path, mesh):
+    sharded = tmp_path / "sharded"
+    shutil.copytree(workdir, sharded)
+    run(workdir, train={"max_steps": 6})
+    torchrun(tmp_path, sharded, train={"max_steps": 6}, parallel={"mode": "fsdp", "mesh": mesh})
+    single, fsdp = [r["loss"] for r in steps(workdir)], [r["loss"] for r in steps(sharded)]
+    # Same global batch; gradients are reduced in a different order, so allow float noise.
+    assert fsdp == pytest.approx(single, abs=1e-4)
+    groups = {k for k in steps(sharded)[0] if k.startswith("grad_norm/")}
+    assert groups  # per-group norms are gathered from the shards
+    assert steps(sharded)[0]["grad_norm"] == pytest.approx(steps(workdir)[0]["grad_norm"], rel=1e-4)
+
+
+def test_a_mesh_that_does_not_cover_the_ranks_is_a_clear_error(workdir, tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(tiny_config(workdir, parallel={"mode": "fsdp", "mesh": [2, 2]}).to_yaml())
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "kiln", "train", str(cfg)], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "parallel.mesh=[2, 2] multiplies to 4, not the 2 ranks" in proc.stderr
+
+
+def test_activation_checkpointing_gives_the_same_losses(workdir, tmp_path):
+    other = tmp_path / "ac"
+    shutil.copytree(workdir, other)
+    run(workdir, train={"max_steps": 4})
+    run(other, train={"max_steps": 4}, parallel={"activation_checkpointing": True})
+    assert [r["loss"] for r in steps(other)] == pytest.approx([r["loss"] for r in steps(workdir)], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_compiled_model_matches_eager(workdir, tmp_path):
+    other = tmp_path / "compiled"
+    shutil.copytree(workdir, other)
+    run(workdir, train={"max_steps": 3})
+    run(other, train={"max_steps": 3}, parallel={"compile": True})
+    assert [r["loss"] for r in steps(other)] == pytest.approx([r["loss"] for r in steps(workdir)], abs=1e-3)
+
+
+# --- precision -----------------------------------------------------------------------------------
+
+def test_fp16_overflow_lowers_the_scale_and_skips_without_escalating(workdir):
+    trainer = Trainer(tiny_config(workdir, train={"max_steps": 6, "dtype": "fp16"}), log=lambda *_: None)
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)  # certain to overflow at first
+    summary = trainer.run()
+    events = read_metrics(workdir / "run" / "metrics.jsonl")
+    scales = [e for e in events if e["event"] == "scale"]
+    assert scales and scales[0]["to"] < scales[0]["from"]
+    skips = [e for e in events if e["event"] == "skip"]
+    assert skips and {s["reason"] for s in skips} == {"fp16_overflow"}
+    assert summary["rollbacks"] == 0 and summary["steps"] == 6
+    assert steps(workdir)[-1]["loss"] < steps(workdir)[0]["loss"] + 0.5
+
+
+def test_precision_policy_keeps_chosen_modules_in_fp32(workdir):
+    trainer = Trainer(tiny_config(workdir, train={"dtype": "bf16", "fp32_modules": ["output"]}), log=lambda *_: None)
+    seen = {}
+    trainer.model.output.register_forward_hook(lambda m, i, o: seen.update(output=o.dtype))
+    trainer.model.layers[0].feed_forward.register_forward_hook(lambda m, i, o: seen.update(ffn=o.dtype))
+    batch = trainer.loader.next_batch()[0]
+    from kiln.eval import next_token_loss
+
+    next_token_loss(trainer.model, batch, torch.bfloat16)
+    assert seen == {"output": torch.float32, "ffn": torch.bfloat16}
+    assert set(trainer.model.state_dict()) == set(build_model(trainer.cfg, 1024).state_dict())  # names unchanged
+
+
+# --- clipping and metrics ------------------------------------------------------------------------
+
+def test_layer_groups_and_per_group_clipping(prepared):
+    cfg = tiny_config(prepared.out, model={"n_layers": 6})
+    model = build_model(cfg, 1024)
+    groups = layer_groups(model, 6, upper_layers=4)  # at most a third each: 2 lower, 2 middle, 2 upper
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(p)] for p in groups["embeddings"]} == {"tok_embeddings.weight"}
+    assert all(names[id(p)].startswith(("layers.0.", "layers.1.")) for p in groups["lower"])
+    assert all(names[id(p)].startswith(("layers.2.", "layers.3.")) for p in groups["middle"])
+    assert {"norm.weight", "output.weight"} <= {names[id(p)] for p in groups["upper"]}
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 3
+    limits = {"embeddings": 0.5, "lower": 1.0, "middle": 1.0, "upper": 2.0}
+    before = group_norms(groups)
+    total = clip(groups, before, 1.0, limits)
+    assert total == pytest.approx(float(torch.stack(list(before.values())).pow(2).sum().sqrt()), rel=1e-5)
+    after = group_norms(groups)
+    for g, limit in limits.items():
+        assert float(after[g]) == pytest.approx(min(limit, float(before[g])), rel=1e-4)
+
+
+def test_mfu_arithmetic_and_peak_table():
+    assert mfu(6e9, 1000.0, 989.0, 1) == pytest.approx(6e12 / 989e12)
+    assert mfu(6e9, 1000.0, 989.0, 8) == pytest.approx(6e12 / (8 * 989e12))
+    assert mfu(6e9, 1000.0, None, 1) is None
+    peak, source = peak_tflops(torch.device("cpu"), "bf16", None)
+    assert peak is None and "unknown device" in source and "train.peak_tflops" in source
+    assert peak_tflops(torch.device("cpu"), "bf16", 1.5) == (1.5, "config train.peak_tflops")
+    assert PEAK_TFLOPS["H100"]["bf16"] == 989.0
+
+
+def test_step_metrics_are_complete(workdir):
+    run(workdir, train={"max_steps": 4, "update_ratio_every": 2, "peak_tflops": 0.5})
+    rows = steps(workdir)
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_peak_gb", "time_data_s", "time_fwd_bwd_s",
+                "time_optim_s", "time_comm_s", "skipped_steps", "data_position", "cost_so_far", "grad_norm/embeddings"):
+        assert all(key in r for r in rows), key
+    assert all(0 < r["mfu"] < 1 for r in rows)
+    assert [("update_to_weight" in r) for r in rows] == [False, True, False, True]
+    assert 0 < rows[1]["update_to_weight"] < 1
+
+
+def test_profiler_writes_a_trace_for_the_asked_steps(workdir):
+    run(workdir, train={"max_steps": 4, "profile_steps": [2, 3]})
+    trace = workdir / "run" / "profile" / "trace-rank00000.json"
+    assert trace.is_file() and b"ProfilerStep" in trace.read_bytes() or b"aten::" in trace.read_bytes()
+
+
+# --- MoE and schedules through the loop ------------------------------------------------------------
+
+def test_moe_model_trains_and_reports_router_numbers(workdir):
+    summary = run(workdir, train={"max_steps": 12}, model={"moe": {"n_experts": 4, "top_k": 2}})
+    rows = steps(workdir)
+    assert all(r["moe/aux_loss"] > 0 and r["moe/routed_tokens"] > 0 for r in rows)
+    assert summary["val_loss_end"] < summary["val_loss_start"]
+
+
+def test_breathing_schedule_resumes_exactly_in_the_loop(workdir, tmp_path):
+    train = {"max_steps": 24, "eval_every": 0, "warmup_steps": 5, "schedule": "breathing",
+             "breathing": {"inhale_steps": 3, "decay": 0.9, "noise_threshold": 10.0, "calm_steps": 3,
+                           "pause_steps": 4, "pause_eval_every": 2}}
+    run(workdir, train=train)
+    evals = [m["step"] for m in read_metrics(workdir / "run" / "metrics.jsonl") if m["event"] == "eval"]
+    assert len(evals) > 2  # the pause evaluates
+    other = tmp_path / "resumed"
+    shutil.copytree(workdir, other)
+    for folder in (other / "run" / "checkpoints").iterdir():
+        if int(folder.name[5:]) > 15:
+            shutil.rmtree(folder)  # as if killed after step 15's checkpoint
+    run(other, train=train)
+    assert [(r["step"], r["lr"]) for r in steps(other)] == [(r["step"], r["lr"]) for r in steps(workdir)]

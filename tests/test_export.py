@@ -1,0 +1,187 @@
+"""Export to Hugging Face and import back: transformers loads the folder as Llama (or Mixtral) with Kiln's
+logits to 1e-4 and `kiln eval --text`'s perplexity; an imported folder is where a new run starts."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import ROOT, tiny_config
+from kiln.cli import main as kiln
+from kiln.errors import KilnError
+from kiln.ops.export import export_hf, import_hf
+from kiln.tokenizer import load_tokenizer
+from kiln.train.checkpoint import list_checkpoints, load_checkpoint, write_checkpoint, rng_state
+from kiln.train.trainer import Trainer, build_model
+
+transformers = pytest.importorskip("transformers")
+QUIET = lambda *_: None  # noqa: E731
+TEXT = (ROOT / "README.md").read_text(encoding="utf-8")[:6000]
+
+
+def fresh_out(prepared, root: Path) -> Path:
+    out = root / "out"
+    for name in ("tokenizer", "shards"):
+        shutil.copytree(prepared.out / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(prepared, tmp_path_factory):
+    out = fresh_out(prepared, tmp_path_factory.mktemp("export"))
+    cfg = tiny_config(out, train={"max_steps": 6, "eval_every": 0}, checkpoint={"every": 6})
+    Trainer(cfg, log=QUIET).run()
+    return cfg, list_checkpoints(out / "run" / "checkpoints")[-1]
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    _, ckpt = trained
+    out = tmp_path_factory.mktemp("hf") / "model"
+    export_hf(ckpt, out)
+    return out
+
+
+def kiln_logits(cfg, state: dict, ids: torch.Tensor) -> torch.Tensor:
+    model = build_model(cfg, state["tok_embeddings.weight"].shape[0])
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model.eval()(ids)
+
+
+def test_transformers_loads_llama_with_kilns_logits_and_tokenizer(trained, exported):
+    cfg, ckpt = trained
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
+    tok = load_tokenizer(ckpt / "tokenizer.json")
+    ids = tok.encode(TEXT[:800], add_special_tokens=False).ids[: cfg.pack.seq_len]
+    assert hf_tok(TEXT[:800], add_special_tokens=False)["input_ids"][: cfg.pack.seq_len] == ids
+    assert (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.pad_token_id) == (0, 1, 2)
+    assert hf_tok("a <|eos|> b")["input_ids"] == tok.encode("a <|eos|> b").ids  # special-token text stays text
+    x = torch.tensor([ids, ids[::-1]])
+    with torch.no_grad():
+        theirs = hf(x).logits
+    ours = kiln_logits(cfg, load_checkpoint(ckpt)["model"], x)
+    assert theirs.shape == ours.shape
+    assert (theirs - ours).abs().max().item() < 1e-4
+    gen = json.loads((exported / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == 1 and hf.generation_config.eos_token_id == 1
+
+
+def test_exported_perplexity_equals_kiln_eval_on_a_text_file(trained, exported, tmp_path, capsys):
+    cfg, ckpt = trained
+    text_file = tmp_path / "eval.txt"
+    text_file.write_text(TEXT, encoding="utf-8")
+    assert kiln(["eval", str(ckpt), "--text", str(text_file)]) == 0
+    ours = json.loads(capsys.readouterr().out)
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    ids = transformers.AutoTokenizer.from_pretrained(exported)(TEXT, add_special_tokens=False)["input_ids"]
+    window = cfg.pack.seq_len + 1  # windows of seq_len + 1 tokens sharing one token with the next
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(ids) - 1, window - 1):
+            w = torch.tensor([ids[i: i + window]])
+            logits = hf(w[:, :-1]).logits
+            total += F.cross_entropy(logits[0], w[0, 1:], reduction="sum").item()
+            count += w.shape[1] - 1
+    assert count == ours["tokens"] and count > 3 * window
+    assert math.exp(total / count) == pytest.approx(ours["perplexity"], rel=1e-4)
+    assert total / math.log(2) / len(TEXT.encode()) == pytest.approx(ours["bits_per_byte"], rel=1e-4)
+
+
+def test_import_writes_the_checkpoint_a_new_run_starts_from(trained, exported, prepared, tmp_path, capsys):
+    cfg, ckpt = trained
+    out = fresh_out(prepared, tmp_path)
+    config = tmp_path / "run.yaml"
+    config.write_text(tiny_config(out, train={"max_steps": 8, "eval_every": 0}, checkpoint={"every": 8}).to_yaml())
+    assert kiln(["import", "--hf", str(exported), "--config", str(config)]) == 0
+    step0 = Path(json.loads(capsys.readouterr().out)["checkpoint"])
+    assert step0 == out / "run" / "checkpoints" / "step-00000000"
+    assert kiln(["ckpt", "verify", str(step0)]) == 0
+
+    new_cfg = tiny_config(out, train={"max_steps": 8, "eval_every": 0}, checkpoint={"every": 8})
+    trainer = Trainer(new_cfg, log=QUIET)
+    assert trainer.resume() == step0 and trainer.step == 0
+    x = torch.randint(0, 1024, (2, 32))
+    with torch.no_grad():
+        started = trainer.model.eval()(x)
+    assert torch.equal(started, kiln_logits(cfg, load_checkpoint(ckpt)["model"], x))
+    summary = Trainer(new_cfg, log=QUIET).run()  # and the run goes on from there
+    assert summary["steps"] == 8
+
+    # Importing into the same run again would overwrite it: refused.
+    with pytest.raises(KilnError, match="already holds checkpoints"):
+        import_hf(exported, new_cfg)
+
+
+def test_import_refuses_a_config_that_describes_another_model(exported, prepared, tmp_path):
+    cfg = tiny_config(fresh_out(prepared, tmp_path), model={"dim": 32})
+    with pytest.raises(KilnError, match=r"hidden_size: config.json has 64, the config gives 32"):
+        import_hf(exported, cfg)
+
+
+def test_export_never_overwrites_a_folder_it_did_not_write(trained, tmp_path):
+    _, ckpt = trained
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(KilnError, match="not an earlier `kiln export --hf`"):
+        export_hf(ckpt, tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+# --- mixture of experts --------------------------------------------------------------------------
+
+def moe_checkpoint(prepared, root: Path, **moe) -> tuple:
+    """A checkpoint of a Kiln MoE model with random weights, written with the checkpoint functions."""
+    from kiln.model.moe import MoEArgs
+
+    cfg = tiny_config(root / "out", model={"moe": {"n_experts": 4, "top_k": 2, "capacity_factor": None, **moe}})
+    model = build_model(cfg, 1024)
+    if not any("experts" in k for k in model.state_dict()):  # build_model not yet wired to model.moe
+        model = type(model)(type(model.args)(**{**model.args.__dict__, "moe": MoEArgs(**{
+            k: v for k, v in cfg.model.moe.model_dump().items() if k in MoEArgs.__dataclass_fields__})}))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    folder = write_checkpoint(root / "ckpts", 1, model.state_dict(), {}, [rng_state()], {"tokens_seen": 0}, cfg.to_yaml(),
+                              prepared.out / "tokenizer" / "tokenizer.json", {})
+    return cfg, model, folder
+
+
+def test_moe_exports_as_mixtral_with_kilns_logits(prepared, tmp_path):
+    _, model, folder = moe_checkpoint(prepared, tmp_path)
+    export_hf(folder, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    x = torch.randint(0, 1024, (2, 40))
+    with torch.no_grad():
+        assert (hf(x).logits - model.eval()(x)).abs().max().item() < 1e-4
+
+
+def test_moe_that_mixtral_cannot_express_is_a_clear_error(prepared, tmp_path):
+    _, _, folder = moe_checkpoint(prepared, tmp_path, every_n_layers=2)
+    with pytest.raises(KilnError, match=r"every_n_layers=2 mixes dense and MoE blocks"):
+        export_hf(folder, tmp_path / "hf")
+
+
+def test_eval_on_validation_shards_reports_bits_per_byte(trained, capsys):
+    from kiln.eval import token_byte_lengths
+
+    cfg, ckpt = trained
+    tok = load_tokenizer(ckpt / "tokenizer.json")
+    widths = token_byte_lengths(tok)
+    text = "Grüße, 世界! <|eos|> plain text"
+    assert widths[tok.encode(text).ids].sum() == len(text.encode())  # byte-level BPE: every byte counted once
+    assert widths[tok.token_to_id("<|eos|>")] == 0
+    assert kiln(["eval", str(ckpt)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 0 < out["bits_per_byte"] < out["loss"] / math.log(2)  # a token carries more than one byte on average

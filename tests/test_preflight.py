@@ -1,0 +1,73 @@
+"""`kiln preflight` runs real steps on a slice of the data and judges five signals; `kiln plan` turns the
+measured step time (or a peak and an MFU) into compute, time and cost with its assumptions."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import tiny_config
+from kiln.cli import main as kiln
+from kiln.errors import KilnError
+from kiln.ops.plan import make_plan
+from kiln.ops.preflight import preflight
+
+
+@pytest.fixture
+def out(prepared, tmp_path):
+    out = tmp_path / "out"
+    for name in ("tokenizer", "shards"):
+        shutil.copytree(prepared.out / name, out / name)
+    return out
+
+
+def config_file(out, path, **sections):
+    path.write_text(tiny_config(out, **sections).to_yaml())
+    return str(path)
+
+
+def test_preflight_passes_and_leaves_only_its_record(out, tmp_path, capsys):
+    cfg_file = config_file(out, tmp_path / "c.yaml", preflight={"steps": 3})
+    assert kiln(["preflight", cfg_file, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [c["name"] for c in result["checks"]] == ["loader", "utilisation", "memory", "grad_norm", "checkpoint"]
+    assert all(c["verdict"] == "ok" for c in result["checks"])
+    assert result["steps"] == 3 and result["tokens_per_s"] > 0
+    assert json.loads((out / "preflight.json").read_text())["step_time_s"] == result["step_time_s"]
+    assert sorted(p.name for p in out.iterdir()) == ["preflight.json", "shards", "tokenizer"]  # no run/, no temp folder
+
+
+def test_preflight_fails_usefully_on_an_exploding_gradient(out):
+    # A threshold no real gradient meets stands in for an exploding one: the verdict and the fix must name it.
+    cfg = tiny_config(out, preflight={"steps": 2, "max_grad_norm": 1e-6})
+    result, checks = preflight(cfg)
+    bad = {c.name: c for c in checks if not c.ok}
+    assert list(bad) == ["grad_norm"] and not result["ok"]
+    assert "outside [1e-08, 1e-06]" in bad["grad_norm"].fix
+
+
+def test_preflight_needs_packed_shards(tmp_path):
+    with pytest.raises(KilnError, match="run `kiln run CONFIG --until pack` first"):
+        preflight(tiny_config(tmp_path / "nothing"))
+
+
+def test_plan_is_6ND_over_measured_or_assumed_throughput(out, tmp_path, capsys):
+    cfg = tiny_config(out, plan={"device": "H100", "devices": 8, "mfu": 0.5}, budget={"price_per_device_hour": 2.0})
+    plan = make_plan(cfg)
+    n, d = plan["params_non_embedding"], 20 * 8 * 64  # TINY: 20 steps × 8 sequences × 64 tokens
+    assert plan["tokens"] == d and plan["compute_6ND"] == 6 * n * d
+    # TINY trains in fp32: the table's H100 fp32 (TF32) peak is 494 TFLOP/s.
+    assert plan["tokens_per_s"] == pytest.approx(8 * 494e12 * 0.5 / (plan["compute_flops"] / d))
+    assert plan["cost"] == pytest.approx(plan["hours"] * 8 * 2.0)
+    assert any("H100 peak 494" in a and "50%" in a for a in plan["assumptions"])
+
+    # On this CPU the peak is unknown: plan asks for a measurement, then uses it.
+    with pytest.raises(KilnError, match="run `kiln preflight` first"):
+        make_plan(tiny_config(out))
+    (out / "preflight.json").write_text(json.dumps({"device": "cpu", "world": 1, "tokens_per_s": 1000.0, "dtype": "fp32",
+                                                    "batch_size": 8, "model_hash": cfg.section_hash("model", "pack")}))
+    assert kiln(["plan", config_file(out, tmp_path / "p.yaml", plan={"devices": 2}), "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert measured["time_source"] == "preflight" and measured["hours"] == pytest.approx(d / 2000 / 3600)

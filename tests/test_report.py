@@ -1,0 +1,98 @@
+"""`kiln report`: a self-contained report.html with every plot, rendered in headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_config
+from kiln.cli import main as kiln
+from kiln.errors import KilnError
+from kiln.ops.report import render
+from kiln.train.trainer import Trainer
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+@pytest.fixture(scope="module")
+def run_dir(prepared, tmp_path_factory):
+    """A real 6-step run, its data stage's stats, and the events a long run adds (skips, a rollback)."""
+    out = tmp_path_factory.mktemp("report") / "out"
+    for name in ("tokenizer", "shards"):
+        shutil.copytree(prepared.out / name, out / name)
+    (out / "docs").mkdir()
+    stats = json.loads((prepared.out / "docs" / "stats.json").read_text())
+    stats["dedup"] = {"cluster_sizes": {"2": 5, "3": 1}}  # the near-dedup stage's figure, when it reports one
+    (out / "docs" / "stats.json").write_text(json.dumps(stats))
+    Trainer(tiny_config(out, train={"max_steps": 6, "eval_every": 3}, checkpoint={"every": 3}), log=lambda *_: None).run()
+    metrics = out / "run" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    extra = [{"event": "skip", "step": 4, "reason": "loss_spike", "data_position": 32},
+             {"event": "rollback", "step": 5, "to_step": 3, "reason": "3 skipped steps"}]
+    steps = [json.loads(ln) for ln in lines if json.loads(ln).get("event") == "step"]
+    for s in steps:  # per-group gradient norms, as the trainer writes them when enabled
+        for g in ("embeddings", "lower", "middle", "upper"):
+            s.setdefault(f"grad_norm/{g}", s["grad_norm"] / 2)
+    others = [json.loads(ln) for ln in lines if json.loads(ln).get("event") != "step"]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in steps + others + extra) + '{"event": "step", "ste')
+    return out / "run"
+
+
+def test_report_has_every_plot_and_the_runs_tables(run_dir, tmp_path, capsys):
+    out = tmp_path / "r" / "report.html"
+    assert kiln(["report", str(run_dir), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    page = out.read_text()
+    captions = re.findall(r"<figcaption>(.*?)</figcaption>", page)
+    for want in ("Loss", "Learning rate", "Gradient norm", "Throughput", "Peak memory", "Step time split",
+                 "Documents kept and rejected", "Kept documents by language", "Documents by source", "Near-duplicate clusters"):
+        assert any(c.startswith(want) for c in captions), (want, captions)
+    assert len(re.findall(r'<img [^>]*src="data:image/png;base64,', page)) == len(captions)
+    # Self-contained: nothing refers to another file or the network.
+    assert not re.search(r'(src|href)="(?!data:)', page) and "<script" not in page and "<link" not in page
+    assert "1 unreadable line(s)" in page  # the cut last line
+    assert page.count("step-0000000") == 2 and "train:" in page and "max_steps: 6" in page  # checkpoints, config
+    assert re.search(r"<td>skipped steps</td><td>1</td>", page) and re.search(r"<td>rollbacks</td><td>1</td>", page)
+
+
+def test_report_without_metrics_is_a_clear_error(tmp_path):
+    with pytest.raises(KilnError, match="no metrics.jsonl"):
+        render(tmp_path)
+
+
+CHECK_SCRIPT = """<script>
+window.kilnErrors = [];
+window.addEventListener('error', e => kilnErrors.push(e.message || (e.target && e.target.tagName)), true);
+window.addEventListener('load', () => {
+  const imgs = Array.from(document.images);
+  const loaded = imgs.filter(i => i.complete && i.naturalWidth > 0).length;
+  const d = document.createElement('div');
+  d.id = 'kiln-check';
+  d.textContent = 'images=' + imgs.length + ' loaded=' + loaded + ' errors=' + kilnErrors.length;
+  document.body.appendChild(d);
+});
+</script>"""
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed (.ci/run installs it for CI)")
+def test_report_renders_in_headless_chromium_with_every_image_loaded(run_dir, tmp_path):
+    page = render(run_dir)
+    n_images = page.count("<img ")
+    # The check script goes into a copy: the report itself carries no script.
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.replace("<head>", "<head>" + CHECK_SCRIPT, 1))
+    result = subprocess.run(
+        [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+         "--dump-dom", probe.as_uri()],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    marker = re.search(r'<div id="kiln-check">images=(\d+) loaded=(\d+) errors=(\d+)</div>', result.stdout)
+    assert marker, result.stdout[-2000:]
+    assert (int(marker[1]), int(marker[2]), int(marker[3])) == (n_images, n_images, 0)
+    assert n_images >= 10
