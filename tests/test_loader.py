@@ -342,3 +342,22 @@ def test_missing_remote_manifest_is_a_clear_error(tmp_path):
         ShardSet(f"memory://nothing-{uuid.uuid4().hex[:6]}/shards", "train", cache=ShardCache(tmp_path, 10**6))
     with pytest.raises(KilnError, match="local cache"):
         ShardSet("memory://x/shards", "train")
+
+
+def test_weight_from_the_data_stage_scales_a_source_share(prepared, tmp_path):
+    """`weight: data`: a source's share is its size times the data stage's distribution weight,
+    averaged over its training tokens (recorded by pack as `data_weight`)."""
+    from kiln.data.pipeline import read_docs
+
+    docs = prepared.out / "docs"
+    sources = {d["source"] for d in read_docs(docs)}
+    cfg = PackConfig(seq_len=64, val_fraction=0.1)
+    plain = pack(read_docs(docs), prepared.out / "tokenizer", tmp_path / "plain", cfg)
+    drifted = pack(read_docs(docs), prepared.out / "tokenizer", tmp_path / "drifted", cfg,
+                   source_weights={s: {"weight": 0.25, "z": 4.0} for s in sources})
+    assert plain["data_weight"] == 1.0 and drifted["data_weight"] == 0.25
+    run = tiny_config(tmp_path / "run", loader={"sources": [{"path": str(tmp_path / "plain"), "weight": "data"},
+                                                            {"path": str(tmp_path / "drifted"), "weight": "data"}]})
+    train, _ = open_splits(run, plain["tokenizer_sha256"])
+    a, b = train.counts.tolist()
+    assert a == pytest.approx(4 * b, abs=2) and a + b == len(train)

@@ -30,7 +30,9 @@ def cmd_run(args) -> int:
     cfg = load_config(args.config, args.overrides)
     console = _console()
     result = run_all(cfg, log=console.print, until=args.until)
-    print_summary(result, console)
+    from rich.console import Console
+
+    print_summary(result, Console(stderr=True, highlight=False, width=max(console.width, 110)))
     return 0
 
 
@@ -77,7 +79,11 @@ def cmd_pack(args) -> int:
     from kiln.shards.pack import pack
 
     cfg = load_config(args.config, args.overrides)
-    m = pack(read_docs(Path(args.docs_dir)), Path(args.tokenizer), Path(args.out), cfg.pack)
+    from kiln.manifest import read_manifest
+
+    docs = Path(args.docs_dir)
+    weights = read_manifest(docs).get("source_weights") if (docs / "manifest.json").is_file() else None
+    m = pack(read_docs(docs), Path(args.tokenizer), Path(args.out), cfg.pack, source_weights=weights)
     print(json.dumps({k: m[k] for k in ("dtype", "vocab_size", "seq_len", "splits", "packing_efficiency")}, indent=1))
     return 0
 

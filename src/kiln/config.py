@@ -188,7 +188,15 @@ class PackConfig(Section):
 
 class SourceConfig(Section):
     path: str = Field(description="a shards folder: local path or any fsspec URL (s3://, gs://, file://, memory://)")
-    weight: float | None = Field(None, gt=0, description="sampling weight; null = the source's share of training samples")
+    weight: float | Literal["data"] | None = Field(
+        None, description="sampling weight; null = the source's share of training samples; "
+                          "'data' = that share times the data stage's weight for it (shards manifest `data_weight`)")
+
+    @model_validator(mode="after")
+    def _positive(self) -> "SourceConfig":
+        if isinstance(self.weight, float) and self.weight <= 0:
+            raise ValueError(f"loader.sources weight must be > 0, got {self.weight}")
+        return self
 
 
 class LoaderConfig(Section):

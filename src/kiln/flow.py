@@ -53,7 +53,8 @@ def run_pack_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
         log(f"pack: skipping, {out} is complete and up to date")
     else:
         log(f"pack: encoding and packing into sequences of {cfg.pack.seq_len} -> {out}")
-        pack(read_docs(docs), tok, out, cfg.pack, fingerprint=fp)
+        pack(read_docs(docs), tok, out, cfg.pack, fingerprint=fp,
+             source_weights=read_manifest(docs).get("source_weights"))
     return read_manifest(out)
 
 

@@ -93,8 +93,18 @@ def packing_efficiency(splits: dict[str, dict[str, Any]]) -> float:
     return round((tokens - waste) / max(tokens + dropped, 1), 6)
 
 
+def data_weight(documents: list[dict[str, Any]], source_weights: dict[str, dict] | None) -> float:
+    """The data stage's sampling weight for these shards: its per-source weights averaged over the
+    training tokens (1.0 when the data stage gave none)."""
+    train = [d for d in documents if d["split"] == "train"]
+    tokens = sum(d["tokens"] for d in train)
+    if not source_weights or not tokens:
+        return 1.0
+    return sum(d["tokens"] * source_weights.get(d["source"], {}).get("weight", 1.0) for d in train) / tokens
+
+
 def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, fingerprint: str = "",
-         progress: bool | None = None) -> dict[str, Any]:
+         progress: bool | None = None, source_weights: dict[str, dict] | None = None) -> dict[str, Any]:
     """Encode and pack `docs` into `out` (committed atomically with its manifest). Returns the manifest.
 
     `progress`: a progress bar on stderr; None shows it when stderr is a terminal.
@@ -122,6 +132,7 @@ def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, 
             tmp, stage="pack", fingerprint=fingerprint, format_version=FORMAT_VERSION, dtype=dtype.name,
             vocab_size=vocab, eos_id=eos, pad_id=pad, tokenizer_sha256=header.tokenizer_sha256, seq_len=cfg.seq_len,
             sample_len=cfg.seq_len + 1, mode=cfg.mode, splits=splits, packing_efficiency=packing_efficiency(splits),
+            data_weight=round(data_weight(documents, source_weights), 6),
             split_documents=sum(s["split_documents"] for s in splits.values()), documents=documents,
         )
     return manifest

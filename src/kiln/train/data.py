@@ -99,7 +99,9 @@ def open_splits(cfg: Config, tokenizer_sha256: str) -> tuple[Mixture, Mixture]:
     chosen = sources(cfg)
     train = [ShardSet(s.path, "train", tokenizer_sha256, cache) for s in chosen]
     val = [ShardSet(s.path, "val", tokenizer_sha256, cache) for s in chosen]
-    weights = [s.weight for s in chosen]
+    # 'data': the source's size times the weight the data stage's distribution check gave its documents.
+    weights = [len(t) * t.manifest.get("data_weight", 1.0) if s.weight == "data" else s.weight
+               for s, t in zip(chosen, train)]
     if None in weights and any(w is not None for w in weights):
         raise KilnError(f"loader.sources[{weights.index(None)}].weight is missing; give every source a weight, or none "
                         "(then each source counts by its number of samples)")
