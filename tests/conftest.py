@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import shutil
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,12 @@ def prepared(tmp_path_factory):
     run_pack_stage(cfg, quiet)
     return cfg
 
+
+
+@pytest.fixture
+def workdir(prepared, tmp_path) -> Path:
+    """A fresh out_dir holding the prepared tokenizer and shards (training writes run/ beside them)."""
+    out = tmp_path / "out"
+    for name in ("tokenizer", "shards"):
+        shutil.copytree(prepared.out / name, out / name)
+    return out

@@ -21,14 +21,6 @@ from kiln.train.trainer import Trainer, build_model
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-@pytest.fixture
-def workdir(prepared, tmp_path):
-    out = tmp_path / "out"
-    for name in ("tokenizer", "shards"):
-        shutil.copytree(prepared.out / name, out / name)
-    return out
-
-
 def steps(out: Path) -> list[dict]:
     return [m for m in read_metrics(out / "run" / "metrics.jsonl") if m["event"] == "step"]
 

@@ -27,16 +27,6 @@ from kiln.train.trainer import Trainer
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-@pytest.fixture
-def workdir(prepared, tmp_path):
-    import shutil
-
-    out = tmp_path / "out"
-    for name in ("tokenizer", "shards"):
-        shutil.copytree(prepared.out / name, out / name)
-    return out
-
-
 def clone(src: Path, dst: Path) -> Path:
     import shutil
 

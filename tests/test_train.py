@@ -30,15 +30,6 @@ from kiln.train.schedule import warmup_cosine
 from kiln.train.trainer import Trainer
 
 
-@pytest.fixture
-def workdir(prepared, tmp_path):
-    """A fresh out_dir holding the prepared tokenizer and shards (training writes run/ beside them)."""
-    out = tmp_path / "out"
-    for name in ("tokenizer", "shards"):
-        shutil.copytree(prepared.out / name, out / name)
-    return out
-
-
 def run(out: Path, **train) -> dict:
     return Trainer(tiny_config(out, train=train), log=lambda *_: None).run()
 
