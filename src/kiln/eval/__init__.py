@@ -23,8 +23,20 @@ def next_token_loss(model: torch.nn.Module, batch: torch.Tensor, autocast_dtype:
     inputs, targets = batch[:, :-1], batch[:, 1:]
     with torch.autocast(batch.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         logits = model(inputs)
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                           ignore_index=-100 if pad_id is None else pad_id)
+    return chunked_cross_entropy(logits.flatten(0, 1), targets.flatten(), -100 if pad_id is None else pad_id)
+
+
+def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, rows: int = 128) -> torch.Tensor:
+    """Mean cross-entropy in fp32, `rows` positions at a time.
+
+    The fp32 copy of a whole batch's logits is the largest tensor of a small model's step; in
+    chunks it stays in cache (measured: +8% tokens/s in fp32 on a 2-core CPU, BENCHMARKS.md).
+    """
+    # split, not slicing: split's backward concatenates the chunks' gradients once, where each
+    # slice's backward would scatter into a zeroed tensor of the full size.
+    losses = [F.cross_entropy(chunk.float(), t, ignore_index=ignore_index, reduction="sum")
+              for chunk, t in zip(logits.split(rows), targets.split(rows))]
+    return torch.stack(losses).sum() / (targets != ignore_index).sum().clamp(min=1)
 
 
 @torch.no_grad()
