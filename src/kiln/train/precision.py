@@ -12,7 +12,7 @@ import functools
 import torch
 from torch import nn
 
-from kiln.model.llama import Attention, FeedForward
+from kiln.model.llama import Attention
 
 KINDS = ("attention", "feed_forward", "output", "embeddings")
 
