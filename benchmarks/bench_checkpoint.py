@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.model import Llama, ModelArgs
-from kiln.train.checkpoint import Saver, load_checkpoint, rng_state, write_checkpoint
+from kiln.train.checkpoint import Saver, load_checkpoint, rng_state, snapshot, write_checkpoint
 
 ARGS = ModelArgs(vocab_size=32_000, dim=512, n_layers=8, n_heads=8, max_seq_len=128)
 RUNS, THREADS = 5, 2
@@ -114,16 +114,6 @@ def throughput(tmp: Path, model: Llama, opt: torch.optim.Optimizer, tokenizer: P
     return {k: [mb / t for t in v] for k, v in times.items()}
 
 
-def clone_state(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, dict):
-        return {k: clone_state(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [clone_state(v) for v in obj]
-    return obj
-
-
 def stall(tmp: Path, model: Llama, opt: torch.optim.Optimizer, tokenizer: Path, async_save: bool,
           step: int) -> dict[str, float]:
     """One save in the middle of a loop, as Trainer._write does it: the stall and the step times around it."""
@@ -133,7 +123,7 @@ def stall(tmp: Path, model: Llama, opt: torch.optim.Optimizer, tokenizer: Path, 
     model_state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     optim_state = opt.state_dict()
     if async_save:  # the snapshot must not change while the thread writes
-        model_state, optim_state = clone_state(model_state), clone_state(optim_state)
+        model_state, optim_state = snapshot(model_state), snapshot(optim_state)
     root = tmp / f"stall-{int(async_save)}-{step}"
     saver.last_write_s = None
     wait = saver.save(lambda: kiln_save(root, step, model_state, optim_state, tokenizer))

@@ -101,6 +101,17 @@ def verify_signature(folder: Path, public_key_path: str) -> None:
 
 # --- saving ----------------------------------------------------------------------------------
 
+def snapshot(obj):
+    """A copy of every tensor in a (nested) state: what a background writer owns while training goes on."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [snapshot(v) for v in obj]
+    return obj
+
+
 def all_finite(*states: dict) -> bool:
     """Never commit a checkpoint whose weights or optimizer state hold NaN/inf."""
     def tensors(obj):

@@ -238,8 +238,7 @@ class Trainer:
         vals = {int(s): v for s, v in self.history["val_loss"].items() if int(s) > 0}
         best = min(vals, key=vals.get) if (cfg.checkpoint.keep_best and vals) else None
         if self.saver.async_save:  # the snapshot must not change while the thread writes
-            model_state = {k: v.clone() for k, v in model_state.items()}
-            optim_state = _deep_clone(optim_state)
+            model_state, optim_state = ckpt.snapshot(model_state), ckpt.snapshot(optim_state)
         step = self.step
 
         def write() -> None:
@@ -490,16 +489,6 @@ def _update_ratio(before: list[torch.Tensor], after: list[torch.Tensor]) -> floa
     num = sum(float(parallel.local_tensor(torch.linalg.vector_norm(a.detach() - b))) ** 2 for a, b in zip(after, before))
     den = sum(float(parallel.local_tensor(torch.linalg.vector_norm(b))) ** 2 for b in before)
     return (num / max(den, 1e-30)) ** 0.5
-
-
-def _deep_clone(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, dict):
-        return {k: _deep_clone(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_deep_clone(v) for v in obj]
-    return obj
 
 
 class _Profiler:
