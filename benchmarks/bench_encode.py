@@ -3,7 +3,7 @@
 The corpus is the bundled sample crawl run through `kiln data` (documents
 repeated under new ids to ~3 MB of text), with a byte-level BPE tokenizer of
 4,096 trained on it. Each measurement runs in a fresh process whose
-`RAYON_RS_NUM_THREADS` fixes the tokenizer's threads (the pool is sized once
+`RAYON_NUM_THREADS` fixes the tokenizer's threads (the pool is sized once
 per process):
   encode_batch  one `Tokenizer.encode_batch` over all texts, ids taken out (`.ids`)
   kiln pack     the whole `pack()`: encode, split, pack, write shards, sha256 manifest
@@ -66,7 +66,7 @@ def prepare(tmp: Path) -> tuple[Path, Path]:
 
 
 def measure(mode: str, threads: int, workers: int, docs_file: Path, tok: Path, tmp: Path) -> float:
-    env = {**os.environ, "RAYON_RS_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "RAYON_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT / "src")}
     out = subprocess.run([sys.executable, "-c", CHILD, mode, str(docs_file), str(tok), str(tmp / f"shards-{mode}"),
                           str(workers)], env=env, capture_output=True, text=True, check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -86,11 +86,13 @@ def main() -> None:
                                                                  threads, workers, docs_file, tok, tmp))
         med = {r: statistics.median(v) for r, v in results.items()}
         print(f"corpus: {mb:.1f} MB of text, vocab 4096; median of {RUNS} runs")
-        print(f"{'what':14} {'threads':>7} {'procs':>5} {'MB/s':>7} {'vs encode_batch, same threads':>30}")
+        print(f"{'what':14} {'threads':>7} {'procs':>5} {'MB/s':>7} {'vs encode_batch, same threads':>30} "
+              f"{'vs kiln pack, 1 thread':>23}")
         for mode, threads, workers in rows:
             base = med[("encode_batch", threads if workers == 1 else 2, 1)]
-            print(f"{mode:14} {threads:7} {workers:5} {med[(mode, threads, workers)]:7.2f} "
-                  f"{med[(mode, threads, workers)] / base:30.2f}")
+            rate = med[(mode, threads, workers)]
+            print(f"{mode:14} {threads:7} {workers:5} {rate:7.2f} {rate / base:30.2f} "
+                  f"{rate / med[('kiln pack', 1, 1)]:23.2f}")
 
 
 if __name__ == "__main__":

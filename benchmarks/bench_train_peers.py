@@ -2,7 +2,7 @@
 
 The model of bench_train_step (Llama, d=256, 4 layers, 4 heads, SwiGLU 704, untied, RMSNorm 1e-5, RoPE
 theta 10,000, vocabulary 4,096, seq 256, batch 8 = 2,048 tokens a step), 2 threads, fp32 and bf16
-autocast, eager and torch.compile. Contenders, each run in a fresh process:
+autocast, eager and torch.compile. Contenders:
 
   kiln         `Trainer.run()` (bench_train_step.kiln_worker); compiled: `parallel.compile: true`
   plain        the textbook loop (bench_train_step.plain_worker); compiled: torch.compile(model)
@@ -19,9 +19,14 @@ autocast, eager and torch.compile. Contenders, each run in a fresh process:
 Each peer runs in its own environment, never Kiln's: the benchmark takes their interpreters from
 OLMO_PYTHON and LITGPT_PYTHON (a venv with `pip install torch==2.13.0` and then `ai2-olmo-core` or
 `litgpt`) and skips a peer whose variable is unset. The peers read the same training tokens, written
-once from Kiln's shards as a raw uint16 file. Per run: tokens/s of the median step after the warm-up
-(compiled runs warm up longer: the first steps compile); reported: the median over RUNS rounds, the
-contenders alternating within each round in an order that flips every round.
+once from Kiln's shards as a raw uint16 file.
+
+A run starts every contender in its own fresh process at once; they then take turns, one step each, the
+turn order shuffled every step (`lockstep` in bench_train_step), so the bursts of load from other jobs that
+dominate this shared 2-core machine's noise (±10% between back-to-back processes) fall on every contender's
+same steps. Per run: tokens/s of each contender's median step after the warm-up (compiled runs warm up
+longer: the first steps compile), and Kiln against the fastest peer paired step by step (the median over
+the timed steps of the fastest peer's step time over Kiln's). Reported: medians over RUNS runs.
 
     OLMO_PYTHON=... LITGPT_PYTHON=... python -m benchmarks train_peers
 """
@@ -33,7 +38,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from benchmarks.bench_train_step import (
@@ -43,7 +47,7 @@ from benchmarks.bench_train_step import (
     STEPS,
     THREADS,
     WARMUP,
-    step_result,
+    StepClock,
 )
 
 RUNS = int(os.environ.get("KILN_BENCH_RUNS", "3"))
@@ -95,7 +99,7 @@ def plain_loss_worker(out: Path, dtype: str, compile: bool, warmup: int, steps: 
         return torch.stack(losses).sum() / targets.numel()
 
     step_loss = torch.compile(loss_fn) if compile else loss_fn
-    ends = []
+    clock = StepClock(warmup + steps)
     for step in range(warmup + steps):
         rows = np.empty((BATCH, SEQ + 1), np.int64)
         train.gather(order[step * BATCH:(step + 1) * BATCH], rows)
@@ -106,8 +110,8 @@ def plain_loss_worker(out: Path, dtype: str, compile: bool, warmup: int, steps: 
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss.item()
-        ends.append(time.perf_counter())
-    return step_result(ends[warmup - 1:])
+        clock.tick()
+    return clock.result(warmup)
 
 
 def olmo_worker(folder: Path, dtype: str, compile: bool, warmup: int, steps: int) -> dict:
@@ -142,17 +146,17 @@ def olmo_worker(folder: Path, dtype: str, compile: bool, warmup: int, steps: int
                                     dtype=NumpyDatasetDType.uint16, work_dir=str(work)).build()
     loader = NumpyDataLoaderConfig(global_batch_size=BATCH * SEQ, seed=7, work_dir=str(work),
                                    num_workers=0).build(dataset)
-    ends: list[float] = []
 
-    class StepClock(Callback):
+    class Tick(Callback):
         def post_step(self) -> None:
-            ends.append(time.perf_counter())
+            clock.tick()
 
     trainer = TrainerConfig(save_folder=str(work / "save"), max_duration=Duration.steps(warmup + steps),
                             no_checkpoints=True, no_evals=True, metrics_collect_interval=10,
-                            callbacks={"clock": StepClock()}).build(module, loader)
+                            callbacks={"clock": Tick()}).build(module, loader)
+    clock = StepClock(warmup + steps)
     trainer.fit()
-    return step_result(ends[warmup - 1:warmup + steps])
+    return clock.result(warmup)
 
 
 def litgpt_worker(folder: Path, dtype: str, compile: bool, warmup: int, steps: int) -> dict:
@@ -175,7 +179,7 @@ def litgpt_worker(folder: Path, dtype: str, compile: bool, warmup: int, steps: i
     rows = torch.from_numpy(read_tokens(folder))
     order = np.random.default_rng(7).permutation(len(rows))
     amp = torch.bfloat16 if dtype == "bf16" else None
-    ends = []
+    clock = StepClock(warmup + steps)
     for step in range(warmup + steps):
         batch = rows[order[step * BATCH:(step + 1) * BATCH]]
         with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
@@ -186,8 +190,8 @@ def litgpt_worker(folder: Path, dtype: str, compile: bool, warmup: int, steps: i
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss.item()
-        ends.append(time.perf_counter())
-    return step_result(ends[warmup - 1:])
+        clock.tick()
+    return clock.result(warmup)
 
 
 def _kiln(name: str):
@@ -214,8 +218,21 @@ def write_tokens(data: Path, folder: Path) -> None:
     (folder / "meta.json").write_text(json.dumps({"vocab_size": int(shards.manifest["vocab_size"])}))
 
 
+def paired_ratio(results: dict[str, dict]) -> tuple[str, float] | None:
+    """The fastest peer of the run (by median step) and, over the timed steps, the median of its step time
+    over Kiln's at the same step: above 1, Kiln is faster. Steps ran in turns, so each pair saw the same
+    load from elsewhere. (Pairing each step with whichever peer was fastest at that step would favour the
+    peers: the minimum of several noisy times is biased low.)"""
+    peers = [c for c in PEERS if c in results]
+    if not peers:
+        return None
+    best = max(peers, key=lambda c: results[c]["tokens_per_s"])
+    kiln, peer = results["kiln"]["step_s"], results[best]["step_s"]
+    return best, statistics.median(p / k for p, k in zip(peer, kiln))
+
+
 def main() -> None:
-    from benchmarks.bench_train_step import data_root, fresh_out, prepare, rounds, spawn
+    from benchmarks.bench_train_step import data_root, fresh_out, lockstep, prepare, worker_command
 
     pythons = {"kiln": sys.executable, "plain": sys.executable, "plain+loss": sys.executable}
     for peer, var in PEERS.items():
@@ -236,26 +253,33 @@ def main() -> None:
             warmup = COMPILE_WARMUP if compile else WARMUP
             for dtype in ("fp32", "bf16"):
                 mode = "compiled" if compile else "eager"
-                print(f"{mode} {dtype}: {RUNS} rounds, {warmup} warm-up + {STEPS} timed steps", flush=True)
-
-                def one(c: str, dtype: str = dtype, compile: bool = compile, warmup: int = warmup) -> dict:
-                    where = peers_dir if c in PEERS else fresh_out(data, Path(tmp))
-                    return spawn("benchmarks.bench_train_peers", c, where, dtype, compile, warmup, STEPS, pythons[c])
-
-                res = rounds(contenders, one, RUNS)
-                table.append((mode, dtype, {c: [r["tokens_per_s"] for r in v] for c, v in res.items()}))
-        # Load from other jobs drifts over minutes: a round's contenders ran back to back, so the median of the
-        # per-round ratios is steadier than the ratio of medians. Both are printed.
+                print(f"{mode} {dtype}: {RUNS} lockstep runs, {warmup} warm-up + {STEPS} timed steps", flush=True)
+                runs: list[dict[str, dict]] = []
+                for r in range(RUNS):
+                    order = contenders if r % 2 == 0 else contenders[::-1]
+                    commands = {c: worker_command("benchmarks.bench_train_peers", c,
+                                                  peers_dir if c in PEERS else fresh_out(data, Path(tmp)),
+                                                  dtype, compile, warmup, STEPS, pythons[c]) for c in order}
+                    runs.append(lockstep(commands, warmup + STEPS))
+                    paired = paired_ratio(runs[-1])
+                    print(f"  run {r + 1}: " + ", ".join(f"{c} {runs[-1][c]['tokens_per_s']:,.0f}" for c in contenders)
+                          + (f" tok/s; kiln vs {paired[0]} paired by step: {paired[1]:.3f}" if paired else " tok/s"),
+                          flush=True)
+                    if os.environ.get("KILN_BENCH_JSON"):  # every step time, for a second look
+                        with open(os.environ["KILN_BENCH_JSON"], "a") as f:
+                            f.write(json.dumps({"mode": mode, "dtype": dtype, "run": r + 1, "results": runs[-1]}) + "\n")
+                table.append((mode, dtype, runs))
         print(f"\n{'mode':9} {'dtype':5} " + " ".join(f"{c:>11}" for c in contenders)
-              + "  kiln/fastest peer (of medians; median per round)")
+              + "  kiln/fastest peer: of medians; paired by step (median of runs)")
         for mode, dtype, runs in table:
-            med = {c: statistics.median(v) for c, v in runs.items()}
-            peers = [c for c in PEERS if c in runs]
+            med = {c: statistics.median(run[c]["tokens_per_s"] for run in runs) for c in contenders}
+            peers = [c for c in PEERS if c in med]
             ratio = "-"
             if peers:
-                per_round = [runs["kiln"][i] / max(runs[c][i] for c in peers) for i in range(len(runs["kiln"]))]
-                ratio = f"{med['kiln'] / max(med[c] for c in peers):.3f}; {statistics.median(per_round):.3f}"
+                paired = statistics.median(paired_ratio(run)[1] for run in runs)
+                ratio = f"{med['kiln'] / max(med[c] for c in peers):.3f}; {paired:.3f}"
             print(f"{mode:9} {dtype:5} " + " ".join(f"{med[c]:11,.0f}" for c in contenders) + f"  {ratio}")
+
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":

@@ -10,10 +10,10 @@ Kiln's own stages; both loops read the same samples in the same seeded order.
          watchdog, budget. Eval and checkpoints fall outside the timed window.
   plain  forward, fp32 cross-entropy, backward, clip_grad_norm_(1.0), AdamW (torch defaults), zero_grad.
 
-Every run of every contender is a fresh process (so ru_maxrss is its own peak); the contenders alternate
-within each round, and their order flips every round, so load from other jobs hits both alike.
-Per run: tokens/s of the median step of STEPS timed steps after WARMUP steps (and over the whole window);
-reported: the median over RUNS rounds.
+Every run starts both contenders in fresh processes (so ru_maxrss is each one's own peak), which take
+turns one step at a time (`lockstep`), so load from other jobs hits both alike. Per run: tokens/s of the
+median step of STEPS timed steps after WARMUP steps (and over the whole window); reported: the median over
+RUNS runs.
 
     python -m benchmarks train_step
     KILN_BENCH_DATA=DIR python -m benchmarks train_step   # keep the prepared shards in DIR between runs
@@ -21,9 +21,9 @@ reported: the median over RUNS rounds.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
+import random
 import resource
 import statistics
 import subprocess
@@ -53,6 +53,7 @@ def bench_config(out_dir: Path, dtype: str = "fp32", compile: bool = False, **tr
         "train": {"batch_size": BATCH, "lr": 3e-4, "warmup_steps": 2, "dtype": dtype, "threads": THREADS,
                   "eval_every": 0, "eval_batches": 1, "max_steps": 10_000, **train},
         "checkpoint": {"every": 10_000},
+        "watchdog": {"stall_timeout_s": 3600},  # in lockstep a worker waits for the others' (compiling) steps
         "parallel": {"compile": compile},
     })
 
@@ -85,13 +86,39 @@ class _WindowDone(Exception):
     pass
 
 
-def step_result(ends: list[float], skipped: int = 0) -> dict:
-    """Tokens/s from the end times of consecutive steps: over the whole window, and from the median step
-    (robust to a burst of load from other jobs in the middle of a run)."""
-    times = [b - a for a, b in itertools.pairwise(ends)]
-    tokens = BATCH * SEQ
-    return {"tokens_per_s": tokens / statistics.median(times), "window_tokens_per_s": tokens * len(times) / (ends[-1] - ends[0]),
-            "peak_rss_mb": peak_rss_mb(), "skipped": skipped}
+class StepClock:
+    """Each step's duration, measured by a worker as it trains.
+
+    In lockstep (KILN_BENCH_LOCKSTEP=1, set by `lockstep()`), the worker waits for a line on stdin before
+    its first step and after every step but the last, and reports each step's duration on stdout: the
+    contenders then run side by side, taking turns one step at a time, so a burst of load from elsewhere
+    (this shared machine's largest source of noise) falls on every contender's same steps, not on one run.
+    """
+
+    def __init__(self, total: int) -> None:
+        self.total, self.durations = total, []
+        self.lockstep = os.environ.get("KILN_BENCH_LOCKSTEP") == "1"
+        if self.lockstep:
+            sys.stdin.readline()
+        self.t0 = time.perf_counter()
+
+    def tick(self) -> None:
+        """Call at the end of every step."""
+        now = time.perf_counter()
+        self.durations.append(now - self.t0)
+        if self.lockstep:
+            print(json.dumps({"step_s": now - self.t0}), flush=True)
+            if len(self.durations) < self.total:
+                sys.stdin.readline()
+        self.t0 = time.perf_counter()
+
+    def result(self, warmup: int, skipped: int = 0) -> dict:
+        """Tokens/s over the steps after `warmup`: from the median step (robust to a burst of load from
+        other jobs in the middle of a run) and over the whole window."""
+        times = self.durations[warmup:]
+        tokens = BATCH * SEQ
+        return {"tokens_per_s": tokens / statistics.median(times), "window_tokens_per_s": tokens * len(times) / sum(times),
+                "peak_rss_mb": peak_rss_mb(), "skipped": skipped, "step_s": times}
 
 
 def kiln_worker(out: Path, dtype: str, compile: bool, warmup: int, steps: int) -> dict:
@@ -99,21 +126,21 @@ def kiln_worker(out: Path, dtype: str, compile: bool, warmup: int, steps: int) -
     from kiln.train.trainer import Trainer
 
     cfg = bench_config(out, dtype, compile, log_every=1, max_steps=warmup + steps + 1)
-    ends: list[float] = []
 
     def log(msg: str) -> None:
         if msg.startswith("step ") and "/" in msg.split()[1]:
-            ends.append(time.perf_counter())
-            if len(ends) == warmup + steps:
+            clock.tick()
+            if len(clock.durations) == warmup + steps:
                 raise _WindowDone
 
     trainer = Trainer(cfg, log=log)
+    clock = StepClock(warmup + steps)  # the first step includes the step-0 evaluation: a warm-up step
     try:
         trainer.run()
     except _WindowDone:
         pass
     records = [json.loads(ln) for ln in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    return step_result(ends[warmup - 1:], skipped=sum(1 for r in records if r.get("event") == "skip"))
+    return clock.result(warmup, skipped=sum(1 for r in records if r.get("event") == "skip"))
 
 
 def plain_worker(out: Path, dtype: str, compile: bool, warmup: int, steps: int, chunked: bool = False) -> dict:
@@ -137,7 +164,7 @@ def plain_worker(out: Path, dtype: str, compile: bool, warmup: int, steps: int, 
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
     forward = torch.compile(model) if compile else model
     amp = torch.bfloat16 if dtype == "bf16" else None
-    ends = []
+    clock = StepClock(warmup + steps)
     for step in range(warmup + steps):
         rows = np.empty((BATCH, SEQ + 1), np.int64)
         train.gather(order[step * BATCH:(step + 1) * BATCH], rows)
@@ -150,39 +177,71 @@ def plain_worker(out: Path, dtype: str, compile: bool, warmup: int, steps: int, 
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss.item()
-        ends.append(time.perf_counter())
-    return step_result(ends[warmup - 1:])
+        clock.tick()
+    return clock.result(warmup)
 
 
 WORKERS = {"kiln": kiln_worker, "plain": plain_worker}
 
 
-def spawn(module: str, name: str, out: Path, dtype: str, compile: bool = False, warmup: int = WARMUP,
-          steps: int = STEPS, python: str = sys.executable) -> dict:
-    """Run one contender in a fresh process; its result is the JSON on its last stdout line."""
+def worker_command(module: str, name: str, out: Path, dtype: str, compile: bool = False, warmup: int = WARMUP,
+                   steps: int = STEPS, python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that run one contender's worker."""
     cmd = [python, "-m", module, "--worker", name, str(out), dtype, str(int(compile)), str(warmup), str(steps)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"{name} {dtype} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return cmd, env
+
+
+def lockstep(commands: dict[str, tuple[list[str], dict[str, str]]], total: int) -> dict[str, dict]:
+    """Run every contender's worker at once, in fresh processes that take turns one step at a time (the
+    turn order shuffled every step; see StepClock). Returns each worker's result."""
+    procs: dict[str, subprocess.Popen] = {}
+    errs = {name: tempfile.TemporaryFile(mode="w+") for name in commands}
+    try:
+        for name, (cmd, env) in commands.items():
+            procs[name] = subprocess.Popen(cmd, cwd=ROOT, env={**env, "KILN_BENCH_LOCKSTEP": "1"}, text=True,
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errs[name])
+
+        def failed(name: str, what: str) -> RuntimeError:
+            procs[name].wait()
+            errs[name].seek(0)
+            return RuntimeError(f"{name} {what} (exit {procs[name].returncode}):\n{errs[name].read()[-3000:]}")
+
+        names = list(commands)
+        turns = random.Random(0)
+        for step in range(total):
+            # A fresh order every step: each contender follows every other in turn, so what one leaves in
+            # the caches (or its threads still spinning) costs every contender alike.
+            for name in turns.sample(names, len(names)):
+                p = procs[name]
+                try:
+                    p.stdin.write("go\n")
+                    p.stdin.flush()
+                except BrokenPipeError:
+                    raise failed(name, f"exited before step {step + 1}") from None
+                while not (line := p.stdout.readline()).startswith('{"step_s"'):  # other output is skipped
+                    if not line:
+                        raise failed(name, f"exited before step {step + 1}")
+        results = {}
+        for name, p in procs.items():
+            p.stdin.close()
+            out = p.stdout.read()  # not communicate(): it reads the pipe directly and would miss what readline buffered
+            if p.wait():
+                raise failed(name, "failed")
+            results[name] = json.loads(out.strip().splitlines()[-1])
+        return results
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        for f in errs.values():
+            f.close()
 
 
 def worker_main(argv: list[str], workers: dict) -> None:
     name, out, dtype, compile, warmup, steps = argv
     result = workers[name](Path(out), dtype, bool(int(compile)), int(warmup), int(steps))
     print(json.dumps(result))
-
-
-def rounds(contenders: list[str], run_one, runs: int) -> dict[str, list[dict]]:
-    """`runs` rounds; each runs every contender once, in an order that flips every round."""
-    results: dict[str, list[dict]] = {c: [] for c in contenders}
-    for r in range(runs):
-        for c in (contenders if r % 2 == 0 else contenders[::-1]):
-            results[c].append(run_one(c))
-            print(f"  round {r + 1} {c}: {results[c][-1]['tokens_per_s']:,.0f} tok/s, "
-                  f"{results[c][-1]['peak_rss_mb']:.0f} MB", flush=True)
-    return results
 
 
 def data_root(tmp: str) -> Path:
@@ -199,8 +258,16 @@ def main() -> None:
         print(f"prepared shards in {time.perf_counter() - t0:.0f} s ({data})")
         table = []
         for dtype in ("fp32", "bf16"):
-            print(f"{dtype}: {RUNS} rounds of kiln/plain, {WARMUP} warm-up + {STEPS} timed steps each")
-            res = rounds(["kiln", "plain"], lambda c, dtype=dtype: spawn("benchmarks.bench_train_step", c, fresh_out(data, Path(tmp)), dtype), RUNS)
+            print(f"{dtype}: {RUNS} lockstep runs of kiln and plain, {WARMUP} warm-up + {STEPS} timed steps each")
+            res: dict[str, list[dict]] = {"kiln": [], "plain": []}
+            for r in range(RUNS):
+                order = ["kiln", "plain"] if r % 2 == 0 else ["plain", "kiln"]
+                run = lockstep({c: worker_command("benchmarks.bench_train_step", c, fresh_out(data, Path(tmp)), dtype)
+                                for c in order}, WARMUP + STEPS)
+                for c in res:
+                    res[c].append(run[c])
+                print(f"  run {r + 1}: kiln {run['kiln']['tokens_per_s']:,.0f}, plain {run['plain']['tokens_per_s']:,.0f} tok/s",
+                      flush=True)
             med = {c: statistics.median(r["tokens_per_s"] for r in v) for c, v in res.items()}
             mem = {c: statistics.median(r["peak_rss_mb"] for r in v) for c, v in res.items()}
             window = {c: statistics.median(r["window_tokens_per_s"] for r in v) for c, v in res.items()}

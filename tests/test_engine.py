@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import ROOT, tiny_config
+from kiln.model.llama import Llama, ModelArgs
 from kiln.train.clip import clip, group_norms, layer_groups
 from kiln.train.metrics import PEAK_TFLOPS, mfu, peak_tflops, read_metrics
 from kiln.train.trainer import Trainer, build_model
@@ -104,6 +106,26 @@ def test_precision_policy_keeps_chosen_modules_in_fp32(workdir):
     next_token_loss(trainer.model, batch, torch.bfloat16)
     assert seen == {"output": torch.float32, "ffn": torch.bfloat16}
     assert set(trainer.model.state_dict()) == set(build_model(trainer.cfg, 1024).state_dict())  # names unchanged
+
+
+# --- the loss -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 128, None])
+def test_next_token_loss_in_chunks_equals_one_piece_with_pads_masked(chunk_rows):
+    from kiln.eval import next_token_loss
+
+    torch.manual_seed(0)
+    model = Llama(ModelArgs(vocab_size=50, dim=32, n_layers=1, n_heads=2, max_seq_len=64))
+    batch = torch.randint(3, 50, (3, 41))
+    batch[1, 30:] = 2  # best-fit packing's filler: not predicted
+    loss = next_token_loss(model, batch, None, pad_id=2, chunk_rows=chunk_rows)
+    (grad,) = torch.autograd.grad(loss, model.output.weight)
+    logits, targets = model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()
+    want = F.cross_entropy(logits, targets, ignore_index=2)
+    (want_grad,) = torch.autograd.grad(want, model.output.weight)
+    assert targets.eq(2).sum() == 11
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(grad, want_grad)
 
 
 # --- clipping and metrics ------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import shutil
 import struct
@@ -596,6 +597,24 @@ def test_two_encoding_processes_give_byte_identical_shards(prepared, encoded, tm
     assert len(made[1]["files"]) >= 4
     err = capsys.readouterr().err
     assert "pack: 40 documents" in err and "MB of text" in err
+
+
+def _rayon_threads() -> str | None:
+    return os.environ.get("RAYON_NUM_THREADS")
+
+
+def test_encoding_workers_pin_the_tokenizer_threads_by_the_name_rayon_reads(prepared, monkeypatch):
+    # rayon ignores RAYON_RS_NUM_THREADS: with it, each worker ran a pool of every core and two workers
+    # encoded slower than one process (BENCHMARKS.md, Encoding)
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from kiln.shards.encode import _init_worker
+
+    monkeypatch.setenv("RAYON_NUM_THREADS", "7")  # a user's setting must not leak into the workers
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=_init_worker,
+                             initargs=(str(prepared.out / "tokenizer" / "tokenizer.json"), 1)) as pool:
+        assert pool.submit(_rayon_threads).result() == "1"
 
 
 # --- kiln shards inspect --------------------------------------------------------------------------------

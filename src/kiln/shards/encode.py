@@ -25,7 +25,7 @@ _worker_tokenizer = None
 def _init_worker(tokenizer_file: str, threads: int) -> None:
     global _worker_tokenizer
     # tokenizers sizes its thread pool on first use: set before the first encode so workers do not oversubscribe.
-    os.environ.setdefault("RAYON_RS_NUM_THREADS", str(threads))
+    os.environ["RAYON_NUM_THREADS"] = str(threads)  # rayon reads this name; RAYON_RS_NUM_THREADS is ignored
     from kiln.tokenizer import load_tokenizer
 
     _worker_tokenizer = load_tokenizer(tokenizer_file)
