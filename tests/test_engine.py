@@ -5,6 +5,7 @@ the profiler, MoE through the Trainer, and schedules driven by the loop."""
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -126,6 +127,35 @@ def test_next_token_loss_in_chunks_equals_one_piece_with_pads_masked(chunk_rows)
     assert targets.eq(2).sum() == 11
     torch.testing.assert_close(loss, want)
     torch.testing.assert_close(grad, want_grad)
+
+
+# --- CPU memory ---------------------------------------------------------------------------------
+
+CHURN = """
+import resource, sys, torch
+from kiln.train.cpu_memory import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+faults = []
+for _ in range(12):  # a step's worth of large activations, allocated, touched and freed again
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    blocks = [torch.ones(5 << 20) for _ in range(3)]
+    del blocks
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(sum(faults[4:]))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt thresholds are glibc's")
+def test_freed_step_memory_is_reused_without_page_faults():
+    def faults(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", CHURN, mode], env={**ENV, "PYTHONPATH": str(ROOT / "src")},
+                             capture_output=True, text=True, check=True).stdout
+        return int(out)
+
+    # glibc's default gives the 20 MB blocks back and faults them in again (each 4 KB page once) in
+    # most runs: 10,000-82,000 faults over the last 8 rounds here, 0 in about one run of four
+    assert faults("keep") < 500
 
 
 # --- clipping and metrics ------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from kiln.train import checkpoint as ckpt
 from kiln.train import parallel
 from kiln.train.budget import Budget
 from kiln.train.clip import clip, group_norms, layer_groups
+from kiln.train.cpu_memory import keep_freed_memory
 from kiln.train.guards import Escalation, NonFiniteGuard, SpikeGuard
 from kiln.train.data import open_splits
 from kiln.train.loader import Loader
@@ -77,6 +78,8 @@ class Trainer:
         self.d = d or init_distributed(cfg.parallel.startup_timeout_s)
         if t.threads:
             torch.set_num_threads(t.threads)
+        if self.d.device.type == "cpu":
+            keep_freed_memory()
         torch.manual_seed(cfg.seed)
         self.run_dir = cfg.out / "run"
         self.ckpt_dir = self.run_dir / "checkpoints"
