@@ -29,6 +29,7 @@ longer: the first steps compile), and Kiln against the fastest peer paired step 
 the timed steps of the fastest peer's step time over Kiln's). Reported: medians over RUNS runs.
 
     OLMO_PYTHON=... LITGPT_PYTHON=... python -m benchmarks train_peers
+    KILN_BENCH_MODES=eager/bf16,compiled/fp32 ...   # only these modes
 """
 
 from __future__ import annotations
@@ -253,6 +254,8 @@ def main() -> None:
             warmup = COMPILE_WARMUP if compile else WARMUP
             for dtype in ("fp32", "bf16"):
                 mode = "compiled" if compile else "eager"
+                if os.environ.get("KILN_BENCH_MODES") and f"{mode}/{dtype}" not in os.environ["KILN_BENCH_MODES"].split(","):
+                    continue
                 print(f"{mode} {dtype}: {RUNS} lockstep runs, {warmup} warm-up + {STEPS} timed steps", flush=True)
                 runs: list[dict[str, dict]] = []
                 for r in range(RUNS):

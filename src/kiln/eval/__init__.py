@@ -19,8 +19,8 @@ def next_token_loss(model: torch.nn.Module, batch: torch.Tensor, autocast_dtype:
 
     Targets equal to `pad_id` (best-fit packing's filler) are not predicted. The pad token is a
     special token that text cannot produce, so masking it never hides real data.
-    `chunk_rows=None` computes it in one piece: under torch.compile inductor fuses the upcast and
-    log-softmax itself, and chunks only cut its kernels smaller (-9% tokens/s in fp32, BENCHMARKS.md).
+    `chunk_rows=None` computes it in one piece, for torch.compile: inductor fuses the upcast and
+    log-softmax itself, and chunks only cut its graph smaller (within ±1% here, BENCHMARKS.md).
     """
     inputs, targets = batch[:, :-1], batch[:, 1:]
     with torch.autocast(batch.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):

@@ -122,7 +122,7 @@ class Trainer:
         self.loss_fn = next_token_loss
         if cfg.parallel.compile and self.mode == "none":
             # Model and loss in one graph: the upcast and log-softmax over the vocabulary fuse too
-            # (+9-14% over compiling the model alone, BENCHMARKS.md), best unchunked (+9% in fp32).
+            # (+9-14% over compiling the model alone, BENCHMARKS.md), in one piece.
             self.loss_fn = torch.compile(functools.partial(next_token_loss, chunk_rows=None))
         elif cfg.parallel.compile:
             self.model.compile()  # under DDP/FSDP2 the wrapper's hooks stay outside the compiled blocks
