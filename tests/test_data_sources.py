@@ -84,6 +84,35 @@ def test_truncated_jsonl_gz_keeps_lines_before_the_cut(tmp_path):
     assert cut["source"] == str(src) and cut["offset"] == sum(len(json.dumps({"id": f"d{i}", "text": english(i)})) + 1 for i in range(len(kept)))
 
 
+def test_corrupt_jsonl_zst_keeps_lines_before_the_damage(tmp_path):
+    # zstd's "data corruption" error is neither an OSError nor a ValueError: it once escaped and ended the run
+    raw = b"".join(json.dumps({"id": f"d{i}", "text": english(i)}).encode() + b"\n" for i in range(400))
+    blob = bytearray(zstandard.ZstdCompressor(write_checksum=True).compress(raw))
+    blob[len(blob) // 2: len(blob) // 2 + 400] = bytes(400)
+    src = tmp_path / "bad.jsonl.zst"
+    src.write_bytes(bytes(blob))
+    stats = run_data([str(src)], tmp_path / "docs", cfg(lang_threshold=0))
+    kept = [d["id"] for d in read_docs(tmp_path / "docs")]
+    assert kept == [f"d{i}" for i in range(len(kept))] and len(kept) < 400
+    assert [t["source"] for t in stats["truncated"]] == [str(src)]
+
+
+def test_near_dedup_keeps_an_unrelated_document_that_shares_an_id(tmp_path):
+    # per-file ids repeat across JSONL files: b.jsonl's "1" is not a.jsonl's near copy "1"
+    base = " ".join(english(i) for i in range(6))
+    copy = base + " One more word."
+    (tmp_path / "a.jsonl").write_text(json.dumps({"id": "0", "text": base}) + "\n" + json.dumps({"id": "1", "text": copy}) + "\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"id": "1", "text": " ".join(english(i) for i in range(20, 26))}) + "\n")
+    run_data([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], tmp_path / "docs", cfg(lang_threshold=0))
+    kept = [(Path(d["source"]).name, d["id"]) for d in read_docs(tmp_path / "docs")]
+    assert kept == [("a.jsonl", "0"), ("b.jsonl", "1")]
+
+
+def test_unknown_url_scheme_is_a_clear_error(tmp_path):
+    with pytest.raises(KilnError, match="nosuch://bucket/a.jsonl: no filesystem for this URL"):
+        run_data(["nosuch://bucket/a.jsonl"], tmp_path / "docs", cfg())
+
+
 def test_parquet_with_configured_fields(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

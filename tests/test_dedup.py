@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kiln.config import DedupConfig
-from kiln.data.dedup import (LEDGER, ExactDedup, MinHashDedup, SimHashDedup, drop_near_duplicates, near_dedup, text_key,
-                             write_ledger)
+from kiln.data.dedup import (LEDGER, ExactDedup, MinHashDedup, SimHashDedup, drop_near_duplicates, near_dedup,
+                             near_duplicate_ledger, text_key, write_ledger)
 from kiln.data.dedup.clusters import UnionFind
 from kiln.data.dedup.shingles import jaccard, shingle_hashes
 from kiln.data.document import Document
@@ -105,10 +105,8 @@ def test_clusters_survivor_is_first_in_canonical_order_and_ledger_is_written(tmp
     base = doc_words(rng, 300)
     texts = {"x": " ".join(mutate(base, rng, 0.9)), "y": " ".join(base), "z": " ".join(mutate(base, rng, 0.9)),
              "other": " ".join(doc_words(rng, 300))}
-    index = MinHashDedup()
-    for k in ("x", "y", "z", "other"):
-        index.add(k, texts[k])
-    rows = index.ledger()
+    stream = [Document(id=k, source="s", offset=0, length=0, text=texts[k]) for k in ("x", "y", "z", "other")]
+    rows = near_duplicate_ledger(MinHashDedup(), stream)
     assert [(r["cluster"], r["survivor"], r["member"]) for r in rows] == [(0, "x", "y"), (0, "x", "z")]
     for r in rows:
         assert r["similarity"] == round(jaccard(shingle_hashes(texts["x"]), shingle_hashes(texts[r["member"]])), 4)
@@ -116,7 +114,6 @@ def test_clusters_survivor_is_first_in_canonical_order_and_ledger_is_written(tmp
     with open(tmp_path / LEDGER, "rb") as f:
         back = [json.loads(line) for line in io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(f))]
     assert back == rows and LEDGER == "dedup_ledger.jsonl.zst"
-    stream = [Document(id=k, source="s", offset=0, length=0, text=texts[k]) for k in ("x", "y", "z", "other")]
     out = list(drop_near_duplicates(iter(stream), rows))
     assert [d.rejection and (d.rejection.stage, d.rejection.reason, d.rejection.signals["duplicate_of"]) for d in out] == [
         None, ("dedup", "near_duplicate", "x"), ("dedup", "near_duplicate", "x"), None]

@@ -142,3 +142,16 @@ def test_gpu_check_details_and_fixes_say_what_to_do():
     checks = {c.name: c for c in gpu_checks(FakeNVML(width=8, reasons=0x08, sm=900))}
     assert checks["gpu0_pcie"].detail.startswith("gen 5/5, x8/x16") and "reseat" in checks["gpu0_pcie"].fix
     assert "SM clock 900/1980 MHz; throttled: HW slowdown" in checks["gpu0_clocks"].detail
+
+
+def test_allreduce_is_skipped_not_failed_with_one_gpu(monkeypatch):
+    # No GPU here: torch is told one is visible (mocked). One process has no peer, so its bandwidth would read 0.
+    import torch
+
+    from kiln.config import DoctorConfig
+    from kiln.ops.doctor import check_allreduce
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    [check] = check_allreduce(DoctorConfig())
+    assert check.skipped and check.ok and "needs at least 2" in check.detail

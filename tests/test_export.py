@@ -182,6 +182,12 @@ def test_eval_on_validation_shards_reports_bits_per_byte(trained, capsys):
     text = "Grüße, 世界! <|eos|> plain text"
     assert widths[tok.encode(text).ids].sum() == len(text.encode())  # byte-level BPE: every byte counted once
     assert widths[tok.token_to_id("<|eos|>")] == 0
+    from tokenizers import AddedToken
+
+    tok.add_tokens([AddedToken("naïve-Kiln", special=False)])  # a domain term (tokenizer.added_tokens): plain text
+    term = "a naïve-Kiln term"
+    assert tok.token_to_id("naïve-Kiln") in tok.encode(term).ids
+    assert token_byte_lengths(tok)[tok.encode(term).ids].sum() == len(term.encode())
     assert kiln(["eval", str(ckpt)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert 0 < out["bits_per_byte"] < out["loss"] / math.log(2)  # a token carries more than one byte on average

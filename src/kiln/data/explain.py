@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 from pathlib import Path
 from typing import Any, Iterator
@@ -28,7 +29,7 @@ def find(key: str, docs_dir: Path) -> list[dict[str, Any]]:
     docs_dir = Path(docs_dir)
     read_manifest(docs_dir)  # a folder `kiln data` committed, or a clear error
     found = []
-    for outcome, rec in (*_records(docs_dir, "kept"), *_records(docs_dir / "rejects", "rejected")):
+    for outcome, rec in itertools.chain(_records(docs_dir, "kept"), _records(docs_dir / "rejects", "rejected")):
         if key in (rec.get("id"), rec.get("record_id"), rec.get("url")):
             found.append(rec | {"outcome": outcome})
     if not found:

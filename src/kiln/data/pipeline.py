@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 import zstandard
 
 from kiln.config import DataConfig
-from kiln.data.dedup import LEDGER, ExactDedup, drop_near_duplicates, near_dedup, write_ledger
+from kiln.data.dedup import LEDGER, ExactDedup, drop_near_duplicates, near_dedup, near_duplicate_ledger, write_ledger
 from kiln.data.gates.distribution import SourceProfiles
 from kiln.data.document import Document, ReadReport
 from kiln.data.executor import run_tasks
@@ -263,10 +263,7 @@ def global_steps(cfg: DataConfig, work: Path, summaries: list[dict[str, Any]],
     near = near_dedup(cfg.dedup, spill_dir=str(work))
     if near is None:
         return [ExactDedup()]
-    for doc in ExactDedup()(_documents(work, summaries)):
-        if doc.rejection is None:
-            near.add(doc.id, doc.text or "")
-    ledger = near.ledger()
+    ledger = near_duplicate_ledger(near, ExactDedup()(_documents(work, summaries)))
     write_ledger(out / LEDGER, ledger)
     return [ExactDedup(), lambda docs: drop_near_duplicates(docs, ledger)]
 

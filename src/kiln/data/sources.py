@@ -20,6 +20,8 @@ import zlib
 from pathlib import Path
 from typing import IO, Any, Iterator
 
+import zstandard
+
 from kiln.data.document import Document, ReadReport
 from kiln.errors import KilnError
 
@@ -35,8 +37,9 @@ def _filesystem(source: str, storage_options: dict[str, Any]):
 
     try:
         fs, path = fsspec.core.url_to_fs(source, **storage_options)
-    except ImportError as exc:  # e.g. s3:// without s3fs installed
-        raise KilnError(f"{source}: no filesystem for this URL ({exc}); install the extra, e.g. pip install 'kiln-lm[s3]'") from None
+    except (ImportError, ValueError) as exc:  # s3:// without s3fs installed; a scheme fsspec does not know
+        raise KilnError(f"{source}: no filesystem for this URL ({exc}); check the scheme, or install the extra, "
+                        f"e.g. pip install 'kiln-lm[s3]'") from None
     return fs, path
 
 
@@ -117,8 +120,6 @@ def _chunks(raw: IO[bytes], source: str, size: int = 1 << 16) -> Iterator[bytes]
     if name.endswith(".gz"):
         new = lambda: zlib.decompressobj(31)  # noqa: E731
     elif name.endswith(".zst"):
-        import zstandard
-
         new = zstandard.ZstdDecompressor().decompressobj
     else:
         while block := raw.read(size):
@@ -183,8 +184,8 @@ def read_jsonl(source: str, report: ReadReport, fields: tuple[str, str, str],
                         "read", "invalid_json", line=number, error=str(exc)[:200])
                     continue
                 yield _record_doc(rec, source, start, length, str(number), fields)
-        except (EOFError, zlib.error, ValueError, OSError):  # a cut or damaged .gz/.zst: keep every line before it, say where
-            report.truncated_at = offset
+        except (EOFError, zlib.error, zstandard.ZstdError, ValueError, OSError):  # a cut or damaged .gz/.zst: keep
+            report.truncated_at = offset  # every line before it, say where
 
 
 # --- Parquet --------------------------------------------------------------------------------
@@ -202,7 +203,10 @@ def read_parquet(source: str, report: ReadReport, fields: tuple[str, str, str], 
             raise KilnError(f"{source}: no column {fields[0]!r} (data.text_field); columns are {names}")
         columns = [c for c in dict.fromkeys(fields) if c in names]
         row = 0
-        for batch in pf.iter_batches(batch_size=1024, columns=columns):
-            for rec in batch.to_pylist():
-                yield _record_doc(rec, source, row, 1, f"row{row}", fields)
-                row += 1
+        try:
+            for batch in pf.iter_batches(batch_size=1024, columns=columns):
+                for rec in batch.to_pylist():
+                    yield _record_doc(rec, source, row, 1, f"row{row}", fields)
+                    row += 1
+        except Exception:  # a damaged row group (ArrowInvalid, OSError): keep the rows before it, say where
+            report.truncated_at = row

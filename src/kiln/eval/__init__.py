@@ -120,6 +120,13 @@ def evaluate_checkpoint(folder: Path, text_file: Path | None = None, max_samples
 
 def token_byte_lengths(tok) -> np.ndarray:
     """Bytes of text each token id stands for: byte-level BPE maps one byte to one character of the token's
-    string, so it is the string's length; special tokens (EOS between documents) stand for no text."""
-    special = set(tok.get_added_tokens_decoder())
-    return np.array([0 if i in special else len(tok.id_to_token(i) or "") for i in range(tok.get_vocab_size())], dtype=np.int64)
+    string, so it is the string's length; an added domain term is stored as plain text (its UTF-8 length);
+    special tokens (EOS between documents) stand for no text."""
+    added = tok.get_added_tokens_decoder()
+
+    def width(i: int) -> int:
+        if i in added:
+            return 0 if added[i].special else len(added[i].content.encode("utf-8"))
+        return len(tok.id_to_token(i) or "")
+
+    return np.array([width(i) for i in range(tok.get_vocab_size())], dtype=np.int64)

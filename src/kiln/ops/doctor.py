@@ -222,8 +222,8 @@ def check_allreduce(d: DoctorConfig) -> list[Check]:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     procs = d.allreduce_procs or (gpus if gpus else 2)
-    if gpus and gpus < procs:
-        return [skip("allreduce", f"{gpus} GPU visible; an NCCL all-reduce needs at least 2")]
+    if procs < 2 or (gpus and gpus < procs):  # one process has no peer to reduce with: its bandwidth reads 0
+        return [skip("allreduce", f"{procs} process(es) on {gpus} visible GPU(s); an all-reduce needs at least 2")]
     backend = "nccl" if gpus else "gloo"
     res = allreduce_bandwidth(procs, [d.allreduce_small_bytes, d.allreduce_large_bytes], d.probe_seconds / 2)
     small, large = res[d.allreduce_small_bytes], res[d.allreduce_large_bytes]

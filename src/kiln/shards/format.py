@@ -176,9 +176,9 @@ class ShardSet:
             raise IntegrityError(f"{self.location}/{name}: header does not match manifest.json (sample length or tokenizer)")
         arr = self._arrays[k] = np.asarray(read_tokens(path))  # a plain view slices faster than np.memmap
         self._paths[k] = path
-        # a bounded cache may have evicted other shards to make room: stop holding their maps
-        for j in [j for j, p in self._paths.items() if j != k and not p.is_file()]:
-            del self._arrays[j], self._paths[j]
+        if not isinstance(self.source, LocalFolder):  # a bounded cache may have evicted others: stop holding their maps
+            for j in [j for j, p in self._paths.items() if j != k and not p.is_file()]:
+                del self._arrays[j], self._paths[j]
         return arr
 
     def __len__(self) -> int:

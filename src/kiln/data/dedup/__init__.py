@@ -6,13 +6,14 @@
   per removed document: cluster, survivor, member, similarity) or `duplicates()`
   ({removed id: (survivor id, similarity)}). The survivor is the cluster's first document.
 - `near_dedup(cfg)` builds the one `data.dedup.method` asks for (None for `none`);
+  `near_duplicate_ledger` indexes a stream's kept documents by position and returns the ledger;
   `write_ledger` writes the rows as docs/dedup_ledger.jsonl.zst; `drop_near_duplicates` then
   rejects the ledger's members in a second pass over the same stream (reason `near_duplicate`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from kiln.data.dedup.clusters import LEDGER, write_ledger
 from kiln.data.dedup.exact import ExactDedup, text_key
@@ -20,8 +21,8 @@ from kiln.data.dedup.minhash import MinHashDedup
 from kiln.data.dedup.simhash import SimHashDedup
 from kiln.data.document import Document
 
-__all__ = ["LEDGER", "ExactDedup", "MinHashDedup", "SimHashDedup", "drop_near_duplicates", "near_dedup", "text_key",
-           "write_ledger"]
+__all__ = ["LEDGER", "ExactDedup", "MinHashDedup", "SimHashDedup", "drop_near_duplicates", "near_dedup",
+           "near_duplicate_ledger", "text_key", "write_ledger"]
 
 
 def near_dedup(cfg, spill_dir: str | None = None) -> "MinHashDedup | SimHashDedup | None":
@@ -33,12 +34,29 @@ def near_dedup(cfg, spill_dir: str | None = None) -> "MinHashDedup | SimHashDedu
     return None
 
 
-def drop_near_duplicates(docs: Iterator[Document], ledger: list[dict[str, Any]]) -> Iterator[Document]:
-    """Reject every kept document the ledger names as a member, pointing at its survivor."""
-    removed = {row["member"]: row for row in ledger}
+def near_duplicate_ledger(index: "MinHashDedup | SimHashDedup", docs: Iterable[Document]) -> list[dict[str, Any]]:
+    """Index the kept documents of `docs` and return the ledger, naming documents by id and each member
+    by its `position` among the kept documents. The index is keyed by position, not id: ids taken from
+    a JSONL/Parquet field can repeat across files, and two documents must never share a verdict."""
+    ids = []
     for doc in docs:
-        row = removed.get(doc.id) if doc.rejection is None else None
-        if row is not None:
-            doc.reject("dedup", "near_duplicate", duplicate_of=row["survivor"], similarity=row["similarity"],
-                       cluster=row["cluster"])
+        if doc.rejection is None:
+            index.add(str(len(ids)), doc.text or "")
+            ids.append(doc.id)
+    return [row | {"position": int(row["member"])} | {k: ids[int(row[k])] for k in ("survivor", "member", "linked_to")}
+            for row in index.ledger()]
+
+
+def drop_near_duplicates(docs: Iterator[Document], ledger: list[dict[str, Any]]) -> Iterator[Document]:
+    """Reject every kept document the ledger names as a member (by position; the same stream the ledger
+    was built from), pointing at its survivor."""
+    removed = {row["position"]: row for row in ledger}
+    kept = 0
+    for doc in docs:
+        if doc.rejection is None:
+            row = removed.get(kept)
+            kept += 1
+            if row is not None:
+                doc.reject("dedup", "near_duplicate", duplicate_of=row["survivor"], similarity=row["similarity"],
+                           cluster=row["cluster"])
         yield doc
