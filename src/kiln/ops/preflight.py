@@ -25,6 +25,7 @@ from kiln.config import Config, build_config
 from kiln.errors import KilnError
 from kiln.manifest import read_manifest, staging_dir, write_atomic, write_manifest
 from kiln.ops.check import Check, guarded, print_checks
+from kiln.ops.report import read_records
 from kiln.shards.format import IDX_ENTRY, ShardHeader, ShardSet, read_header, write_shard
 
 
@@ -137,8 +138,7 @@ def preflight(cfg: Config) -> tuple[dict, list[Check]]:
                                               "val": cfg.train.eval_batches * cfg.train.batch_size})
         trainer = Trainer(smoke_config(cfg, work), log=lambda *_: None)
         trainer.run()
-        records = [json.loads(ln) for ln in (work / "run" / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-        steps = [r for r in records if r.get("event") == "step"]
+        steps = [r for r in read_records(work / "run" / "metrics.jsonl")[0] if r.get("event") == "step"]
         loader_tps = loader_tokens_per_s(shards, cfg.train.batch_size, cfg.seed, cfg.doctor.probe_seconds)
         ckpts = list_checkpoints(work / "run" / "checkpoints")
         model_state = {k: v.detach() for k, v in trainer.model.state_dict().items()}

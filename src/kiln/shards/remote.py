@@ -68,9 +68,6 @@ class ShardCache:
     def path_for(self, sha256: str) -> Path:
         return self.root / sha256[:2] / sha256
 
-    def holds(self, path: Path) -> bool:
-        return path.is_file()
-
     def fetch(self, fs, remote_path: str, url: str, size: int, sha256: str) -> Path:
         local = self.path_for(sha256)
         if local.is_file():
