@@ -30,6 +30,7 @@ the timed steps of the fastest peer's step time over Kiln's). Reported: medians 
 
     OLMO_PYTHON=... LITGPT_PYTHON=... python -m benchmarks train_peers
     KILN_BENCH_MODES=eager/bf16,compiled/fp32 ...   # only these modes
+    KILN_BENCH_CONTENDERS=kiln,litgpt ...            # only these contenders (kiln always runs)
 """
 
 from __future__ import annotations
@@ -249,6 +250,8 @@ def main() -> None:
         peers_dir.mkdir()
         write_tokens(data, peers_dir)
         contenders = list(pythons)
+        if os.environ.get("KILN_BENCH_CONTENDERS"):  # e.g. "kiln,litgpt": a quicker look at one pairing
+            contenders = [c for c in contenders if c == "kiln" or c in os.environ["KILN_BENCH_CONTENDERS"].split(",")]
         table = []
         for compile in (False, True):
             warmup = COMPILE_WARMUP if compile else WARMUP

@@ -478,7 +478,7 @@ def test_resume_redoes_only_unfinished_files(tmp_path, three_inputs, monkeypatch
     out = tmp_path / "resumed" / "docs"
     tasks = pipeline.plan_tasks(expand_inputs(three_inputs), config)
     first = pipeline.run_task((tasks[0], config))
-    key = pipeline.work_key(expand_inputs(three_inputs), tasks, config)
+    key = pipeline.work_key(pipeline.fingerprint(expand_inputs(three_inputs), config), tasks)
     work = out.parent / f".{out.name}-work-{key}"
     work.mkdir(parents=True)
     pipeline._commit(work, first)

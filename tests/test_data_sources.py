@@ -97,6 +97,84 @@ def test_corrupt_jsonl_zst_keeps_lines_before_the_damage(tmp_path):
     assert [t["source"] for t in stats["truncated"]] == [str(src)]
 
 
+class FlakyStorage:
+    """open_input whose reads fail with an OSError (a dropped connection) after `after` bytes, on the
+    first `failures` opens of each file."""
+
+    def __init__(self, monkeypatch, failures: int, after: int) -> None:
+        import kiln.data.pipeline
+        import kiln.data.read
+        import kiln.data.sources
+
+        self.real, self.failures, self.after, self.opens = kiln.data.sources.open_input, failures, after, 0
+        monkeypatch.setattr(kiln.data.sources, "open_input", self)
+        monkeypatch.setattr(kiln.data.read, "open_input", self)
+        monkeypatch.setattr(kiln.data.pipeline.time, "sleep", lambda s: None)
+
+    def __call__(self, source, storage_options=None):
+        self.opens += 1
+        f = self.real(source, storage_options)
+        if self.opens > self.failures:
+            return f
+        after, real_read = self.after, f.read
+
+        def read(n=-1):
+            if n is None or n < 0 or f.tell() + n > after:
+                raise ConnectionResetError(104, "Connection reset by peer")
+            return real_read(n)
+        f.read = read
+        return f
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_a_storage_error_is_retried_not_taken_for_a_cut(tmp_path, monkeypatch, suffix):
+    # an OSError while reading used to be recorded like a cut file: the task committed short and the
+    # rest of the file was lost for good
+    raw = b"".join(json.dumps({"id": f"d{i}", "text": english(i)}).encode() + b"\n" for i in range(40))
+    src = tmp_path / f"docs{suffix}"
+    src.write_bytes(gzip.compress(raw) if suffix.endswith(".gz") else raw)
+    flaky = FlakyStorage(monkeypatch, failures=2, after=src.stat().st_size // 2)
+    stats = run_data([str(src)], tmp_path / "docs", cfg(lang_threshold=0), workers=1)
+    assert flaky.opens == 3 and stats["truncated"] == [] and stats["file_errors"] == []
+    assert [d["id"] for d in read_docs(tmp_path / "docs")] == [f"d{i}" for i in range(40)]
+
+
+def test_a_storage_error_under_fastwarc_is_retried_not_taken_for_a_cut(tmp_path, monkeypatch):
+    # FastWARC raises OSError for damaged gzip and for a failing read alike; only the first is a cut
+    src = write_warc(tmp_path / "crawl.warc.gz", [(f"https://w.example/{i}", html_page(english(i)), "text/html")
+                                                  for i in range(30)])
+    FlakyStorage(monkeypatch, failures=1, after=src.stat().st_size // 2)
+    stats = run_data([str(src)], tmp_path / "docs", cfg(lang_threshold=0, task_bytes=1 << 30), workers=1)
+    assert stats["truncated"] == [] and stats["documents"]["read"] == 30
+    assert [d["url"] for d in read_docs(tmp_path / "docs")] == [f"https://w.example/{i}" for i in range(30)]
+
+
+def test_a_storage_error_under_pyarrow_is_retried_not_taken_for_a_cut(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"text": [english(i) for i in range(300)]}), src, row_group_size=30)
+    FlakyStorage(monkeypatch, failures=1, after=src.stat().st_size // 2)
+    stats = run_data([str(src)], tmp_path / "docs", cfg(lang_threshold=0), workers=1)
+    assert stats["truncated"] == [] and stats["file_errors"] == [] and stats["documents"]["read"] == 300
+
+
+def test_a_storage_error_that_persists_stops_the_run_and_resumes(tmp_path, monkeypatch):
+    lines = lambda first: b"".join(json.dumps({"id": f"d{i}", "text": english(i)}).encode() + b"\n" for i in range(first, first + 20))
+    (tmp_path / "a.jsonl").write_bytes(lines(0))
+    (tmp_path / "b.jsonl").write_bytes(lines(20))
+    inputs = [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
+    FlakyStorage(monkeypatch, failures=10**6, after=100)
+    with pytest.raises(KilnError, match=r"a\.jsonl: reading failed 3 times \(\[Errno 104\] Connection reset by peer\).*run the same command again"):
+        run_data(inputs, tmp_path / "docs", cfg(lang_threshold=0), workers=1)
+    [work] = tmp_path.glob(".docs-work-*")
+    assert not list(work.glob("*.done.json")) and not (tmp_path / "docs").exists()  # nothing short was committed
+    monkeypatch.undo()
+    stats = run_data(inputs, tmp_path / "docs", cfg(lang_threshold=0), workers=1)
+    assert stats["documents"]["kept"] == 40 and stats["truncated"] == []
+
+
 def test_near_dedup_keeps_an_unrelated_document_that_shares_an_id(tmp_path):
     # per-file ids repeat across JSONL files: b.jsonl's "1" is not a.jsonl's near copy "1"
     base = " ".join(english(i) for i in range(6))

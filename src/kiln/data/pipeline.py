@@ -83,10 +83,10 @@ def plan_tasks(files: list[str], cfg: DataConfig) -> list[Task]:
     return tasks
 
 
-def work_key(files: list[str], tasks: list[Task], cfg: DataConfig) -> str:
+def work_key(data_fingerprint: str, tasks: list[Task]) -> str:
     """Names the work folder: finished tasks are reused only for the same inputs, settings and plan."""
     plan = [(t.source, t.start, t.end) for t in tasks]
-    return hashlib.sha256(json.dumps([fingerprint(files, cfg), plan]).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps([data_fingerprint, plan]).encode()).hexdigest()[:16]
 
 
 class StepTimer:
@@ -136,9 +136,32 @@ def process_task(task: Task, cfg: DataConfig, report: ReadReport, timer: StepTim
     return timer.wrap("gates", apply_gates(docs, default_gates(cfg)))
 
 
+READ_ATTEMPTS = 3
+
+
 def run_task(args: tuple[Task, DataConfig]) -> tuple[dict[str, Any], bytes]:
-    """One task, start to end, in a worker: (summary, zstd JSONL of every document's outcome)."""
+    """One task, start to end, in a worker: (summary, zstd JSONL of every document's outcome).
+
+    A storage error (OSError: a dropped connection, a throttled bucket, a failing disk) is not damage in
+    the data: recording it as a cut would commit a short task as finished and lose the rest of the file for
+    good. The task is pure, so it is read again from the start; when every attempt fails, the run stops
+    with an error that names the file, and nothing of the task is committed, so the next run resumes it.
+    """
     task, cfg = args
+    for attempt in range(1, READ_ATTEMPTS + 1):
+        try:
+            return _run_task_once(task, cfg)
+        except OSError as exc:
+            if attempt == READ_ATTEMPTS:
+                where = f" (bytes {task.start}-{task.end or 'end'})" if task.start or task.end else ""
+                raise KilnError(f"{task.source}{where}: reading failed {READ_ATTEMPTS} times ({exc}); the tasks "
+                                f"finished so far are kept: fix the storage or network and run the same "
+                                f"command again to resume") from None
+            time.sleep(0.5 * 2 ** attempt)
+    raise AssertionError("unreachable")
+
+
+def _run_task_once(task: Task, cfg: DataConfig) -> tuple[dict[str, Any], bytes]:
     report, timer = ReadReport(), StepTimer()
     t0 = time.perf_counter()
     buf = io.BytesIO()
@@ -216,7 +239,7 @@ def run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None 
     files = expand_inputs(inputs, cfg.storage_options)
     fp = fingerprint(files, cfg)
     tasks = plan_tasks(files, cfg)
-    work = out.parent / f".{out.name}-work-{work_key(files, tasks, cfg)}"
+    work = out.parent / f".{out.name}-work-{work_key(fp, tasks)}"
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
 

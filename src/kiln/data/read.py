@@ -19,7 +19,7 @@ from typing import IO, Any, Iterator
 from fastwarc.warc import ArchiveIterator, WarcRecordType
 
 from kiln.data.document import Document, ReadReport
-from kiln.data.sources import input_size, open_input
+from kiln.data.sources import StorageWatch, input_size, open_input
 from kiln.errors import KilnError
 
 __all__ = ["ReadReport", "read_warc", "splittable", "find_member"]
@@ -101,8 +101,9 @@ def read_warc(source: str | Path, report: ReadReport, start: int = 0, end: int |
 def _read_records(f: IO[bytes], source: str, report: ReadReport, size: int, end: int | None, check_tail: bool) -> Iterator[Document]:
     pending: Document | None = None  # a record's compressed length is known when the next starts
     last_offset = None
+    watch = StorageWatch(f)
     try:
-        for rec in ArchiveIterator(f, parse_http=True):
+        for rec in ArchiveIterator(watch, parse_http=True):
             if end is not None and rec.stream_pos >= end:
                 if pending is not None:
                     pending.length = rec.stream_pos - pending.offset
@@ -118,6 +119,8 @@ def _read_records(f: IO[bytes], source: str, report: ReadReport, size: int, end:
                 continue
             pending = _response(rec, source)
     except OSError as exc:
+        if watch.error is not None:
+            raise watch.error from None
         if last_offset is None:
             raise KilnError(f"{source}: not a readable WARC file ({exc}); check the path and format") from None
         report.truncated_at = last_offset  # damage after the last good record

@@ -54,6 +54,30 @@ def open_input(source: str, storage_options: dict[str, Any] | None = None) -> IO
         raise KilnError(f"{source}: no such object; check the URL and data.storage_options") from None
 
 
+class StorageWatch:
+    """A file that remembers an error of its own reads. FastWARC raises OSError, and pyarrow an error of its
+    own, both for damage in the data and for the storage failing under them; only damage is a cut that
+    keeps what came before. A failed read is re-raised, and the task is read again (pipeline.run_task)."""
+
+    closed = False  # pyarrow asks
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f, self.error = f, None
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            return self.f.read(n)
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+
 def input_size(source: str, storage_options: dict[str, Any] | None = None) -> int:
     if not is_url(source):
         return os.path.getsize(source.removeprefix("file://"))
@@ -184,8 +208,9 @@ def read_jsonl(source: str, report: ReadReport, fields: tuple[str, str, str],
                         "read", "invalid_json", line=number, error=str(exc)[:200])
                     continue
                 yield _record_doc(rec, source, start, length, str(number), fields)
-        except (EOFError, zlib.error, zstandard.ZstdError, ValueError, OSError):  # a cut or damaged .gz/.zst: keep
-            report.truncated_at = offset  # every line before it, say where
+        except (EOFError, zlib.error, zstandard.ZstdError):  # a cut or damaged .gz/.zst: keep every line
+            report.truncated_at = offset  # before it, say where. (An OSError is the storage failing, not the
+            # data: it propagates, and the task is read again; see pipeline.run_task.)
 
 
 # --- Parquet --------------------------------------------------------------------------------
@@ -193,10 +218,13 @@ def read_jsonl(source: str, report: ReadReport, fields: tuple[str, str, str],
 def read_parquet(source: str, report: ReadReport, fields: tuple[str, str, str], storage_options: dict[str, Any] | None = None) -> Iterator[Document]:
     import pyarrow.parquet as pq
 
-    with open_input(source, storage_options) as raw:
+    with open_input(source, storage_options) as f:
+        raw = StorageWatch(f)
         try:
             pf = pq.ParquetFile(raw)
         except Exception as exc:  # pyarrow raises ArrowInvalid and friends
+            if raw.error is not None:
+                raise raw.error from None
             raise KilnError(f"{source}: not a readable Parquet file ({exc})") from None
         names = pf.schema_arrow.names
         if fields[0] not in names:
@@ -209,4 +237,6 @@ def read_parquet(source: str, report: ReadReport, fields: tuple[str, str, str], 
                     yield _record_doc(rec, source, row, 1, f"row{row}", fields)
                     row += 1
         except Exception:  # a damaged row group (ArrowInvalid, OSError): keep the rows before it, say where
+            if raw.error is not None:
+                raise raw.error from None
             report.truncated_at = row
