@@ -624,8 +624,10 @@ def test_text_key_ignores_case_and_whitespace(words, seps):
 
 
 @PROPS
-@given(lines=st.lists(st.text(alphabet="abcxyz ", min_size=1, max_size=10).filter(str.strip), min_size=1, max_size=30))
+@given(lines=st.lists(st.text(alphabet="abcxyz \r\u2028", min_size=1, max_size=10).filter(str.strip), min_size=1, max_size=30))
 def test_quality_gates_signals(lines):
+    # lines end at "\n" only, as in every other line rule (text.lines, Gopher's reference); "\r" and
+    # U+2028 inside a line do not split it
     text = "\n".join(lines)
     stripped = [ln.strip() for ln in lines]
     dup = round(1 - len(set(stripped)) / len(stripped), 4)

@@ -20,6 +20,8 @@ Covered, on the session's `prepared` shards (real memmapped files) and small pac
 
 from __future__ import annotations
 
+import json
+
 import time
 import uuid
 from pathlib import Path
@@ -335,6 +337,17 @@ def test_corrupted_remote_shard_is_refused_naming_its_url(second_source, remote,
                     seed=0, prefetch=2)
     with pytest.raises(IntegrityError, match="corrupt"):
         loader.next_batch()
+
+
+def test_remote_manifest_without_a_listed_shards_checksum_is_a_clear_error(second_source, remote, tmp_path):
+    # was a bare KeyError from the files table
+    fs, root = fsspec.core.url_to_fs(remote)
+    manifest = json.loads(fs.cat_file(f"{root}/manifest.json"))
+    name = manifest["splits"]["train"]["files"][0]
+    del manifest["files"][name]
+    fs.pipe_file(f"{root}/manifest.json", json.dumps(manifest).encode())
+    with pytest.raises(IntegrityError, match=f"manifest.json: its 'files' table has no size and sha256 for {name}; re-upload"):
+        ShardSet(remote, "train", cache=ShardCache(tmp_path / "cache", 10**9))
 
 
 def test_missing_remote_manifest_is_a_clear_error(tmp_path):

@@ -53,6 +53,16 @@ def test_preflight_needs_packed_shards(tmp_path):
         preflight(tiny_config(tmp_path / "nothing"))
 
 
+def test_preflight_names_an_empty_validation_split(out):
+    # pack.val_fraction: 0 leaves the val split without files; this was a bare IndexError
+    manifest = json.loads((out / "shards" / "manifest.json").read_text())
+    manifest["splits"]["val"] = {"files": [], "tokens": 0, "samples": 0}
+    (out / "shards" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(KilnError, match="the val split has no samples.*raise pack.val_fraction"):
+        preflight(tiny_config(out, preflight={"steps": 2}))
+    assert sorted(p.name for p in out.iterdir()) == ["shards", "tokenizer"]  # the temporary folder is gone
+
+
 def test_plan_is_6ND_over_measured_or_assumed_throughput(out, tmp_path, capsys):
     cfg = tiny_config(out, plan={"device": "H100", "devices": 8, "mfu": 0.5}, budget={"price_per_device_hour": 2.0})
     plan = make_plan(cfg)

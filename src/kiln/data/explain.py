@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
 from pathlib import Path
 from typing import Any, Iterator
 
-import zstandard
-
+from kiln.data.pipeline import read_part
 from kiln.errors import KilnError
 from kiln.manifest import read_manifest
 
@@ -18,10 +16,9 @@ _PROVENANCE = ("source", "offset", "length", "record_id", "url", "date", "conten
 
 def _records(folder: Path, outcome: str) -> Iterator[tuple[str, dict[str, Any]]]:
     for part in sorted(folder.glob("part-*.jsonl.zst")):
-        with open(part, "rb") as f:
-            for line in io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(f), encoding="utf-8"):
-                if line.strip():
-                    yield outcome, json.loads(line) | {"part": part.relative_to(folder.parent if outcome == "rejected" else folder).as_posix()}
+        name = part.relative_to(folder.parent if outcome == "rejected" else folder).as_posix()
+        for rec in read_part(part):
+            yield outcome, rec | {"part": name}
 
 
 def find(key: str, docs_dir: Path) -> list[dict[str, Any]]:

@@ -191,10 +191,12 @@ def _commit(work: Path, result: tuple[dict[str, Any], bytes]) -> dict[str, Any]:
     return summary
 
 
-def _read_task_output(work: Path, index: int) -> Iterator[dict[str, Any]]:
-    with open(work / f"task-{index:05d}.jsonl.zst", "rb") as f:
+def read_part(path: Path) -> Iterator[dict[str, Any]]:
+    """The records of one zstd-compressed JSONL file (a docs part, a rejects part, a task's outcomes), streamed."""
+    with open(path, "rb") as f:
         for line in io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(f), encoding="utf-8"):
-            yield json.loads(line)
+            if line.strip():
+                yield json.loads(line)
 
 
 # --- the stage ------------------------------------------------------------------------------------
@@ -293,7 +295,7 @@ def global_steps(cfg: DataConfig, work: Path, summaries: list[dict[str, Any]],
 
 def _documents(work: Path, summaries: list[dict[str, Any]]) -> Iterator[Document]:
     for s in summaries:
-        for rec in _read_task_output(work, s["index"]):
+        for rec in read_part(work / f"task-{s['index']:05d}.jsonl.zst"):
             yield Document.from_record(rec)
 
 
@@ -371,7 +373,4 @@ def read_docs(folder: Path) -> Iterator[dict[str, Any]]:
     if not parts:
         raise KilnError(f"{folder}: no part-*.jsonl.zst files; run `kiln data` first")
     for part in parts:
-        with open(part, "rb") as f:
-            for line in io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(f), encoding="utf-8"):
-                if line.strip():
-                    yield json.loads(line)
+        yield from read_part(part)

@@ -14,11 +14,12 @@ import torch
 
 from kiln.config import Config
 from kiln.errors import KilnError
+from kiln.manifest import read_manifest
 
 
 def _vocab(cfg: Config) -> int:
-    manifest = cfg.out / "shards" / "manifest.json"
-    return int(json.loads(manifest.read_text())["vocab_size"]) if manifest.is_file() else cfg.tokenizer.vocab_size
+    shards = cfg.out / "shards"
+    return int(read_manifest(shards)["vocab_size"]) if (shards / "manifest.json").is_file() else cfg.tokenizer.vocab_size
 
 
 def _measured(cfg: Config) -> dict | None:

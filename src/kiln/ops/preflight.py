@@ -37,6 +37,10 @@ def write_slice(shards: Path, out: Path, counts: dict[str, int]) -> None:
     with staging_dir(out) as tmp:
         for split, n in counts.items():
             samples = ShardSet(shards, split)
+            if n and not len(samples):  # the smoke run evaluates at its first and last step
+                raise KilnError(f"{shards}: the {split} split has no samples, and the smoke run needs "
+                                f"{n}; raise pack.val_fraction and run `kiln pack` again" if split == "val" else
+                                f"{shards}: the {split} split has no samples; add documents and run `kiln pack` again")
             rows = [samples.sample(i) for i in range(min(n, len(samples)))]
             tokens = np.concatenate(rows) if rows else np.empty(0, dtype=np.uint16)
             first = read_header(shards / manifest["splits"][split]["files"][0])
@@ -132,7 +136,7 @@ def preflight(cfg: Config) -> tuple[dict, list[Check]]:
     work = cfg.out / f".preflight-{uuid.uuid4().hex[:8]}"  # on the run's own disk, so checkpoint writes are real
     try:
         shutil.copytree(cfg.out / "tokenizer", work / "tokenizer")
-        n_train = len(ShardSet(shards, "train"))
+        n_train = int(read_manifest(shards)["splits"]["train"]["samples"])
         need = p.steps * cfg.train.batch_size
         write_slice(shards, work / "shards", {"train": max(need, math.ceil(p.data_fraction * n_train)),
                                               "val": cfg.train.eval_batches * cfg.train.batch_size})

@@ -162,7 +162,7 @@ class ShardSet:
             counts = [len(self._array(k)) // self.sample_len for k in range(len(self.names))]
         else:  # the manifest's sizes, checked against each header when the shard is fetched
             width = token_dtype(int(self.manifest["vocab_size"])).itemsize
-            counts = [(self.manifest["files"][n]["size"] - BIN_HEADER.size) // width // self.sample_len for n in self.names]
+            counts = [(self.source.listed(n)["size"] - BIN_HEADER.size) // width // self.sample_len for n in self.names]
         self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
     def _array(self, k: int) -> np.ndarray:

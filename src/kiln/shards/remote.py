@@ -56,8 +56,16 @@ class RemoteFolder:
         self.files = manifest["files"]
         return manifest
 
+    def listed(self, name: str) -> dict[str, Any]:
+        """The manifest's size and sha256 of one file: what a fetched copy must match."""
+        meta = self.files.get(name)
+        if not isinstance(meta, dict) or not isinstance(meta.get("size"), int) or not isinstance(meta.get("sha256"), str):
+            raise IntegrityError(f"{self.url}/{MANIFEST}: its 'files' table has no size and sha256 for {name}; "
+                                 f"re-upload the whole shards folder as `kiln pack` wrote it")
+        return meta
+
     def local_path(self, name: str) -> Path:
-        meta = self.files[name]
+        meta = self.listed(name)
         return self.cache.fetch(self.fs, f"{self.root}/{name}", f"{self.url}/{name}", meta["size"], meta["sha256"])
 
 

@@ -309,7 +309,8 @@ class Trainer:
         """MoE load-balancing and z losses of the last forward, weighted; their values are added to `sums`."""
         m, stats = self.cfg.model.moe, self.model.moe_losses()
         for k in sums:
-            sums[k] += float(stats[k])
+            value = stats[k]
+            sums[k] += float(value.detach()) if isinstance(value, torch.Tensor) else value
         return m.aux_loss_coef * stats["aux_loss"] + m.z_loss_coef * stats["z_loss"]
 
     def optimizer_step(self, lr: float, loss: float, measure_update: bool) -> dict[str, Any]:

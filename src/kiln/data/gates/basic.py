@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from kiln.data.gates.text import lines as text_lines
 from kiln.data.gates.types import Gate, Verdict
 
 _LETTERS = re.compile(r"[^\W\d_]")  # what str.isalpha accepts, counted in C
@@ -22,7 +23,7 @@ def too_short(min_chars: int) -> Gate:
 
 def repetitive_lines(max_frac: float) -> Gate:
     def gate(text: str) -> Verdict:
-        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        lines = text_lines(text)
         if not lines:
             return None
         dup = 1 - len(set(lines)) / len(lines)
