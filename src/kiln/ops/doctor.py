@@ -39,7 +39,7 @@ def fingerprint(nvml=None) -> dict:
     """What a run depends on: versions, devices and host size. Plain JSON; a run stores it as run/env.json."""
     import torch
 
-    from kiln.ops.nvml import load_nvml, nvml_fingerprint
+    from kiln.ops.nvml import driver_version, load_nvml
 
     fp = {
         "kiln": __version__, "python": platform.python_version(), "os": platform.platform(),
@@ -58,7 +58,7 @@ def fingerprint(nvml=None) -> dict:
         fp["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     nvml = nvml or load_nvml()
     if nvml is not None:
-        fp["driver"] = nvml_fingerprint(nvml)["driver"]
+        fp["driver"] = driver_version(nvml)
     return fp
 
 
@@ -239,8 +239,10 @@ def check_allreduce(d: DoctorConfig) -> list[Check]:
                   "" if ok else "check the gpu*_pcie/nvlink checks and NCCL env; run nccl-tests all_reduce_perf to compare")]
 
 
-def collect(cfg: Config | None, out_dir: Path, against: Path | None = None, nvml=None) -> tuple[dict, list[Check]]:
-    """The fingerprint and every check's verdict. `cfg` adds the probes that need the run's shards and dtype."""
+def collect(cfg: Config | None, out_dir: Path, against: Path | None = None,
+            nvml=None) -> tuple[dict, list[Check], list[dict] | None]:
+    """The fingerprint, every check's verdict, and (with `against`) how this environment differs from that
+    run's. `cfg` adds the probes that need the run's shards and dtype."""
     from kiln.ops.nvml import gpu_checks, load_nvml
 
     d = cfg.doctor if cfg is not None else DoctorConfig()
@@ -262,6 +264,7 @@ def collect(cfg: Config | None, out_dir: Path, against: Path | None = None, nvml
     checks += guarded("loader", lambda: check_loader(cfg, tflops[0], d) if cfg else skip("loader", "give --config CONFIG to probe the run's shards"))
     checks += guarded("allreduce", lambda: check_allreduce(d))
     checks += guarded("gpu", lambda: gpu_checks(nvml, d.gpu_temp_margin_c) if nvml else [skip("gpu", "no NVIDIA driver (NVML) on this machine")])
+    diffs = None
     if against is not None:
         diffs = compare_env(recorded_env(against), fp)
         pinned = [x for x in diffs if x["pinned"]]
@@ -269,15 +272,14 @@ def collect(cfg: Config | None, out_dir: Path, against: Path | None = None, nvml
         checks.append(Check("against_run", not pinned, text,
                             "" if not pinned else f"install what the run used ({', '.join(x['key'] for x in pinned)}) "
                                                   "or start a new run; mixed versions change numerics"))
-    return fp, checks
+    return fp, checks, diffs
 
 
 def run_doctor(cfg: Config | None = None, out_dir: Path | None = None, as_json: bool = False, against: Path | None = None) -> int:
     out_dir = Path(out_dir) if out_dir is not None else (cfg.out if cfg is not None else Path("."))
-    fp, checks = collect(cfg, out_dir, against)
+    fp, checks, diffs = collect(cfg, out_dir, against)
     failed = [c for c in checks if not c.ok]
     if as_json:
-        diffs = compare_env(recorded_env(against), fp) if against is not None else None
         print(json.dumps({"fingerprint": fp, "checks": [c.as_dict() for c in checks], "ok": not failed,
                           **({"against": diffs} if diffs is not None else {})}, indent=1))
     else:

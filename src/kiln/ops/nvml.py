@@ -33,9 +33,8 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def nvml_fingerprint(nvml) -> dict:
-    return {"driver": _text(nvml.nvmlSystemGetDriverVersion()),
-            "cuda_driver": nvml.nvmlSystemGetCudaDriverVersion()}
+def driver_version(nvml) -> str:
+    return _text(nvml.nvmlSystemGetDriverVersion())
 
 
 def _pcie(nvml, i: int, h) -> Check:

@@ -76,8 +76,9 @@ def read_header(path: Path) -> ShardHeader:
     return header
 
 
-def read_tokens(path: Path) -> np.ndarray:
-    header = read_header(path)
+def read_tokens(path: Path, header: ShardHeader | None = None) -> np.ndarray:
+    """The token array, memory-mapped; `header` when the caller has read it already."""
+    header = header or read_header(path)
     return np.memmap(path, dtype=token_dtype(header.vocab_size), mode="r", offset=BIN_HEADER.size, shape=(header.num_tokens,))
 
 
@@ -174,7 +175,7 @@ class ShardSet:
         header = read_header(path)
         if header.sample_len != self.sample_len or header.tokenizer_sha256 != self.manifest["tokenizer_sha256"]:
             raise IntegrityError(f"{self.location}/{name}: header does not match manifest.json (sample length or tokenizer)")
-        arr = self._arrays[k] = np.asarray(read_tokens(path))  # a plain view slices faster than np.memmap
+        arr = self._arrays[k] = np.asarray(read_tokens(path, header))  # a plain view slices faster than np.memmap
         self._paths[k] = path
         if not isinstance(self.source, LocalFolder):  # a bounded cache may have evicted others: stop holding their maps
             for j in [j for j, p in self._paths.items() if j != k and not p.is_file()]:
