@@ -639,6 +639,14 @@ def test_quality_gates_signals(lines):
     assert low_letters(0.5)("12 34 \n 5") == ("low_letters", {"letter_frac": 0.0, "min": 0.5})
 
 
+def test_low_letters_counts_what_isalpha_and_isspace_accept_for_every_code_point():
+    # the gate counts with C-speed string operations; this is the definition it must match
+    text = "".join(chr(i) for i in range(0x110000) if not 0xD800 <= i < 0xE000)
+    visible = sum(not c.isspace() for c in text)
+    frac = round(sum(c.isalpha() for c in text) / visible, 4)
+    assert low_letters(1.0)(text) == ("low_letters", {"letter_frac": frac, "min": 1.0})
+
+
 def test_near_duplicates_across_files_are_removed_in_the_stage_with_a_ledger(tmp_path):
     """The global near-duplicate step inside `kiln data`: a lightly edited copy in another file is
     rejected as dedup/near_duplicate pointing at the first; distinct pages stay; the ledger is committed."""
