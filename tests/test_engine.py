@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from conftest import ROOT, tiny_config
 from kiln.model.llama import Llama, ModelArgs
 from kiln.train.clip import clip, group_norms, layer_groups
-from kiln.train.metrics import PEAK_TFLOPS, mfu, peak_tflops, read_metrics
+from kiln.train.metrics import PEAK_SOURCE, PEAK_TFLOPS, mfu, peak_of, peak_tflops, read_metrics
 from kiln.train.trainer import Trainer, build_model
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -188,6 +188,11 @@ def test_mfu_arithmetic_and_peak_table():
     assert peak is None and "unknown device" in source and "train.peak_tflops" in source
     assert peak_tflops(torch.device("cpu"), "bf16", 1.5) == (1.5, "config train.peak_tflops")
     assert PEAK_TFLOPS["H100"]["bf16"] == 989.0
+    # names as torch.cuda.get_device_name gives them: a PCIe or NVL part is not taken for the SXM one
+    names = {"NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.5,
+             "NVIDIA H200": 989.0, "NVIDIA H200 NVL": 835.5, "NVIDIA A100-SXM4-80GB": 312.0}
+    assert {name: peak_of(name, "bf16")[0] for name in names} == names
+    assert peak_of("NVIDIA H100 PCIe", "fp32") == (378.0, "H100 PCIe (" + PEAK_SOURCE + ")")
 
 
 def test_step_metrics_are_complete(workdir):

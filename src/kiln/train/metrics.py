@@ -17,9 +17,14 @@ import torch
 
 from kiln.manifest import write_atomic
 
-# Dense peak TFLOP/s per device (no sparsity), from NVIDIA's datasheets (H100/H200 SXM, A100 SXM, L40S, L4,
-# RTX 4090). "fp32" is TF32 tensor-core math, which torch uses for fp32 matmuls when allowed.
+# Dense peak TFLOP/s per device (no sparsity: half the datasheets' starred figures), from NVIDIA's datasheets
+# (H100 SXM/PCIe/NVL, H200 SXM/NVL, A100, L40S, L4, RTX 4090). "fp32" is TF32 tensor-core math, which torch
+# uses for fp32 matmuls when allowed. A device takes the first key its name contains: the PCIe and NVL
+# variants, slower than the SXM part of the same name, come first.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 378.0},
+    "H100 NVL": {"bf16": 835.5, "fp16": 835.5, "fp32": 417.5},
+    "H200 NVL": {"bf16": 835.5, "fp16": 835.5, "fp32": 417.5},
     "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
     "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
     "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
@@ -38,7 +43,11 @@ def peak_tflops(device: torch.device, dtype: str, override: float | None) -> tup
     """(peak, where it came from); (None, why) for a device the table does not know."""
     if override:
         return override, "config train.peak_tflops"
-    name = device_name(device)
+    return peak_of(device_name(device), dtype)
+
+
+def peak_of(name: str, dtype: str) -> tuple[float | None, str]:
+    """(peak, where it came from) for a device name as torch reports it, e.g. "NVIDIA H100 PCIe"."""
     for key, peaks in PEAK_TFLOPS.items():
         if key in name:
             return peaks[dtype], f"{key} ({PEAK_SOURCE})"
