@@ -339,3 +339,27 @@ def test_sample_keeps_most_pages_in_every_language(sample_pages):
     assert sum(kept.values()) >= 90
     assert all(kept[lang] >= 12 for lang in ("en", "de", "fr", "es", "it", "pt")), kept
     assert kept["zh"] >= 10 and kept["ja"] >= 7, kept
+
+
+def _walk_duplicated_ngram_chars(words: list[str], n: int) -> int:
+    """The definition (datatrove's walk): a repeat counts its n words' characters and skips the n-1 n-grams
+    overlapping it, which are not marked seen."""
+    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    seen, chars, i = set(), 0, 0
+    while i < len(grams):
+        if grams[i] in seen:
+            chars += sum(map(len, grams[i]))
+            i += n
+        else:
+            seen.add(grams[i])
+            i += 1
+    return chars
+
+
+@settings(max_examples=400, deadline=None)
+@given(words=st.lists(st.sampled_from(["a", "bb", "ccc", "a a", "dd"]), max_size=80), n=st.integers(1, 10))
+def test_duplicated_ngram_chars_is_the_walk(words, n):
+    # the gate walks only n-grams whose value occurred before; it must count what the full walk counts
+    from kiln.data.gates.gopher import _duplicated_ngram_chars, _Grams
+
+    assert _duplicated_ngram_chars(_Grams(words), n) == _walk_duplicated_ngram_chars(words, n)

@@ -14,6 +14,7 @@ Choices where the paper is English-only:
 
 from __future__ import annotations
 
+import bisect
 import re
 
 import numpy as np
@@ -121,21 +122,34 @@ def _top_ngram_chars(g: _Grams, n: int) -> int:
 
 
 def _duplicated_ngram_chars(g: _Grams, n: int) -> int:
-    """Characters of words inside n-grams seen before (Gopher, as datatrove counts it: a repeat is
-    skipped whole, so overlapping repeats are not counted twice)."""
+    """Characters of words inside n-grams seen before (Gopher, as datatrove counts it: walking the n-grams in
+    order, a repeat is counted and the n-1 n-grams overlapping it are skipped, unseen).
+
+    The walk visits only the n-grams whose value occurred earlier in the text (numpy finds them); the others
+    cannot be repeats, only make their value seen unless a skip covers them. So a candidate is a repeat
+    when its value was seen at an earlier candidate that was walked, or at its first occurrence, unless a
+    skipped span covers that.
+    """
     h = g.hashes(n)
-    if len(np.unique(h)) == len(h):  # the usual case: no n-gram repeats, nothing to walk
+    if not len(h):
         return 0
-    seen: set[int] = set()
-    hs, cum = h.tolist(), g.cum_list
-    chars, i, end = 0, 0, len(hs)
-    while i < end:
-        if hs[i] in seen:
+    _, first, inverse = np.unique(h, return_index=True, return_inverse=True)
+    first_of = first[inverse]
+    candidates = np.flatnonzero(first_of != np.arange(len(h)))
+    cum = g.cum_list
+    skipped: list[int] = []  # starts of the skipped spans (i, i + n), in order
+    seen_at_candidate: set[int] = set()
+    chars, walk_from = 0, 0
+    for i, value, f in zip(candidates.tolist(), inverse[candidates].tolist(), first_of[candidates].tolist()):
+        if i < walk_from:
+            continue  # inside the span of the last repeat
+        k = bisect.bisect_left(skipped, f) - 1  # the last span starting before f
+        if value in seen_at_candidate or not (k >= 0 and f < skipped[k] + n):
             chars += cum[i + n] - cum[i]
-            i += n
+            skipped.append(i)
+            walk_from = i + n
         else:
-            seen.add(hs[i])
-            i += 1
+            seen_at_candidate.add(value)
     return chars
 
 
