@@ -31,7 +31,6 @@ PARTS = ("forward_loss", "backward", "optimizer", "step")
 
 def worker(dtype: str) -> dict:
     import torch
-    import torch.nn.functional as F
     from litgpt.config import Config
     from litgpt.model import GPT
     from litgpt.utils import chunked_cross_entropy as litgpt_loss

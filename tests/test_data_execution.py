@@ -22,7 +22,9 @@ import pytest
 
 from conftest import write_warc
 from kiln.config import DataConfig
+from kiln.data.executor import run_tasks
 from kiln.data.pipeline import plan_tasks, read_docs, run_data
+from kiln.errors import KilnError
 from kiln.data.read import find_member
 from test_data import BASIC_GATES_ONLY, assert_same_output, english, members, page, rejects
 
@@ -76,6 +78,27 @@ def test_ray_executor_matches_local(tmp_path, sample_warc, whole, monkeypatch):
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert stats["tasks"] == 8
     assert_same_output(whole[1], out)
+
+
+@pytest.mark.parametrize("executor, workers", [("local", 1), ("local", 2), ("ray", 2)])
+def test_a_task_error_reaches_the_driver_as_its_own_message(tmp_path, monkeypatch, executor, workers):
+    # under Ray it arrived wrapped in a RayTaskError whose text is the remote traceback. The task function is
+    # one of Kiln's (workers import it by name): listing inputs, where a missing file is a KilnError.
+    from kiln.data.sources import expand_inputs
+
+    present = [tmp_path / f"{i}.warc.gz" for i in range(3)]
+    for p in present:
+        p.write_bytes(b"")
+    tasks = [[str(present[0])], [str(present[1])], [str(tmp_path / "missing.warc.gz")], [str(present[2])]]
+    ray_tmp = tempfile.mkdtemp(prefix="kiln-ray-")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
+    try:
+        with pytest.raises(KilnError) as info:
+            list(run_tasks(expand_inputs, tasks, workers, executor))
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert type(info.value) is KilnError and str(info.value) == f"input {tmp_path / 'missing.warc.gz'} does not exist or is not a file"
 
 
 def test_stats_per_source_stage_and_step(tmp_path, sample_warc):

@@ -59,7 +59,13 @@ def _ray(fn, tasks, workers, address) -> Iterator[Any]:
         running = [remote.remote(t) for t in islice(pending, workers * 2)]
         while running:
             done, running = ray.wait(running, num_returns=1)
-            yield ray.get(done[0])
+            try:
+                result = ray.get(done[0])
+            except ray.exceptions.RayTaskError as exc:
+                if isinstance(exc.cause, KilnError):  # the task's own message, not Ray's traceback around it
+                    raise exc.cause from None
+                raise
+            yield result
             running += [remote.remote(t) for t in islice(pending, 1)]
     finally:
         if started:
