@@ -4,6 +4,8 @@ the profiler, MoE through the Trainer, and schedules driven by the loop."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import platform
 import shutil
@@ -54,6 +56,58 @@ def test_fsdp2_on_two_gloo_ranks_matches_one_process(workdir, tmp_path, mesh):
     groups = {k for k in steps(sharded)[0] if k.startswith("grad_norm/")}
     assert groups  # per-group norms are gathered from the shards
     assert steps(sharded)[0]["grad_norm"] == pytest.approx(steps(workdir)[0]["grad_norm"], rel=1e-4)
+
+
+_FSDP_DTYPES = r"""
+import json, sys
+import torch
+from kiln.config import load_config
+from kiln.train.trainer import Trainer
+
+trainer = Trainer(load_config(sys.argv[1]), log=lambda *_: None)
+model, seen = trainer.model, {}
+
+def watch(name, module, weight):
+    # FSDP2's hooks run first: in the pre-hook the weight is gathered and the input cast, in the post-hook
+    # the output is cast back
+    module.register_forward_pre_hook(lambda m, args: seen.setdefault(name, {}).update(
+        input=str(args[0].dtype), weight=str(weight(m).dtype)))
+    module.register_forward_hook(lambda m, args, out: seen[name].update(output=str(out.dtype)))
+
+watch("output", model.output, lambda m: m.weight)
+watch("attention", model.layers[0].attention, lambda m: m.wq.weight)
+watch("feed_forward", model.layers[0].feed_forward, lambda m: m.w1.weight)
+measured = trainer.train_step()
+result = trainer.optimizer_step(1e-3, measured["loss"], False)
+if trainer.d.is_main:
+    print(json.dumps({"seen": seen, "loss": measured["loss"], "grad_norm": result["grad_norm"]}))
+"""
+
+
+def test_fsdp2_keeps_chosen_module_kinds_in_fp32(workdir, tmp_path):
+    # under FSDP2 there is no autocast: the kinds become shard groups whose parameters are gathered in fp32
+    script = tmp_path / "dtypes.py"
+    script.write_text(_FSDP_DTYPES)
+    cfg = tmp_path / "fsdp-bf16.yaml"
+    cfg.write_text(tiny_config(workdir, train={"dtype": "bf16", "fp32_modules": ["output", "attention"]},
+                               parallel={"mode": "fsdp"}).to_yaml())
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), str(cfg)], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    f32, bf16 = "torch.float32", "torch.bfloat16"
+    assert out["seen"] == {"output": {"input": f32, "weight": f32, "output": f32},  # fp32 logits
+                           "attention": {"input": f32, "weight": f32, "output": bf16},  # back to the block's dtype
+                           "feed_forward": {"input": bf16, "weight": bf16, "output": bf16}}
+    assert math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"]) and out["grad_norm"] > 0
+
+
+def test_fsdp2_fp32_head_with_tied_embeddings_is_a_clear_error():
+    from kiln.train.parallel import Dist, apply_fsdp
+
+    model = Llama(ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, tie_embeddings=True))
+    with pytest.raises(ValueError, match="needs untied embeddings under FSDP2.*model.tie_embeddings: false"):
+        apply_fsdp(model, Dist(world=2), None, torch.bfloat16, ["output"])
 
 
 def test_a_mesh_that_does_not_cover_the_ranks_is_a_clear_error(workdir, tmp_path):

@@ -297,7 +297,7 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, ge=0, description="global gradient-norm clip; 0 disables")
     dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="compute dtype; fp16 uses a GradScaler")
     fp32_modules: list[Literal["attention", "feed_forward", "output", "embeddings"]] = Field(
-        default_factory=list, description="module kinds kept in fp32 under bf16/fp16 autocast (norms and loss always are)")
+        default_factory=list, description="module kinds kept in fp32 under bf16/fp16 (autocast, or FSDP2's mixed precision); norms and loss always are")
     grad_clip_groups: dict[Literal["embeddings", "lower", "middle", "upper"], float] | None = Field(
         None, description="per layer-group clip limits (SEEDS: embeddings 0.5, middle 1.0, upper 2.0); null = global grad_clip")
     upper_layers: int = Field(4, ge=0, description="how many last blocks form the 'upper' group (the first as many form 'lower')")

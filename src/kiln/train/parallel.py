@@ -83,11 +83,24 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def apply_fsdp(model: nn.Module, d: Dist, mesh_shape: list[int] | None, param_dtype: torch.dtype | None) -> None:
-    """FSDP2: shard each block, then the root; a 2-D mesh [replicate, shard] gives hybrid sharding (HSDP)."""
+def apply_fsdp(model: nn.Module, d: Dist, mesh_shape: list[int] | None, param_dtype: torch.dtype | None,
+               fp32_kinds: list[str] = ()) -> None:
+    """FSDP2: shard each block, then the root; a 2-D mesh [replicate, shard] gives hybrid sharding (HSDP).
+
+    `fp32_kinds` (train.fp32_modules) are sharded as groups of their own whose parameters are gathered in
+    fp32 and whose inputs are cast to fp32: FSDP2's counterpart of running them outside autocast. Their
+    outputs return in the compute dtype, which the rest of the block expects, except the output head's:
+    fp32 logits are why one keeps the head in fp32.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from kiln.train.precision import modules_of_kind
+
+    if model.args.tie_embeddings and {"output", "embeddings"} & set(fp32_kinds):
+        raise ValueError("train.fp32_modules with 'output' or 'embeddings' needs untied embeddings under FSDP2 "
+                         "(one weight cannot sit in two shard groups of different dtypes); set "
+                         "model.tie_embeddings: false, or use parallel.mode=ddp")
     shape = tuple(mesh_shape) if mesh_shape else (d.world,)
     if int(torch.tensor(shape).prod()) != d.world:
         raise ValueError(f"parallel.mesh={list(shape)} multiplies to {int(torch.tensor(shape).prod())}, not the {d.world} ranks")
@@ -95,6 +108,12 @@ def apply_fsdp(model: nn.Module, d: Dist, mesh_shape: list[int] | None, param_dt
     mesh = init_device_mesh(d.device.type, shape, mesh_dim_names=names)
     # Parameters are gathered in the compute dtype; gradients are reduced in fp32 so small updates survive.
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    if param_dtype is not None and param_dtype != torch.float32:
+        for kind in fp32_kinds:
+            keep = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                        output_dtype=None if kind == "output" else param_dtype)
+            for module in modules_of_kind(model, kind):
+                fully_shard(module, mesh=mesh, mp_policy=keep)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)

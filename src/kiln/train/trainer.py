@@ -106,16 +106,13 @@ class Trainer:
         self.moe = cfg.model.moe.n_experts > 0
         self.mode = parallel.parallel_mode(cfg.parallel.mode, self.d)
         self.autocast = DTYPES[t.dtype]
-        if t.fp32_modules:
-            if self.mode == "fsdp":
-                raise KilnError("train.fp32_modules works with autocast (one process or DDP); under FSDP2 the "
-                                "mixed-precision policy casts every parameter: leave it empty or use parallel.mode=ddp")
+        if t.fp32_modules and self.mode != "fsdp":  # under FSDP2, shard groups of their own (apply_fsdp)
             apply_precision_policy(self.model, t.fp32_modules)
         if cfg.parallel.activation_checkpointing:
             parallel.apply_activation_checkpointing(self.model)
         if self.mode == "fsdp":
             try:
-                parallel.apply_fsdp(self.model, self.d, cfg.parallel.mesh, self.autocast)
+                parallel.apply_fsdp(self.model, self.d, cfg.parallel.mesh, self.autocast, t.fp32_modules)
             except ValueError as exc:
                 raise KilnError(str(exc)) from None
             self.autocast = None  # FSDP2's mixed-precision policy casts parameters instead
