@@ -101,12 +101,13 @@ class FlakyStorage:
     """open_input whose reads fail with an OSError (a dropped connection) after `after` bytes, on the
     first `failures` opens of each file."""
 
-    def __init__(self, monkeypatch, failures: int, after: int) -> None:
+    def __init__(self, monkeypatch, failures: int, after: int, error: Exception | None = None) -> None:
         import kiln.data.pipeline
         import kiln.data.read
         import kiln.data.sources
 
         self.real, self.failures, self.after, self.opens = kiln.data.sources.open_input, failures, after, 0
+        self.error = error or ConnectionResetError(104, "Connection reset by peer")
         monkeypatch.setattr(kiln.data.sources, "open_input", self)
         monkeypatch.setattr(kiln.data.read, "open_input", self)
         monkeypatch.setattr(kiln.data.pipeline.time, "sleep", lambda s: None)
@@ -116,34 +117,40 @@ class FlakyStorage:
         f = self.real(source, storage_options)
         if self.opens > self.failures:
             return f
-        after, real_read = self.after, f.read
+        after, real_read, error = self.after, f.read, self.error
 
         def read(n=-1):
             if n is None or n < 0 or f.tell() + n > after:
-                raise ConnectionResetError(104, "Connection reset by peer")
+                raise error
             return real_read(n)
         f.read = read
         return f
 
 
+class PayloadError(Exception):
+    """Stands in for aiohttp's ClientPayloadError, which fsspec's HTTP filesystem raises: not an OSError."""
+
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
-def test_a_storage_error_is_retried_not_taken_for_a_cut(tmp_path, monkeypatch, suffix):
+@pytest.mark.parametrize("error", [ConnectionResetError(104, "Connection reset by peer"), PayloadError("response cut")])
+def test_a_storage_error_is_retried_not_taken_for_a_cut(tmp_path, monkeypatch, suffix, error):
     # an OSError while reading used to be recorded like a cut file: the task committed short and the
     # rest of the file was lost for good
     raw = b"".join(json.dumps({"id": f"d{i}", "text": english(i)}).encode() + b"\n" for i in range(40))
     src = tmp_path / f"docs{suffix}"
     src.write_bytes(gzip.compress(raw) if suffix.endswith(".gz") else raw)
-    flaky = FlakyStorage(monkeypatch, failures=2, after=src.stat().st_size // 2)
+    flaky = FlakyStorage(monkeypatch, failures=2, after=src.stat().st_size // 2, error=error)
     stats = run_data([str(src)], tmp_path / "docs", cfg(lang_threshold=0), workers=1)
     assert flaky.opens == 3 and stats["truncated"] == [] and stats["file_errors"] == []
     assert [d["id"] for d in read_docs(tmp_path / "docs")] == [f"d{i}" for i in range(40)]
 
 
-def test_a_storage_error_under_fastwarc_is_retried_not_taken_for_a_cut(tmp_path, monkeypatch):
+@pytest.mark.parametrize("error", [ConnectionResetError(104, "Connection reset by peer"), PayloadError("response cut")])
+def test_a_storage_error_under_fastwarc_is_retried_not_taken_for_a_cut(tmp_path, monkeypatch, error):
     # FastWARC raises OSError for damaged gzip and for a failing read alike; only the first is a cut
     src = write_warc(tmp_path / "crawl.warc.gz", [(f"https://w.example/{i}", html_page(english(i)), "text/html")
                                                   for i in range(30)])
-    FlakyStorage(monkeypatch, failures=1, after=src.stat().st_size // 2)
+    FlakyStorage(monkeypatch, failures=1, after=src.stat().st_size // 2, error=error)
     stats = run_data([str(src)], tmp_path / "docs", cfg(lang_threshold=0, task_bytes=1 << 30), workers=1)
     assert stats["truncated"] == [] and stats["documents"]["read"] == 30
     assert [d["url"] for d in read_docs(tmp_path / "docs")] == [f"https://w.example/{i}" for i in range(30)]
@@ -155,7 +162,7 @@ def test_a_storage_error_under_pyarrow_is_retried_not_taken_for_a_cut(tmp_path, 
 
     src = tmp_path / "docs.parquet"
     pq.write_table(pa.table({"text": [english(i) for i in range(300)]}), src, row_group_size=30)
-    FlakyStorage(monkeypatch, failures=1, after=src.stat().st_size // 2)
+    FlakyStorage(monkeypatch, failures=1, after=src.stat().st_size // 2, error=PayloadError("response cut"))
     stats = run_data([str(src)], tmp_path / "docs", cfg(lang_threshold=0), workers=1)
     assert stats["truncated"] == [] and stats["file_errors"] == [] and stats["documents"]["read"] == 300
 

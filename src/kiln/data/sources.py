@@ -54,10 +54,15 @@ def open_input(source: str, storage_options: dict[str, Any] | None = None) -> IO
         raise KilnError(f"{source}: no such object; check the URL and data.storage_options") from None
 
 
+class StorageReadError(OSError):
+    """A read from the storage failed with an error that is not an OSError (aiohttp's, from fsspec's HTTP)."""
+
+
 class StorageWatch:
     """A file that remembers an error of its own reads. FastWARC raises OSError, and pyarrow an error of its
     own, both for damage in the data and for the storage failing under them; only damage is a cut that
-    keeps what came before. A failed read is re-raised, and the task is read again (pipeline.run_task)."""
+    keeps what came before. A failed read is re-raised as an OSError, and the task is read again
+    (pipeline.run_task)."""
 
     closed = False  # pyarrow asks
 
@@ -67,9 +72,12 @@ class StorageWatch:
     def read(self, n: int = -1) -> bytes:
         try:
             return self.f.read(n)
-        except BaseException as exc:
+        except OSError as exc:
             self.error = exc
             raise
+        except Exception as exc:
+            self.error = StorageReadError(f"{type(exc).__name__}: {exc}")
+            raise self.error from exc
 
     def seek(self, offset: int, whence: int = 0) -> int:
         return self.f.seek(offset, whence)
@@ -193,10 +201,10 @@ def _record_doc(rec: Any, source: str, offset: int, length: int, where: str, fie
 
 def read_jsonl(source: str, report: ReadReport, fields: tuple[str, str, str],
                storage_options: dict[str, Any] | None = None) -> Iterator[Document]:
-    with open_input(source, storage_options) as raw:
+    with open_input(source, storage_options) as f:
         offset = 0
         try:
-            for number, line in enumerate(_lines(raw, source), 1):
+            for number, line in enumerate(_lines(StorageWatch(f), source), 1):
                 length, start = len(line), offset
                 offset += length
                 if not line.strip():
