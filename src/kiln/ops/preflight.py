@@ -37,10 +37,10 @@ def write_slice(shards: Path, out: Path, counts: dict[str, int]) -> None:
     with staging_dir(out) as tmp:
         for split, n in counts.items():
             samples = ShardSet(shards, split)
-            if n and not len(samples):  # the smoke run evaluates at its first and last step
-                raise KilnError(f"{shards}: the {split} split has no samples, and the smoke run needs "
-                                f"{n}; raise pack.val_fraction and run `kiln pack` again" if split == "val" else
-                                f"{shards}: the {split} split has no samples; add documents and run `kiln pack` again")
+            if n and not len(samples):  # the smoke run trains, and evaluates at its first and last step
+                fix = "raise pack.val_fraction" if split == "val" else "add documents"
+                raise KilnError(f"{shards}: the {split} split has no samples, and the smoke run needs {n}; "
+                                f"{fix} and run `kiln pack` again")
             rows = [samples.sample(i) for i in range(min(n, len(samples)))]
             tokens = np.concatenate(rows) if rows else np.empty(0, dtype=np.uint16)
             first = read_header(shards / manifest["splits"][split]["files"][0])
