@@ -355,3 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kiln: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        from kiln.manifest import disk_full_message, is_disk_full
+
+        if not is_disk_full(exc):
+            raise
+        print(f"kiln: error: {disk_full_message(Path('.'), exc)}", file=sys.stderr)
+        return 2

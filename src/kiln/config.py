@@ -317,6 +317,8 @@ class TrainConfig(Section):
     reference_batch_size: int = Field(256, ge=1, description="batch size (sequences) at which base_lr applies (SEEDS: 256)")
     warmup_calibration: WarmupCalibrationConfig | None = Field(
         None, description="null = warmup_steps as given; {} = SEEDS' dynamic warmup with its defaults")
+    resume_on_new_data: bool = Field(False, description="resume a checkpoint whose data fingerprint or tokenizer differ "
+                                     "from the shards'; the loader then starts at epoch 0, position 0 (recorded)")
 
     @model_validator(mode="after")
     def _resolve_lr(self) -> "TrainConfig":
