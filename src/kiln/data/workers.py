@@ -1,7 +1,8 @@
 """Worker processes never outlive the driver that started them.
 
-`ending_workers(pool)`: while the driver iterates a process pool, SIGTERM and SIGINT raise `Terminated`
-in the driver (the main thread), and whatever ends the iteration (a signal, an error, a consumer that
+`ending_workers(pool)`: while the driver iterates a process pool, SIGTERM and SIGINT are noted by a handler
+(raising from inside the executor's own locks could deadlock it) and `check()` raises `Terminated` at the
+driver's next safe point, within `POLL_S`; whatever ends the iteration (a signal, an error, a consumer that
 stops early) terminates the pool's processes before returning. `worker_init` runs in each worker: it
 asks Linux to send SIGTERM to the worker if the driver dies without cleaning up (SIGKILL), and leaves
 SIGINT (a terminal's Ctrl-C goes to the whole process group) to the driver.
@@ -21,8 +22,18 @@ class Terminated(KeyboardInterrupt):
     """The driver got SIGTERM: handled like Ctrl-C (the finished tasks are kept; the same command resumes)."""
 
 
-def _raise(signum, _frame) -> None:
-    raise Terminated(f"{signal.Signals(signum).name}")
+POLL_S = 0.2
+
+
+class _Requests:
+    signum: int | None = None
+
+    def note(self, signum, _frame) -> None:
+        self.signum = signum
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise Terminated(signal.Signals(self.signum).name)
 
 
 def worker_init() -> None:
@@ -40,16 +51,21 @@ def worker_init() -> None:
 
 
 @contextmanager
-def ending_workers(pool) -> Iterator[None]:
+def ending_workers(pool) -> Iterator[_Requests]:
+    """Yields the signal requests; call `.check()` between waits of at most POLL_S."""
+    requests = _Requests()
     main = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
+    previous = {s: signal.signal(s, requests.note) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
     try:
-        yield
+        yield requests
     except BaseException:
-        for process in list(getattr(pool, "_processes", {}).values()):  # the executor has no public kill
+        processes = list((getattr(pool, "_processes", None) or {}).values())  # the executor has no public kill
+        for process in processes:
             if process.is_alive():
                 process.terminate()
-        pool.shutdown(wait=True, cancel_futures=True)
+        for process in processes:
+            process.join(5)
+        pool.shutdown(wait=False, cancel_futures=True)
         raise
     finally:
         for s, handler in previous.items():

@@ -1,0 +1,383 @@
+"""Never lose a user's data (issue 13): outputs Kiln may replace, one writer per output, leftovers of killed runs,
+damaged and oddly gzipped WARCs, long JSONL lines, workers that outlive a SIGTERM, and the one-line errors
+where a traceback or silence used to be. Real files and real processes throughout; the only mocks inject a
+full disk (OSError 28, torch's "unexpected pos") at the write call, which cannot be made to happen here."""
+
+from __future__ import annotations
+
+import errno
+import gzip
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+from warcio.archiveiterator import ArchiveIterator
+
+from conftest import ROOT, SAMPLE_WARC, tiny_config, write_warc
+from kiln.cli import main as kiln
+from kiln.config import load_config
+from kiln.data.document import ReadReport
+from kiln.data.pipeline import PartWriter, read_docs, run_data
+from kiln.data.sources import read_jsonl
+from kiln.errors import ConfigError, IntegrityError, KilnError
+from kiln.lock import OutputLock, lock_path
+from kiln.manifest import read_manifest, staging_dir, verify_folder, write_manifest
+from test_data import cfg, english, four_pages, members, read_member, rejects
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "src")}
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def err_of(capsys) -> str:
+    return capsys.readouterr().err
+
+
+def no_leftovers(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if ".old-" in p.name or ".tmp-" in p.name or p.name.endswith(".lock")]
+
+
+# --- 1. an output folder Kiln did not write is never replaced --------------------------------------------
+
+def test_data_refuses_an_out_folder_it_did_not_write(tmp_path, capsys):
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "thesis.txt").write_text("four years of work")
+    assert kiln(["data", str(SAMPLE_WARC), "--out", str(d)]) == 2
+    err = err_of(capsys)
+    assert str(d) in err and "not an earlier `kiln data` output" in err and "Traceback" not in err
+    assert (d / "thesis.txt").read_text() == "four years of work" and sorted(os.listdir(d)) == ["thesis.txt"]
+    assert no_leftovers(tmp_path) == []
+
+
+def test_tokenizer_and_pack_refuse_a_foreign_out_folder(prepared, tmp_path, capsys):
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "thesis.txt").write_text("mine")
+    docs, tok = prepared.out / "docs", prepared.out / "tokenizer"
+    assert kiln(["tokenizer", "train", str(docs), "--out", str(d), "tokenizer.vocab_size=300"]) == 2
+    assert "not an earlier `kiln tokenizer train` output" in err_of(capsys)
+    assert kiln(["pack", str(docs), "--tokenizer", str(tok), "--out", str(d)]) == 2
+    assert "not an earlier `kiln pack` output" in err_of(capsys)
+    # a Kiln folder of another stage is not replaced either
+    other = shutil.copytree(tok, tmp_path / "other")
+    assert kiln(["pack", str(docs), "--tokenizer", str(tok), "--out", str(other)]) == 2
+    assert "holds a `tokenizer` output" in err_of(capsys)
+    assert (d / "thesis.txt").read_text() == "mine" and verify_folder(other)
+
+
+def test_an_output_that_is_or_holds_an_input_is_refused(prepared, tmp_path, capsys):
+    s = tmp_path / "s"
+    s.mkdir()
+    crawl = shutil.copy(SAMPLE_WARC, s / "in.warc.gz")
+    assert kiln(["data", str(crawl), "--out", str(s)]) == 2
+    err = err_of(capsys)
+    assert "overlap" in err and str(crawl) in err
+    assert Path(crawl).read_bytes() == SAMPLE_WARC.read_bytes()
+    docs = shutil.copytree(prepared.out / "docs", tmp_path / "docs")
+    before = {p.name: p.read_bytes() for p in docs.iterdir() if p.is_file()}
+    for argv in (["pack", str(docs), "--tokenizer", str(prepared.out / "tokenizer"), "--out", str(docs)],
+                 ["tokenizer", "train", str(docs), "--out", str(docs)],
+                 ["pack", str(docs), "--tokenizer", str(prepared.out / "tokenizer"), "--out", str(docs / "shards")]):
+        assert kiln(argv) == 2
+        assert "overlap" in err_of(capsys)
+    assert {p.name: p.read_bytes() for p in docs.iterdir() if p.is_file()} == before and verify_folder(docs)
+
+
+def test_out_dot_and_out_file_get_a_message(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("keep")
+    assert kiln(["data", str(SAMPLE_WARC), "--out", "."]) == 2
+    assert "is the current folder" in err_of(capsys)
+    assert kiln(["data", str(SAMPLE_WARC), "--out", "notes.txt"]) == 2
+    assert "is a file, not a folder" in err_of(capsys)
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"] and (tmp_path / "notes.txt").read_text() == "keep"
+
+
+def test_a_kiln_folder_with_a_file_it_did_not_write_is_not_replaced(tmp_path):
+    warc = write_warc(tmp_path / "a.warc.gz", four_pages("a", 60))
+    out = tmp_path / "docs"
+    run_data([str(warc)], out, cfg())
+    run_data([str(warc)], out, cfg(min_chars=100))  # its own output, same stage: replaced
+    assert read_manifest(out)["stage"] == "data" and no_leftovers(tmp_path) == []
+    (out / "notes.txt").write_text("added by hand")
+    with pytest.raises(KilnError, match="notes.txt, which Kiln did not write"):
+        run_data([str(warc)], out, cfg(min_chars=150))
+    assert (out / "notes.txt").read_text() == "added by hand"
+
+
+def kill_inside_staging(final: Path) -> None:
+    """A real process that dies (SIGKILL) in the middle of writing `final`'s staging folder."""
+    code = ("import os, sys; from pathlib import Path; from kiln.manifest import staging_dir\n"
+            "with staging_dir(Path(sys.argv[1])) as tmp:\n"
+            "    (tmp / 'half.bin').write_bytes(b'x' * 100)\n"
+            "    os.kill(os.getpid(), 9)\n")
+    assert subprocess.run([sys.executable, "-c", code, str(final)], env=ENV).returncode == -9
+
+
+def test_staging_folders_of_a_killed_run_are_removed_by_the_next_run_and_nothing_else(tmp_path):
+    warc = write_warc(tmp_path / "a.warc.gz", four_pages("a", 60))
+    out = tmp_path / "docs"
+    kill_inside_staging(out)
+    [left] = [p for p in tmp_path.iterdir() if p.name.startswith("docs.tmp-")]
+    user = tmp_path / "docs.tmp-0123abcd"  # Kiln's naming, but not Kiln's: no staging mark inside
+    user.mkdir()
+    (user / "mine.txt").write_text("mine")
+    run_data([str(warc)], out, cfg())
+    assert not left.exists() and (user / "mine.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.warc.gz", "docs", "docs.tmp-0123abcd"]
+
+
+# --- 2. one writer per output --------------------------------------------------------------------------
+
+def test_a_second_data_writer_is_refused_naming_the_holder_and_a_dead_holders_lock_is_taken_over(tmp_path):
+    inputs = [str(shutil.copy(SAMPLE_WARC, tmp_path / f"s{i}.warc.gz")) for i in range(4)]
+    out = tmp_path / "docs"
+    first = subprocess.Popen([sys.executable, "-m", "kiln", "data", *inputs, "--out", str(out)], env=ENV, cwd=tmp_path,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while not lock_path(out).is_file() or not lock_path(out).read_text():
+            assert first.poll() is None and time.time() < deadline
+            time.sleep(0.02)
+        second = subprocess.run([sys.executable, "-m", "kiln", "data", *inputs, "--out", str(out)], env=ENV,
+                                cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert first.poll() is None, "the first writer should still be running"
+        assert second.returncode == 2
+        assert f"pid {first.pid} on host {socket.gethostname()}" in second.stderr and "Traceback" not in second.stderr
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # dies holding the lock, with no chance to clean up
+        first.wait()
+    assert lock_path(out).is_file()  # left behind by the dead holder ...
+    stats = run_data(inputs[:1], out, cfg())  # ... and simply taken over
+    assert stats["files"] == 1 and not lock_path(out).exists()
+
+
+def test_locks_exclude_within_one_process_and_release(tmp_path):
+    with OutputLock(tmp_path / "x", "test writer"):
+        with pytest.raises(KilnError, match=f"pid {os.getpid()}"):
+            OutputLock(tmp_path / "x", "test writer").acquire()
+    with OutputLock(tmp_path / "x", "test writer"):
+        pass
+
+
+# --- 6, 7. WARC files gzipped as one member, and damage in the middle -----------------------------------
+
+def single_member(src: Path, dst: Path) -> Path:
+    with gzip.open(src) as f:
+        dst.write_bytes(gzip.compress(f.read()))
+    assert subprocess.run(["gzip", "-t", str(dst)]).returncode == 0
+    return dst
+
+
+def test_a_warc_gzipped_as_one_member_is_read_whole_with_offsets_that_fetch_each_record(tmp_path):
+    multi = write_warc(tmp_path / "multi.warc.gz", four_pages("m", 40))
+    one = single_member(multi, tmp_path / "one.warc.gz")
+    a, b = run_data([str(multi)], tmp_path / "a", cfg()), run_data([str(one)], tmp_path / "b", cfg())
+    assert b["truncated"] == [] and b["rejected_by_reason"] == {} and b["documents"] == a["documents"]
+    kept = list(read_docs(tmp_path / "b"))
+    assert [d["url"] for d in kept] == [d["url"] for d in read_docs(tmp_path / "a")] and len(kept) == 4
+    stream = gzip.decompress(one.read_bytes())
+    for doc in kept:  # offset/length: the record's bytes in the decompressed stream
+        [rec] = list(ArchiveIterator(io.BytesIO(stream[doc["offset"]: doc["offset"] + doc["length"]])))
+        assert rec.rec_type == "response" and rec.rec_headers.get_header("WARC-Target-URI") == doc["url"]
+    last = kept[-1]
+    assert last["offset"] + last["length"] == len(stream)
+
+
+def test_a_cut_single_member_warc_keeps_the_records_before_the_cut(tmp_path):
+    one = single_member(write_warc(tmp_path / "m.warc.gz", four_pages("c", 40)), tmp_path / "one.warc.gz")
+    cut = tmp_path / "cut.warc.gz"
+    cut.write_bytes(one.read_bytes()[:-300])
+    stats = run_data([str(cut)], tmp_path / "docs", cfg())
+    [t] = stats["truncated"]
+    urls = [d["url"] for d in read_docs(tmp_path / "docs")]
+    assert urls == [f"https://c.example/{i}" for i in range(len(urls))] and 1 <= len(urls) < 4
+    d = stats["documents"]
+    assert d["read"] == d["kept"] + d["rejected"]
+    assert all(r["offset"] <= t["offset"] for r in rejects(tmp_path / "docs"))
+
+
+def damage(path: Path, member: dict) -> None:
+    raw = bytearray(path.read_bytes())
+    for i in range(member["offset"] + 30, member["offset"] + member["length"] - 12):
+        raw[i] ^= 0x5A
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("which", ["response", "request"])
+def test_damage_mid_file_resynchronises_at_the_next_record(tmp_path, which):
+    warc = write_warc(tmp_path / "w.warc.gz", four_pages("p", 10) + four_pages("q", 20))
+    recs = members(warc)
+    hit = next(i for i, r in enumerate(recs) if r["type"] == which and r["url"] == "https://p.example/2")
+    damage(warc, recs[hit])
+    out = tmp_path / "docs"
+    stats = run_data([str(warc)], out, cfg())
+    urls = {d["url"] for d in read_docs(out)}
+    lost = {"https://p.example/2"} if which == "response" else set()
+    assert urls == {f"https://{p}.example/{i}" for p in "pq" for i in range(4)} - lost
+    [bad] = [r for r in rejects(out) if r["reason"] == "unreadable"]
+    span = [recs[hit]["offset"], recs[hit + 1]["offset"]]
+    assert (bad["offset"], bad["offset"] + bad["length"]) == tuple(span)
+    if which == "request":
+        assert bad["signals"]["bytes"] == span
+    d = stats["documents"]
+    assert d["read"] == d["kept"] + d["rejected"] and stats["truncated"] == []
+    for doc in read_docs(out):  # every kept record still fetches its own member (none runs to the end)
+        assert read_member(warc, doc["offset"], doc["length"])["WARC-Target-URI"] == doc["url"]
+
+
+def test_damage_is_accounted_once_whatever_the_task_ranges(tmp_path):
+    pages = four_pages("r", 30) + four_pages("s", 40) + four_pages("t", 50) + four_pages("u", 60)
+    warc = write_warc(tmp_path / "w.warc.gz", pages)
+    recs = members(warc)
+    damage(warc, next(r for r in recs if r["type"] == "response" and r["url"] == "https://r.example/3"))
+    assert warc.stat().st_size > 3 * 4096
+    whole = run_data([str(warc)], tmp_path / "whole", cfg())
+    split = run_data([str(warc)], tmp_path / "split", cfg(task_bytes=4096))
+    assert split["tasks"] >= 3 and whole["tasks"] == 1
+    assert split["documents"] == whole["documents"] and whole["rejected_by_reason"] == split["rejected_by_reason"]
+    assert list(read_docs(tmp_path / "split")) == list(read_docs(tmp_path / "whole"))
+    assert rejects(tmp_path / "split") == rejects(tmp_path / "whole")
+
+
+# --- 8. SIGTERM ends the pool workers --------------------------------------------------------------------
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_sigterm_to_kiln_data_ends_its_workers(tmp_path):
+    inputs = [str(shutil.copy(SAMPLE_WARC, tmp_path / f"s{i}.warc.gz")) for i in range(6)]
+    proc = subprocess.Popen([sys.executable, "-m", "kiln", "data", *inputs, "--out", str(tmp_path / "docs"),
+                             "--workers", "2"], env=ENV, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 60
+    while len(_children(proc.pid)) < 2:
+        assert proc.poll() is None and time.time() < deadline, "the workers never started"
+        time.sleep(0.02)
+    workers = _children(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=30)  # an orphaned worker would hold the pipes open
+    finally:
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 130 and b"interrupted" in err
+    time.sleep(0.2)
+    assert [pid for pid in workers if _alive(pid)] == []
+
+
+# --- 9. long JSONL lines ------------------------------------------------------------------------------
+
+def _read_seconds(path: Path, limit: int | None = None) -> float:
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        docs = list(read_jsonl(str(path), ReadReport(), ("text", "id", "url"), None, limit))
+        best = min(best, time.perf_counter() - t0)
+    assert len(docs) == 2
+    return best
+
+
+def test_a_long_jsonl_line_is_read_in_linear_time(tmp_path):
+    for mb in (2, 16):
+        write_jsonl(tmp_path / f"l{mb}.jsonl", [{"id": "long", "text": "a" * (mb << 20)}, {"id": "short", "text": "b"}])
+    small, large = _read_seconds(tmp_path / "l2.jsonl"), _read_seconds(tmp_path / "l16.jsonl")
+    assert large < 3.0 and large / max(small, 1e-3) < 24  # 8x the bytes; quadratic would be 64x
+
+
+def test_a_jsonl_line_over_max_record_bytes_is_a_rejection_and_the_rest_goes_on(tmp_path):
+    rows = [{"id": "a", "text": english(1)}, {"id": "big", "text": "y" * (2 << 20)}, {"id": "c", "text": english(2)}]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    lines = src.read_bytes().split(b"\n")
+    docs = list(read_jsonl(str(src), ReadReport(), ("text", "id", "url"), None, 1 << 20))
+    assert [d.rejection.reason if d.rejection else d.id for d in docs] == ["a", "too_large", "c"]
+    big = docs[1]
+    assert (big.offset, big.length) == (len(lines[0]) + 1, len(lines[1]) + 1)
+    assert big.rejection.signals == {"line": 2, "bytes": len(lines[1]) + 1, "limit": 1 << 20}
+    assert docs[2].offset == len(lines[0]) + len(lines[1]) + 2 and docs[2].text == english(2)
+    stats = run_data([str(src)], tmp_path / "docs", cfg(min_chars=100, max_record_bytes=1 << 20))
+    assert stats["rejected_by_reason"] == {"read/too_large": 1} and stats["documents"]["kept"] == 2
+
+
+# --- 10, 11. a line where a traceback or silence used to be ----------------------------------------------
+
+def test_duplicate_keys_in_a_config_file_are_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 0.001\n  max_steps: 5\n  lr: 0.01\n")
+    with pytest.raises(ConfigError, match=r"line 4.*'lr' appears twice \(first at line 2\)"):
+        load_config(path)
+
+
+def test_an_empty_input_the_same_input_twice_and_negative_workers_are_said(tmp_path, capsys):
+    good = write_warc(tmp_path / "good.warc.gz", four_pages("g", 20))
+    empty = tmp_path / "empty.warc.gz"
+    empty.write_bytes(b"")
+    assert kiln(["data", str(empty), str(good), "--out", str(tmp_path / "docs"), "data.min_chars=200"]) == 0
+    captured = capsys.readouterr()
+    assert f"kiln: warning: {empty}: empty file (0 bytes)" in captured.err
+    assert json.loads(captured.out)["file_errors"][0]["source"] == str(empty)
+    assert kiln(["data", str(good), str(tmp_path / "." / "good.warc.gz"), "--out", str(tmp_path / "d2")]) == 2
+    assert "is given twice" in err_of(capsys)
+    assert kiln(["data", str(good), "--out", str(tmp_path / "d3"), "--workers", "-3"]) == 2
+    assert "--workers must be at least 1, got -3" in err_of(capsys)
+
+
+def test_train_without_tokenizer_or_shards_says_how_to_make_them(tmp_path, capsys):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    (tmp_path / "c.yaml").write_text(f"out_dir: {tmp_path / 'out'}\n")
+    for config in (tmp_path / "c.yaml", empty):
+        assert kiln(["train", str(config), f"out_dir={tmp_path / 'out'}"]) == 2
+        err = err_of(capsys)
+        assert "kiln run CONFIG --until pack" in err and "tokenizer.json" in err and "Traceback" not in err
+
+
+def test_disk_full_in_the_data_stage_is_a_clear_message(tmp_path, capsys, monkeypatch):
+    import kiln.data.pipeline as pipeline
+
+    warc = write_warc(tmp_path / "a.warc.gz", four_pages("a", 60))
+    real = pipeline.write_atomic
+
+    def full(path, data):
+        if Path(path).name == "stats.json":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, data)
+
+    monkeypatch.setattr(pipeline, "write_atomic", full)  # a full disk, injected at the write call
+    assert kiln(["data", str(warc), "--out", str(tmp_path / "docs"), "data.min_chars=200"]) == 2
+    err = err_of(capsys)
+    assert "kiln: error: no space left on the device writing" in err and "run the same command" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "docs").exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+    def commit_full(path, data):  # the task outcomes, written outside any staging folder
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(pipeline, "write_atomic", commit_full)
+    assert kiln(["data", str(warc), "--out", str(tmp_path / "docs"), "data.min_chars=200"]) == 2
+    assert "no space left on the device" in err_of(capsys)
