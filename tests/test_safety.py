@@ -381,3 +381,242 @@ def test_disk_full_in_the_data_stage_is_a_clear_message(tmp_path, capsys, monkey
     monkeypatch.setattr(pipeline, "write_atomic", commit_full)
     assert kiln(["data", str(warc), "--out", str(tmp_path / "docs"), "data.min_chars=200"]) == 2
     assert "no space left on the device" in err_of(capsys)
+
+
+# --- training: resume checks, shard verification, checkpoints ---------------------------------------------
+
+def train(out: Path, log: list | None = None, **train_keys):
+    from kiln.train.trainer import Trainer
+
+    cfg = tiny_config(out, train={"max_steps": 10, **train_keys})
+    return Trainer(cfg, log=(log.append if log is not None else (lambda *_: None))).run()
+
+
+def repack(prepared, out: Path, skip: int = 10, tokenizer: Path | None = None) -> None:
+    """The same pack settings on other documents: what `kiln run` does after data.* changes."""
+    from kiln.shards.pack import pack
+
+    docs = list(read_docs(prepared.out / "docs"))[skip:]
+    pack(docs, tokenizer or out / "tokenizer", out / "shards", prepared.pack)
+
+
+def test_resume_onto_other_shards_is_refused_and_resumed_deliberately_from_a_clean_position(prepared, workdir):
+    from kiln.train.metrics import read_metrics
+
+    train(workdir)
+    repack(prepared, workdir)
+    with pytest.raises(KilnError, match=r"trained on other data: the shards changed .*resume_on_new_data=true"):
+        train(workdir, max_steps=15)
+    log: list[str] = []
+    train(workdir, log, max_steps=15, resume_on_new_data=True)
+    assert any("resuming" in line and "on new data" in line for line in log)
+    metrics = read_metrics(workdir / "run" / "metrics.jsonl")
+    [reset] = [m for m in metrics if m["event"] == "resume_on_new_data"]
+    assert reset["step"] == 10 and "the shards changed" in reset["changed"][0]
+    first = next(m for m in metrics if m["event"] == "step" and m["step"] == 11)
+    assert (first["epoch"], first["data_position"]) == (0, 8)  # one batch of 8 into the new shards
+    state = json.loads((workdir / "run" / "checkpoints" / "step-00000015" / "state.json").read_text())
+    assert [r["step"] for r in state["data_resets"]] == [10]
+    train(workdir, max_steps=20)  # the checkpoint now names the new data: resumes without the override
+
+
+def test_a_changed_tokenizer_is_named(prepared, workdir):
+    train(workdir, max_steps=5)
+    tok = workdir / "tokenizer" / "tokenizer.json"
+    tok.write_text(json.dumps(json.loads(tok.read_text()), indent=2))  # same tokens, other bytes
+    shutil.rmtree(workdir / "tokenizer" / "manifest.json", ignore_errors=True)
+    write_manifest(workdir / "tokenizer", stage="tokenizer")
+    repack(prepared, workdir, skip=0)
+    with pytest.raises(KilnError, match="the tokenizer changed"):
+        train(workdir)
+
+
+def rehash(folder: Path, name: str) -> None:
+    """Make the manifest vouch for changed bytes (what a buggy writer would have committed)."""
+    manifest = read_manifest(folder)
+    write_manifest(folder, **{k: v for k, v in manifest.items() if k not in ("files", "kiln_version")})
+
+
+def test_a_changed_token_stops_training_naming_the_shard(workdir, tmp_path, capsys):
+    shard = workdir / "shards" / "train" / "00000.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[64 + 2 * 1000] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    config = tmp_path / "c.yaml"
+    config.write_text(tiny_config(workdir, train={"max_steps": 3}).to_yaml())
+    assert kiln(["train", str(config)]) == 1
+    err = err_of(capsys)
+    assert str(shard) in err and "sha256" in err and "Traceback" not in err
+    assert not (workdir / "run" / "checkpoints").exists() or not list((workdir / "run" / "checkpoints").iterdir())
+
+
+def test_a_token_outside_the_vocabulary_is_caught_even_when_the_manifest_vouches_for_it(workdir):
+    import numpy as np
+
+    from kiln.shards.format import ShardSet
+
+    shard = workdir / "shards" / "train" / "00000.bin"
+    vocab = read_manifest(workdir / "shards")["vocab_size"]
+    raw = bytearray(shard.read_bytes())
+    raw[64 + 2 * 5: 64 + 2 * 6] = (vocab + 7).to_bytes(2, "little")
+    shard.write_bytes(bytes(raw))
+    rehash(workdir / "shards", "train/00000.bin")
+    samples = ShardSet(workdir / "shards", "train")
+    with pytest.raises(IntegrityError, match=f"token id {vocab + 7}, outside the vocabulary of {vocab}"):
+        samples.gather(np.array([0]), np.empty((1, samples.sample_len), np.int64))
+
+
+def test_a_cut_index_is_caught_at_start(workdir):
+    from kiln.shards.format import ShardSet
+
+    idx = workdir / "shards" / "train" / "00000.idx"
+    idx.write_bytes(idx.read_bytes()[:-8])
+    with pytest.raises(IntegrityError, match=r"00000\.idx: .* bytes, manifest.json says"):
+        ShardSet(workdir / "shards", "train")
+
+
+def test_shards_are_hashed_once_when_first_used_in_the_loaders_thread(workdir, monkeypatch):
+    import threading
+
+    from kiln.shards.format import ShardSet
+    from kiln.shards.verify import SplitVerifier
+    from kiln.train.loader import Loader
+
+    threads: list[str] = []
+    real = SplitVerifier._hash_bin
+
+    def counted(self, name, vocab):
+        threads.append(threading.current_thread().name)
+        return real(self, name, vocab)
+
+    monkeypatch.setattr(SplitVerifier, "_hash_bin", counted)
+    samples = ShardSet(workdir / "shards", "train")
+    assert threads == []  # nothing hashed at start
+    loader = Loader(samples, 8, 8, 0, 1, seed=1, prefetch=2)
+    for _ in range(len(samples) // 8 * 2):  # two epochs: every shard used, many times
+        loader.next_batch()
+    loader.close()
+    assert len(samples.names) > 1 and threads == ["kiln-prefetch"] * len(samples.names)
+
+
+def two_part_docs(prepared, folder: Path) -> Path:
+    """A docs folder as `kiln data` commits it, in two parts."""
+    docs = list(read_docs(prepared.out / "docs"))
+    with staging_dir(folder) as tmp:
+        writer = PartWriter(tmp, len(docs) // 2 + 1)
+        for d in docs:
+            writer.add(d)
+        writer.flush()
+        write_manifest(tmp, stage="data", documents=len(docs))
+    assert (folder / "part-00001.jsonl.zst").is_file()
+    return folder
+
+
+def test_pack_and_tokenizer_refuse_a_docs_folder_with_a_missing_or_changed_part(prepared, tmp_path, capsys):
+    docs = two_part_docs(prepared, tmp_path / "docs")
+    part = docs / "part-00001.jsonl.zst"
+    good = part.read_bytes()
+    tok = str(prepared.out / "tokenizer")
+    part.unlink()
+    for argv in (["pack", str(docs), "--tokenizer", tok, "--out", str(tmp_path / "shards")],
+                 ["tokenizer", "train", str(docs), "--out", str(tmp_path / "tok")]):
+        assert kiln(argv) == 1
+        assert f"{part}: listed in manifest.json but missing" in err_of(capsys)
+    raw = bytearray(good)
+    raw[len(raw) // 2] ^= 0xFF
+    part.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="part-00001.jsonl.zst"):
+        from kiln.shards.pack import pack
+
+        pack(read_docs(docs), prepared.out / "tokenizer", tmp_path / "shards", prepared.pack)
+    assert not (tmp_path / "shards").exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_disk_full_during_a_checkpoint_is_a_clear_message_and_the_earlier_ones_stay(workdir, tmp_path, capsys, monkeypatch):
+    import torch
+
+    import kiln.train.checkpoint as ckpt
+
+    real, calls = torch.save, []
+
+    def full(obj, path, *a, **k):
+        calls.append(path)
+        if len(calls) > 4:  # the third checkpoint (two files each): torch's own words for ENOSPC
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4480 vs 4372")
+        return real(obj, path, *a, **k)
+
+    monkeypatch.setattr(ckpt.torch, "save", full)
+    config = tmp_path / "c.yaml"
+    config.write_text(tiny_config(workdir, train={"max_steps": 20}).to_yaml())
+    assert kiln(["train", str(config)]) == 2
+    err = err_of(capsys)
+    assert "no space left on the device writing" in err and "step-00000015" in err and "Traceback" not in err
+    root = workdir / "run" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000005", "step-00000010"]
+
+
+def test_export_into_a_file_is_refused(workdir, tmp_path, capsys):
+    train(workdir, max_steps=5)
+    target = tmp_path / "model.bin"
+    target.write_bytes(b"not yours")
+    assert kiln(["export", "--hf", str(workdir / "run" / "checkpoints" / "step-00000005"), str(target)]) == 2
+    assert "is a file, not a folder" in err_of(capsys) and target.read_bytes() == b"not yours"
+
+
+def test_a_checkpoint_that_verifies_but_does_not_load_is_skipped(workdir):
+    from kiln.train.checkpoint import latest_valid
+
+    train(workdir)
+    newest = workdir / "run" / "checkpoints" / "step-00000010"
+    (newest / "model.safetensors").write_bytes(b"\x00" * 64)
+    rehash(newest, "model.safetensors")
+    verify_folder(newest)  # the manifest vouches for it ...
+    log: list[str] = []
+    assert latest_valid(newest.parent, log=log.append).name == "step-00000005"  # ... but it does not load
+    assert "does not load" in log[0]
+    lines: list[str] = []
+    train(workdir, lines, max_steps=10)
+    assert any("resumed from" in line and "step-00000005" in line for line in lines)
+
+
+def test_batch_size_changed_and_max_steps_below_the_checkpoint_are_said(workdir):
+    train(workdir)
+    lines: list[str] = []
+    train(workdir, lines, max_steps=12, batch_size=16)
+    assert any("train.batch_size=8, this run uses 16" in line for line in lines)
+    lines.clear()
+    summary = train(workdir, lines, max_steps=5, batch_size=16)
+    assert any("step-00000012 is at step 12, beyond train.max_steps=5" in line for line in lines)
+    assert summary["steps"] == 12
+
+
+def test_a_killed_saves_staging_folder_is_removed_by_the_next_run(workdir):
+    root = workdir / "run" / "checkpoints"
+    train(workdir, max_steps=5)
+    kill_inside_staging(root / "step-00000007")
+    keep = root / "step-00000009.tmp-deadbeef"  # not marked as Kiln's staging: left alone
+    keep.mkdir()
+    train(workdir, max_steps=10)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000005", "step-00000009.tmp-deadbeef", "step-00000010"]
+
+
+def test_two_trainings_on_one_out_dir_the_second_is_refused(workdir, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(tiny_config(workdir, train={"max_steps": 100000}, checkpoint={"every": 5}).to_yaml())
+    first = subprocess.Popen([sys.executable, "-m", "kiln", "train", str(config)], env=ENV, cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not (workdir / "run" / "checkpoints" / "step-00000005").is_dir():
+            assert first.poll() is None and time.time() < deadline
+            time.sleep(0.05)
+        second = subprocess.run([sys.executable, "-m", "kiln", "train", str(config)], env=ENV, cwd=ROOT,
+                                capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2 and f"pid {first.pid}" in second.stderr and "being written by" in second.stderr
+        assert first.poll() is None
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    lines: list[str] = []
+    train(workdir, lines, max_steps=12)  # the dead holder's lock is taken over; it resumes
+    assert any("resumed from" in line for line in lines)
