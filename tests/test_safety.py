@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import gzip
+import importlib.util
 import io
 import json
 import os
@@ -29,11 +30,11 @@ from kiln.data.document import ReadReport
 from kiln.data.pipeline import PartWriter, read_docs, run_data
 from kiln.data.sources import read_jsonl
 from kiln.errors import ConfigError, IntegrityError, KilnError
-from kiln.lock import OutputLock, lock_path
 from kiln.manifest import read_manifest, staging_dir, verify_folder, write_manifest
 from test_data import cfg, english, four_pages, members, read_member, rejects
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "src")}
+KILN_SRC = Path(importlib.util.find_spec("kiln").origin).parents[1]  # subprocesses import this same copy
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(KILN_SRC)}
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -143,6 +144,8 @@ def test_staging_folders_of_a_killed_run_are_removed_by_the_next_run_and_nothing
 # --- 2. one writer per output --------------------------------------------------------------------------
 
 def test_a_second_data_writer_is_refused_naming_the_holder_and_a_dead_holders_lock_is_taken_over(tmp_path):
+    from kiln.lock import lock_path
+
     inputs = [str(shutil.copy(SAMPLE_WARC, tmp_path / f"s{i}.warc.gz")) for i in range(4)]
     out = tmp_path / "docs"
     first = subprocess.Popen([sys.executable, "-m", "kiln", "data", *inputs, "--out", str(out)], env=ENV, cwd=tmp_path,
@@ -166,6 +169,8 @@ def test_a_second_data_writer_is_refused_naming_the_holder_and_a_dead_holders_lo
 
 
 def test_locks_exclude_within_one_process_and_release(tmp_path):
+    from kiln.lock import OutputLock
+
     with OutputLock(tmp_path / "x", "test writer"):
         with pytest.raises(KilnError, match=f"pid {os.getpid()}"):
             OutputLock(tmp_path / "x", "test writer").acquire()
@@ -208,6 +213,11 @@ def test_a_cut_single_member_warc_keeps_the_records_before_the_cut(tmp_path):
     d = stats["documents"]
     assert d["read"] == d["kept"] + d["rejected"]
     assert all(r["offset"] <= t["offset"] for r in rejects(tmp_path / "docs"))
+    stream = gzip.decompress(one.read_bytes())  # the offsets are into it, as for the uncut file
+    for doc in read_docs(tmp_path / "docs"):
+        [rec] = list(ArchiveIterator(io.BytesIO(stream[doc["offset"]: doc["offset"] + doc["length"]])))
+        assert rec.rec_headers.get_header("WARC-Target-URI") == doc["url"]
+    assert stream[t["offset"]:].startswith(b"WARC/1.")
 
 
 def damage(path: Path, member: dict) -> None:
@@ -600,6 +610,7 @@ def test_a_killed_saves_staging_folder_is_removed_by_the_next_run(workdir):
     assert sorted(p.name for p in root.iterdir()) == ["step-00000005", "step-00000009.tmp-deadbeef", "step-00000010"]
 
 
+@pytest.mark.slow  # ~20 s: two real trainings (the lock itself is tested with real `kiln data` processes above)
 def test_two_trainings_on_one_out_dir_the_second_is_refused(workdir, tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(tiny_config(workdir, train={"max_steps": 100000}, checkpoint={"every": 5}).to_yaml())
