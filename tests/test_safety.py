@@ -631,3 +631,23 @@ def test_two_trainings_on_one_out_dir_the_second_is_refused(workdir, tmp_path):
     lines: list[str] = []
     train(workdir, lines, max_steps=12)  # the dead holder's lock is taken over; it resumes
     assert any("resumed from" in line for line in lines)
+
+
+def test_retention_and_the_shard_cache_delete_only_their_own_files(workdir, tmp_path):
+    from kiln.shards.remote import ShardCache
+    from kiln.train.checkpoint import retain
+
+    train(workdir, max_steps=10)
+    root = workdir / "run" / "checkpoints"
+    mine = root / "step-00000001"  # a checkpoint's name, but no Kiln manifest
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    assert [p.name for p in retain(root, 1, None, None)] == ["step-00000005"]
+    assert (mine / "notes.txt").read_text() == "mine"
+    cache = tmp_path / "cache"
+    (cache / "ab").mkdir(parents=True)
+    (cache / "ab" / "thesis.txt").write_bytes(b"x" * 100)
+    entry = cache / "ab" / ("ab" + "0" * 62)
+    entry.write_bytes(b"y" * 100)
+    ShardCache(cache, 150)._make_room(100)
+    assert (cache / "ab" / "thesis.txt").exists() and not entry.exists()

@@ -152,10 +152,17 @@ def retain(root: Path, keep_last: int, keep_every: int | None, best_step: int | 
     keep = set(ckpts[-keep_last:])
     keep |= {c for c in ckpts if keep_every and step_of(c) % keep_every == 0}
     keep |= {c for c in ckpts if best_step is not None and step_of(c) == best_step}
-    gone = [c for c in ckpts if c not in keep]
+    gone = [c for c in ckpts if c not in keep and _written_by_kiln(c)]  # never a folder Kiln cannot vouch for
     for c in gone:
         shutil.rmtree(c, ignore_errors=True)
     return gone
+
+
+def _written_by_kiln(folder: Path) -> bool:
+    try:
+        return json.loads((folder / MANIFEST).read_text()).get("stage") == "checkpoint"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 class Saver:
