@@ -651,3 +651,18 @@ def test_retention_and_the_shard_cache_delete_only_their_own_files(workdir, tmp_
     entry.write_bytes(b"y" * 100)
     ShardCache(cache, 150)._make_room(100)
     assert (cache / "ab" / "thesis.txt").exists() and not entry.exists()
+
+
+@pytest.mark.slow  # ~20 s: torchrun with two gloo ranks
+def test_under_torchrun_a_held_run_lock_stops_every_rank(workdir, tmp_path):
+    from kiln.lock import OutputLock
+
+    config = tmp_path / "c.yaml"
+    config.write_text(tiny_config(workdir, train={"max_steps": 2}).to_yaml())
+    with OutputLock(workdir / "run", "test holder"):  # this process holds the run folder
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               "-m", "kiln", "train", str(config)], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                              timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and f"pid {os.getpid()}" in out and "rank 0 could not lock the run folder" in out
+    assert not (workdir / "run" / "checkpoints").exists()
