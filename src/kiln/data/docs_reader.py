@@ -1,7 +1,7 @@
 """Reading a committed docs folder back, verified against its manifest without a second pass.
 
-`DocsReader(folder)` checks at once that every part the manifest lists is there with its size (a deleted
-or cut part stops here, before the tokenizer or pack start); while the documents stream, each part's
+Iterating `DocsReader(folder)` first checks that every part the manifest lists is there with its size (a
+deleted or cut part stops here, before the first document is handed out); while the documents stream, each part's
 bytes are hashed, and a part whose sha256 differs from the manifest raises `IntegrityError` when its
 last record has been read, before the caller commits anything. Memory: one decompression window.
 """
@@ -50,25 +50,30 @@ class DocsReader:
 
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
+
+    def parts(self) -> tuple[dict[str, Any], list[str]]:
+        """The manifest and its part names, after checking each part is there with its size."""
         if not (self.folder / MANIFEST).is_file():
             hint = "" if self.folder.is_dir() else " (no such folder)"
             raise KilnError(f"{self.folder}: no docs folder committed by `kiln data` here{hint} (no part-*.jsonl.zst "
                             f"with a {MANIFEST}); run `kiln data` first")
-        self.manifest = read_manifest(self.folder)
-        self.parts = sorted(name for name in self.manifest["files"] if PART.match(name))
-        if not self.parts:
+        manifest = read_manifest(self.folder)
+        parts = sorted(name for name in manifest["files"] if PART.match(name))
+        if not parts:
             raise KilnError(f"{self.folder}: no part-*.jsonl.zst files; run `kiln data` first")
-        for name in self.parts:
-            path, size = self.folder / name, self.manifest["files"][name]["size"]
+        for name in parts:
+            path, size = self.folder / name, manifest["files"][name]["size"]
             if not path.is_file():
                 raise IntegrityError(f"{path}: listed in {MANIFEST} but missing; the docs folder is incomplete, "
                                      f"run `kiln data` again")
             if path.stat().st_size != size:
                 raise IntegrityError(f"{path}: {path.stat().st_size} bytes, {MANIFEST} says {size}; the docs folder "
                                      f"changed after `kiln data` wrote it, run `kiln data` again")
+        return manifest, parts
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        for name in self.parts:
+        manifest, parts = self.parts()
+        for name in parts:
             path = self.folder / name
             with open(path, "rb") as f:
                 raw = _Hashing(f)
@@ -81,6 +86,6 @@ class DocsReader:
                     raise IntegrityError(f"{path}: cannot be read ({str(exc)[:120]}); the docs folder changed after "
                                          f"`kiln data` wrote it, run `kiln data` again") from None
                 digest = raw.finish()
-            if digest != self.manifest["files"][name]["sha256"]:
+            if digest != manifest["files"][name]["sha256"]:
                 raise IntegrityError(f"{path}: sha256 {digest[:16]}… != {MANIFEST}; the docs folder changed after "
                                      f"`kiln data` wrote it, run `kiln data` again")

@@ -95,6 +95,7 @@ class Trainer:
         self.pad_id = self.train_set.manifest.get("pad_id")
         self.data_fingerprint = resume_checks.data_fingerprint(self.train_set)
         self.data_resets: list[dict[str, Any]] = []  # resumes onto new data (train.resume_on_new_data)
+        self.data_reset_now: dict[str, Any] | None = None
 
         micro = t.micro_batch_size or t.batch_size // self.d.world
         if micro < 1:
@@ -201,8 +202,9 @@ class Trainer:
         state = self._load(folder, resume=True)
         if changes:  # the old position means nothing on other shards: start the loader clean, and say so
             self.loader.load_state_dict({"seed": self.cfg.seed, "epoch": 0, "position": 0})
-            self.data_resets.append({"step": self.step, "from": folder.name, "changed": changes,
-                                     "data_fingerprint": self.data_fingerprint, "tokenizer_sha256": self.tokenizer_sha})
+            self.data_reset_now = {"step": self.step, "from": folder.name, "changed": changes,
+                                   "data_fingerprint": self.data_fingerprint, "tokenizer_sha256": self.tokenizer_sha}
+            self.data_resets.append(self.data_reset_now)
         for note in resume_checks.resume_notes(folder, self.cfg, self.step):
             quiet(note)
         if state["world_size"] != self.d.world:
@@ -412,8 +414,8 @@ class Trainer:
                                       self.run_dir / "tensorboard")
         if resumed:
             self.log(f"resumed from {resumed} (step {self.step})")
-            if self.data_resets and self.data_resets[-1]["step"] == self.step:
-                self.event({"event": "resume_on_new_data", **self.data_resets[-1]})
+            if self.data_reset_now is not None:
+                self.event({"event": "resume_on_new_data", **self.data_reset_now})
         elif self.step == 0:
             self.run_eval()
         if self.peak is None and self.d.is_main and self.step < t.max_steps:
