@@ -97,7 +97,8 @@ def read_warc(source: str | Path, report: ReadReport, start: int = 0, end: int |
     size = input_size(source, storage_options)
     if size == 0:
         raise KilnError(f"{source}: empty file (0 bytes), nothing to read; remove it from the inputs")
-    with open_input(source, storage_options) as f:
+    with open_input(source, storage_options) as raw:
+        f = StorageWatch(raw)  # every read, the probes' too: a failing storage is retried, never a cut
         gzipped = f.read(2) == b"\x1f\x8b"
         if gzipped and start == 0 and end is None and not _one_record_per_member(f):
             yield from _read_stream(f, source, report)
