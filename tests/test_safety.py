@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import pytest
@@ -542,7 +541,8 @@ def test_pack_and_tokenizer_refuse_a_docs_folder_with_a_missing_or_changed_part(
     assert not (tmp_path / "shards").exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
-def test_disk_full_during_a_checkpoint_is_a_clear_message_and_the_earlier_ones_stay(workdir, tmp_path, capsys, monkeypatch):
+def test_disk_full_during_a_checkpoint_is_a_clear_message_and_the_earlier_ones_stay(workdir, tmp_path, capsys,
+                                                                                    monkeypatch):
     import torch
 
     import kiln.train.checkpoint as ckpt

@@ -182,8 +182,9 @@ def check_replaceable(folder: Path, stage: str | None, inputs: Iterable[Any] = (
     folder = Path(folder)
     real = folder.resolve()
     if _is_cwd_or_above(real):
-        raise KilnError(f"output folder {folder} is the current folder (or holds it); an output gets a folder of its "
-                        f"own, which Kiln replaces as a whole: give a new name such as {Path(folder) / stage_name(stage)}")
+        raise KilnError(f"output folder {folder} is the current folder (or holds it); an output gets a folder of "
+                        f"its own, which Kiln replaces as a whole: give a new name such as "
+                        f"{Path(folder) / stage_name(stage)}")
     if folder.exists() and not folder.is_dir():
         raise KilnError(f"output {folder} is a file, not a folder; give the path of a folder to create (or an "
                         f"earlier output of this stage to replace)")

@@ -158,7 +158,8 @@ class _Inflating:
             try:
                 self.buf += self.d.decompress(data, 1 << 20)
             except zlib.error as exc:
-                self.ended, self.problem = True, f"gzip data damaged after {self.pos + len(self.buf)} decompressed bytes ({exc})"
+                self.ended = True
+                self.problem = f"gzip data damaged after {self.pos + len(self.buf)} decompressed bytes ({exc})"
 
     def read(self, n: int = -1) -> bytes:
         if n is None or n < 0:
@@ -197,7 +198,7 @@ def _read_stream(f: IO[bytes], source: str, report: ReadReport) -> Iterator[Docu
             raise watch.error from None
         plain.problem = plain.problem or str(exc)
     if last_offset is None:
-        raise KilnError(f"{source}: holds no readable WARC records ({plain.problem or 'none found'}); is it a WARC file?")
+        raise _not_a_warc(source, plain.problem)
     if plain.problem:
         report.truncated_at = last_offset  # the record it cut may be short: never kept
         if pending is not None and pending.offset == last_offset and pending.rejection is None:
@@ -242,7 +243,7 @@ def _read_members(f: IO[bytes], source: str, report: ReadReport, size: int, pos:
             error = exc
         if not gzipped:  # a plain WARC has no members to resynchronise at: damage ends it
             if not started:
-                raise KilnError(f"{source}: not a readable WARC file ({error or 'no WARC records'}); check the path and format")
+                raise _not_a_warc(source, error)
             if error is not None:
                 report.truncated_at = last_offset
             if pending is not None:
@@ -273,16 +274,20 @@ def _read_members(f: IO[bytes], source: str, report: ReadReport, size: int, pos:
                 damage = stop
         if resume is None:
             if not started:
-                raise KilnError(f"{source}: not a readable WARC file ({error or 'no WARC records'}); check the path and format")
+                raise _not_a_warc(source, error)
             report.truncated_at = last_offset if damage == stop and last_offset is not None else damage
             return
         if damage < stop:
-            yield Document(id=f"{Path(source).name}@{damage}", source=source, offset=damage, length=stop - damage).reject(
-                "read", "unreadable", error=f"damaged gzip data ({error or 'not a WARC record'}); resumed at the next "
-                f"record's member", bytes=[damage, stop])
+            span = Document(id=f"{Path(source).name}@{damage}", source=source, offset=damage, length=stop - damage)
+            yield span.reject("read", "unreadable", bytes=[damage, stop],
+                              error=f"damaged gzip data ({error or 'not a WARC record'}); resumed at the next record")
         if resume >= limit:
             return
         pos = resume
+
+
+def _not_a_warc(source: str, problem: object) -> KilnError:
+    return KilnError(f"{source}: not a readable WARC file ({problem or 'no WARC records'}); check the path and format")
 
 
 def _response(rec, source: str) -> Document:

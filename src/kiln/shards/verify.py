@@ -35,8 +35,8 @@ class SplitVerifier:
             for listed in (name, _idx(name)):
                 self._check_size(listed)
             header = read_header(self.folder / name)
-            if header.sample_len != int(manifest["sample_len"]) or header.tokenizer_sha256 != manifest["tokenizer_sha256"] \
-                    or header.vocab_size != int(manifest["vocab_size"]):
+            expected = (int(manifest["sample_len"]), manifest["tokenizer_sha256"], int(manifest["vocab_size"]))
+            if (header.sample_len, header.tokenizer_sha256, header.vocab_size) != expected:
                 raise IntegrityError(f"{self.folder / name}: header does not match manifest.json (sample length or "
                                      f"tokenizer, or vocabulary)")
             read_index_header(self.folder / _idx(name))

@@ -104,7 +104,8 @@ def resume_notes(folder: Path, cfg, step: int) -> list[str]:
     if old_batch is not None and old_batch != cfg.train.batch_size:
         notes.append(f"warning: {folder.name} was trained with train.batch_size={old_batch}, this run uses "
                      f"{cfg.train.batch_size}: the sample order goes on from the same position, but each step now "
-                     f"takes {cfg.train.batch_size} sequences, so the run is no longer the same as an uninterrupted one")
+                     f"takes {cfg.train.batch_size} sequences, so the run is no longer the same as an "
+                     f"uninterrupted one")
     if step > cfg.train.max_steps:
         notes.append(f"{folder.name} is at step {step}, beyond train.max_steps={cfg.train.max_steps}: nothing to "
                      f"train; raise train.max_steps above {step} to continue")
