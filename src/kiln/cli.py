@@ -48,8 +48,12 @@ def cmd_data(args) -> int:
     cfg = load_config(args.config, overrides)
     if not inputs:
         raise KilnError("kiln data: give at least one INPUT file or glob")
+    if args.workers is not None and args.workers < 1:
+        raise KilnError(f"kiln data: --workers must be at least 1, got {args.workers}")
     stats = run_data(inputs, Path(args.out), cfg.data, workers=args.workers, progress=True)
     print(json.dumps(stats, indent=1, ensure_ascii=False))
+    for err in stats["file_errors"]:  # also in stats.json; a line each, where the user looks
+        print(f"kiln: warning: {err['error']}", file=sys.stderr)
     return 1 if stats["file_errors"] and len(stats["file_errors"]) == stats["files"] else 0
 
 
@@ -355,3 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kiln: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        from kiln.manifest import disk_full_message, is_disk_full
+
+        if not is_disk_full(exc):
+            raise
+        print(f"kiln: error: {disk_full_message(Path('.'), exc)}", file=sys.stderr)
+        return 2

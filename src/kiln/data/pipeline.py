@@ -17,12 +17,13 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import shutil
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import zstandard
 
@@ -37,7 +38,7 @@ from kiln.data.language import check_model, identify_language
 from kiln.data.read import read_warc, splittable
 from kiln.data.sources import expand_inputs as _expand, input_format, input_identity, input_size, read_jsonl, read_parquet
 from kiln.errors import KilnError
-from kiln.manifest import staging_dir, write_atomic, write_manifest
+from kiln.manifest import staging_dir, write_atomic, write_manifest, writes_folder
 
 # Settings that change how the work runs, never what it outputs (storage_options may hold secrets).
 EXECUTION_KEYS = {"inputs", "workers", "executor", "ray_address", "task_bytes", "storage_options"}
@@ -123,7 +124,7 @@ def read_task(task: Task, cfg: DataConfig, report: ReadReport) -> Iterator[Docum
     kind = input_format(task.source)
     fields = (cfg.text_field, cfg.id_field, cfg.url_field)
     if kind == "jsonl":
-        return read_jsonl(task.source, report, fields, cfg.storage_options)
+        return read_jsonl(task.source, report, fields, cfg.storage_options, cfg.max_record_bytes)
     if kind == "parquet":
         return read_parquet(task.source, report, fields, cfg.storage_options)
     return read_warc(task.source, report, task.start, task.end, cfg.storage_options)
@@ -231,6 +232,7 @@ def check_config(cfg: DataConfig) -> None:
         trafilatura_text("<html></html>")  # raises the install hint when it cannot import
 
 
+@writes_folder("data", out="out", inputs=("inputs",))  # refuses a folder Kiln may not replace; one writer at a time
 def run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None = None,
              progress: bool | Callable[[dict[str, Any]], None] = False) -> dict[str, Any]:
     """Process `inputs` into the docs folder `out` (committed atomically). Returns stats.
@@ -262,7 +264,8 @@ def run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None 
         write_manifest(tmp, stage="data", fingerprint=fp, inputs=files, documents=stats["documents"]["kept"],
                        source_weights=stats["source_weights"])
     for stale in out.parent.glob(f".{out.name}-work-*"):  # this run's, and any from older plans of this folder
-        shutil.rmtree(stale, ignore_errors=True)
+        if re.fullmatch(rf"\.{re.escape(out.name)}-work-[0-9a-f]{{16}}", stale.name):  # work_key's name, ours
+            shutil.rmtree(stale, ignore_errors=True)
     return stats
 
 
@@ -367,10 +370,8 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
     }
 
 
-def read_docs(folder: Path) -> Iterator[dict[str, Any]]:
-    """Kept documents of a docs folder, in order."""
-    parts = sorted(Path(folder).glob("part-*.jsonl.zst"))
-    if not parts:
-        raise KilnError(f"{folder}: no part-*.jsonl.zst files; run `kiln data` first")
-    for part in parts:
-        yield from read_part(part)
+def read_docs(folder: Path) -> Iterable[dict[str, Any]]:
+    """Kept documents of a docs folder, in order, verified against its manifest (`DocsReader`)."""
+    from kiln.data.docs_reader import DocsReader
+
+    return DocsReader(folder)

@@ -128,6 +128,13 @@ def expand_inputs(patterns: list[str], storage_options: dict[str, Any] | None = 
             files.append(m)
     if not files:
         raise KilnError("no input files given; pass WARC/JSONL/Parquet files or set data.inputs in the config")
+    seen: dict[str, str] = {}
+    for f in files:
+        key = f if is_url(f) else str(Path(f.removeprefix("file://")).resolve())
+        if key in seen:
+            how = f"as {seen[key]!r} and {f!r}" if seen[key] != f else f"{f!r} twice"
+            raise KilnError(f"input {f} is given twice ({how}, from the paths or globs given); list each input once")
+        seen[key] = f
     return files
 
 
@@ -169,14 +176,35 @@ def _chunks(raw: IO[bytes], source: str, size: int = 1 << 16) -> Iterator[bytes]
         raise EOFError("compressed stream ends inside a member")
 
 
-def _lines(raw: IO[bytes], source: str) -> Iterator[bytes]:
-    rest = b""
+def _lines(raw: IO[bytes], source: str, max_bytes: int | None = None) -> Iterator[tuple[bytes | None, int]]:
+    """Each line (with its newline) and its length, in time linear in the input. A line longer than
+    `max_bytes` comes as (None, length) and is never held whole: memory stays under max_bytes + a chunk."""
+    carry: list[bytes] = []  # the pieces of a line that spans chunks
+    held, over = 0, False
+
+    def line(last: bytes) -> tuple[bytes | None, int]:
+        length = held + len(last)
+        if over or (max_bytes is not None and length > max_bytes):
+            return None, length
+        return (b"".join(carry) + last if carry else last), length
+
     for chunk in _chunks(raw, source):
-        *lines, rest = (rest + chunk).split(b"\n")
-        for line in lines:
-            yield line + b"\n"
-    if rest:
-        yield rest
+        pieces = chunk.split(b"\n")
+        if len(pieces) > 1:
+            yield line(pieces[0] + b"\n")
+            for piece in pieces[1:-1]:
+                too_long = max_bytes is not None and len(piece) >= max_bytes
+                yield (None, len(piece) + 1) if too_long else (piece + b"\n", len(piece) + 1)
+            carry, held, over = [], 0, False
+        tail = pieces[-1]
+        held += len(tail)
+        if not over and tail:
+            carry.append(tail)
+            over = max_bytes is not None and held > max_bytes
+            if over:
+                carry = []
+    if held:
+        yield line(b"")
 
 
 def _field(rec: dict[str, Any], name: str) -> str | None:
@@ -200,13 +228,19 @@ def _record_doc(rec: Any, source: str, offset: int, length: int, where: str, fie
 
 
 def read_jsonl(source: str, report: ReadReport, fields: tuple[str, str, str],
-               storage_options: dict[str, Any] | None = None) -> Iterator[Document]:
+               storage_options: dict[str, Any] | None = None, max_record_bytes: int | None = None) -> Iterator[Document]:
+    if input_size(source, storage_options) == 0:
+        raise KilnError(f"{source}: empty file (0 bytes), nothing to read; remove it from the inputs")
     with open_input(source, storage_options) as f:
         offset = 0
         try:
-            for number, line in enumerate(_lines(StorageWatch(f), source), 1):
-                length, start = len(line), offset
+            for number, (line, length) in enumerate(_lines(StorageWatch(f), source, max_record_bytes), 1):
+                start = offset
                 offset += length
+                if line is None:
+                    yield Document(id=f"{Path(source).name}:{number}", source=source, offset=start, length=length).reject(
+                        "read", "too_large", line=number, bytes=length, limit=max_record_bytes)
+                    continue
                 if not line.strip():
                     continue
                 try:

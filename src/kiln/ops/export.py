@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from kiln.config import Config
 from kiln.errors import KilnError
-from kiln.manifest import read_manifest, staging_dir, write_atomic, write_manifest
+from kiln.manifest import read_manifest, staging_dir, write_atomic, write_manifest, writes_folder
 from kiln.tokenizer import BOS, EOS, PAD, load_tokenizer, tokenizer_sha256
 
 # Kiln name -> Hugging Face LlamaForCausalLM name; {i} is the layer number.
@@ -163,17 +163,7 @@ def tokenizer_files(tok, seq_len: int) -> dict[str, dict]:
     }
 
 
-def _fresh_out(out_dir: Path) -> None:
-    """Never overwrite a folder we did not write: only an earlier export may be replaced."""
-    if out_dir.exists() and any(out_dir.iterdir()):
-        try:
-            ours = read_manifest(out_dir).get("stage") == EXPORT_STAGE
-        except KilnError:
-            ours = False
-        if not ours:
-            raise KilnError(f"{out_dir} exists and is not an earlier `kiln export --hf`; choose an empty or new OUT_DIR")
-
-
+@writes_folder(EXPORT_STAGE, out="out_dir", inputs=("checkpoint",))
 def export_hf(checkpoint: Path, out_dir: Path) -> dict:
     """Write `out_dir` as a transformers Llama (or, for MoE, Mixtral) folder from a verified Kiln checkpoint."""
     from kiln.train.checkpoint import checkpoint_config, load_checkpoint
@@ -186,7 +176,6 @@ def export_hf(checkpoint: Path, out_dir: Path) -> dict:
     hf = to_hf(weights, checkpoint)
     if config["tie_word_embeddings"]:
         hf.pop("lm_head.weight", None)  # HF ties it to embed_tokens on load
-    _fresh_out(out_dir)
     with staging_dir(out_dir) as tmp:
         save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_atomic(tmp / "config.json", json.dumps(config, indent=1))

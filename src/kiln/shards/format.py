@@ -22,6 +22,7 @@ import numpy as np
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import read_manifest, verify_folder
 from kiln.shards.remote import RemoteFolder, ShardCache, is_url
+from kiln.shards.verify import SplitVerifier
 
 FORMAT_VERSION = 1
 BIN_MAGIC, IDX_MAGIC = b"KILNTOK\0", b"KILNIDX\0"
@@ -80,6 +81,20 @@ def read_tokens(path: Path, header: ShardHeader | None = None) -> np.ndarray:
     """The token array, memory-mapped; `header` when the caller has read it already."""
     header = header or read_header(path)
     return np.memmap(path, dtype=token_dtype(header.vocab_size), mode="r", offset=BIN_HEADER.size, shape=(header.num_tokens,))
+
+
+def read_index_header(path: Path) -> int:
+    """The entry count of an index, after checking its header and that its size holds that many entries."""
+    with open(path, "rb") as f:
+        raw = f.read(IDX_HEADER.size)
+    if len(raw) < IDX_HEADER.size:
+        raise IntegrityError(f"{path}: shorter than the index header; the file is cut")
+    magic, version, _, count = IDX_HEADER.unpack(raw)
+    if magic != IDX_MAGIC or version != FORMAT_VERSION:
+        raise IntegrityError(f"{path}: not a Kiln shard index (magic {magic!r}, version {version})")
+    if path.stat().st_size != IDX_HEADER.size + count * IDX_ENTRY.itemsize:
+        raise IntegrityError(f"{path}: {path.stat().st_size} bytes, header promises {count} entries; the file is cut")
+    return count
 
 
 def read_index(path: Path) -> np.ndarray:
@@ -159,9 +174,11 @@ class ShardSet:
         self.names: list[str] = list(self.manifest["splits"][split]["files"])
         self._arrays: dict[int, np.ndarray] = {}
         self._paths: dict[int, Path] = {}
-        if isinstance(self.source, LocalFolder):  # cheap: check every header now
-            counts = [len(self._array(k)) // self.sample_len for k in range(len(self.names))]
-        else:  # the manifest's sizes, checked against each header when the shard is fetched
+        if isinstance(self.source, LocalFolder):  # cheap: sizes and headers now, each file's hash on first use
+            self.verifier: SplitVerifier | None = SplitVerifier(self.source.folder, self.manifest, self.names)
+            counts = [h.num_tokens // self.sample_len for h in self.verifier.headers]
+        else:  # the manifest's sizes, checked against each header when the shard is fetched (and hashed)
+            self.verifier = None
             width = token_dtype(int(self.manifest["vocab_size"])).itemsize
             counts = [(self.source.listed(n)["size"] - BIN_HEADER.size) // width // self.sample_len for n in self.names]
         self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -171,6 +188,8 @@ class ShardSet:
         if arr is not None:
             return arr
         name = self.names[k]
+        if self.verifier is not None:
+            self.verifier.verify(k)
         path = self.source.local_path(name)
         header = read_header(path)
         if header.sample_len != self.sample_len or header.tokenizer_sha256 != self.manifest["tokenizer_sha256"]:

@@ -17,7 +17,7 @@ import xxhash
 
 from kiln.config import PackConfig
 from kiln.errors import KilnError
-from kiln.manifest import staging_dir, write_manifest
+from kiln.manifest import staging_dir, write_manifest, writes_folder
 from kiln.shards.encode import encode_documents
 from kiln.shards.format import FORMAT_VERSION, IDX_ENTRY, ShardHeader, token_dtype, write_shard
 from kiln.shards.packing import Entry, Packer, make_packer
@@ -103,6 +103,7 @@ def data_weight(documents: list[dict[str, Any]], source_weights: dict[str, dict]
     return sum(d["tokens"] * source_weights.get(d["source"], {}).get("weight", 1.0) for d in train) / tokens
 
 
+@writes_folder("pack", out="out", inputs=("docs", "tokenizer_dir"))
 def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, fingerprint: str = "",
          progress: bool | None = None, source_weights: dict[str, dict] | None = None) -> dict[str, Any]:
     """Encode and pack `docs` into `out` (committed atomically with its manifest). Returns the manifest.

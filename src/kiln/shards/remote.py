@@ -12,12 +12,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import uuid
 from pathlib import Path
 from typing import Any
 
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import MANIFEST
+
+_CACHE_ENTRY = re.compile(r"[0-9a-f]{64}")
 
 
 def is_url(location: str | Path) -> bool:
@@ -104,7 +107,9 @@ class ShardCache:
         return local
 
     def _make_room(self, size: int) -> None:
-        files = [p for p in self.root.glob("*/*") if p.is_file() and not p.name.startswith(".")]
+        # Only the cache's own entries (SHA256/, named by their hash): loader.cache_dir may be a folder with other files.
+        files = [p for p in self.root.glob("*/*") if p.is_file() and _CACHE_ENTRY.fullmatch(p.name)
+                 and p.parent.name == p.name[:2]]
         stats = sorted(((p.stat().st_mtime, p.stat().st_size, p) for p in files), key=lambda t: (t[0], t[2].name))
         used = sum(s for _, s, _ in stats)
         for _, s, p in stats:

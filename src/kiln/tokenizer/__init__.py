@@ -17,7 +17,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from kiln.config import TokenizerConfig
 from kiln.errors import KilnError
-from kiln.manifest import sha256_file, staging_dir, write_atomic, write_manifest
+from kiln.manifest import sha256_file, staging_dir, write_atomic, write_manifest, writes_folder
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD]
@@ -50,6 +50,7 @@ def _literal_specials(tok: Tokenizer) -> Tokenizer:
     return tok
 
 
+@writes_folder("tokenizer", out="out", inputs=("docs",))
 def train_tokenizer(docs: Iterable[dict], out: Path, cfg: TokenizerConfig, seed: int, fingerprint: str = "") -> Tokenizer:
     """Train on a seeded sample of `docs`; commit tokenizer.json, the sample's ids and a manifest to `out`."""
     sample = sample_documents(docs, cfg.max_docs, seed)

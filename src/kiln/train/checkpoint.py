@@ -152,10 +152,17 @@ def retain(root: Path, keep_last: int, keep_every: int | None, best_step: int | 
     keep = set(ckpts[-keep_last:])
     keep |= {c for c in ckpts if keep_every and step_of(c) % keep_every == 0}
     keep |= {c for c in ckpts if best_step is not None and step_of(c) == best_step}
-    gone = [c for c in ckpts if c not in keep]
+    gone = [c for c in ckpts if c not in keep and _written_by_kiln(c)]  # never a folder Kiln cannot vouch for
     for c in gone:
         shutil.rmtree(c, ignore_errors=True)
     return gone
+
+
+def _written_by_kiln(folder: Path) -> bool:
+    try:
+        return json.loads((folder / MANIFEST).read_text()).get("stage") == "checkpoint"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 class Saver:
@@ -239,10 +246,27 @@ def latest_valid_of(folders: list[Path], log: Callable[[str], None] = lambda *_:
             verify_folder(folder)
             if public_key:
                 verify_signature(folder, public_key)
+            check_loads(folder)
             return folder
         except IntegrityError as exc:
             log(f"skipping corrupt checkpoint: {exc}")
     return None
+
+
+def check_loads(folder: Path) -> None:
+    """That the weights, optimizer and RNG files open as what they claim to be, without reading their tensors:
+    a checkpoint whose manifest verifies but whose files do not load is skipped like a corrupt one."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            f.keys()
+        for name in ("optimizer.pt", "rng.pt"):
+            torch.load(folder / name, map_location="cpu", weights_only=True, mmap=True)
+        json.loads((folder / "state.json").read_text())
+    except Exception as exc:  # SafetensorError, UnpicklingError, RuntimeError (not a zip), ValueError
+        raise IntegrityError(f"{folder}: matches its manifest but does not load ({type(exc).__name__}: "
+                             f"{str(exc)[:160]})") from None
 
 
 def load_checkpoint(folder: Path, verify: bool = True) -> dict[str, Any]:

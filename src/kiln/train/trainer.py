@@ -20,11 +20,12 @@ import torch.distributed as dist
 from kiln.config import Config
 from kiln.errors import KilnError
 from kiln.eval import next_token_loss, sample_batches, summed_loss
-from kiln.manifest import sha256_file, write_atomic
+from kiln.manifest import remove_stale_staging, write_atomic
 from kiln.model import Llama, ModelArgs, MoEArgs, RopeScaling
 from kiln.tokenizer import tokenizer_sha256
 from kiln.train import checkpoint as ckpt
 from kiln.train import parallel
+from kiln.train import resume as resume_checks
 from kiln.train.budget import Budget
 from kiln.train.clip import clip, group_norms, layer_groups
 from kiln.train.cpu_memory import keep_freed_memory
@@ -85,13 +86,16 @@ class Trainer:
         self.ckpt_dir = self.run_dir / "checkpoints"
         shards, tok_dir = cfg.out / "shards", cfg.out / "tokenizer"
         self.tokenizer_file = tok_dir / "tokenizer.json"
-        tok_sha = tokenizer_sha256(tok_dir)
+        resume_checks.require_prepared(cfg)
+        tok_sha = self.tokenizer_sha = tokenizer_sha256(tok_dir)
         self.train_set, self.val_set = open_splits(cfg, tok_sha)
         if self.train_set.sample_len != cfg.pack.seq_len + 1:
             raise KilnError(f"{shards}: samples of {self.train_set.sample_len} tokens, config says pack.seq_len={cfg.pack.seq_len}; re-run `kiln pack`")
         vocab = int(self.train_set.manifest["vocab_size"])
         self.pad_id = self.train_set.manifest.get("pad_id")
-        self.data_fingerprint = sha256_file(shards / "manifest.json")
+        self.data_fingerprint = resume_checks.data_fingerprint(self.train_set)
+        self.data_resets: list[dict[str, Any]] = []  # resumes onto new data (train.resume_on_new_data)
+        self.data_reset_now: dict[str, Any] | None = None
 
         micro = t.micro_batch_size or t.batch_size // self.d.world
         if micro < 1:
@@ -171,6 +175,7 @@ class Trainer:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if resume:
+            self.data_resets = state.get("data_resets", [])
             self.loader.load_state_dict(state["loader"])
             self.spikes.load_state_dict(state["spikes"])
             self.escalation.load_state_dict(state["escalation"])
@@ -192,7 +197,16 @@ class Trainer:
             return None
         manifest = json.loads((folder / "manifest.json").read_text())
         self._check_env(manifest.get("env", {}), folder)
+        changes = resume_checks.check_resume_data(manifest, folder, self.data_fingerprint, self.tokenizer_sha,
+                                                  self.cfg.train.resume_on_new_data, quiet)
         state = self._load(folder, resume=True)
+        if changes:  # the old position means nothing on other shards: start the loader clean, and say so
+            self.loader.load_state_dict({"seed": self.cfg.seed, "epoch": 0, "position": 0})
+            self.data_reset_now = {"step": self.step, "from": folder.name, "changed": changes,
+                                   "data_fingerprint": self.data_fingerprint, "tokenizer_sha256": self.tokenizer_sha}
+            self.data_resets.append(self.data_reset_now)
+        for note in resume_checks.resume_notes(folder, self.cfg, self.step):
+            quiet(note)
         if state["world_size"] != self.d.world:
             quiet(f"resuming a run saved with {state['world_size']} ranks on {self.d.world}; the sample order is kept")
         return folder
@@ -234,7 +248,7 @@ class Trainer:
                  "world_size": self.d.world, "config_hash": self.config_hash, "history": self.history,
                  "spikes": self.spikes.state_dict(), "escalation": self.escalation.state_dict(),
                  "budget": self.budget.state_dict(), "schedule": self.schedule.state_dict(),
-                 "scaler": self.scaler.state_dict() if self.scaler else None}
+                 "scaler": self.scaler.state_dict() if self.scaler else None, "data_resets": self.data_resets}
         fields = {"config_hash": self.config_hash, "data_fingerprint": self.data_fingerprint, "env": env_fingerprint()}
         vals = {int(s): v for s, v in self.history["val_loss"].items() if int(s) > 0}
         best = min(vals, key=vals.get) if (cfg.checkpoint.keep_best and vals) else None
@@ -378,6 +392,18 @@ class Trainer:
     # --- the loop ---------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
+        """Train to train.max_steps, holding the run folder's lock (rank 0) the whole time."""
+        lock = resume_checks.lock_run(self.run_dir, self.d)
+        try:
+            if self.d.is_main:
+                for name in {p.name.split(".")[0] for p in self.ckpt_dir.glob("step-*.*-*")}:  # a killed save's
+                    remove_stale_staging(self.ckpt_dir / name, "checkpoint")  # staging folders
+            return self._run()
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _run(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
         resumed = self.resume()
         if self.d.is_main:
@@ -388,6 +414,8 @@ class Trainer:
                                       self.run_dir / "tensorboard")
         if resumed:
             self.log(f"resumed from {resumed} (step {self.step})")
+            if self.data_reset_now is not None:
+                self.event({"event": "resume_on_new_data", **self.data_reset_now})
         elif self.step == 0:
             self.run_eval()
         if self.peak is None and self.d.is_main and self.step < t.max_steps:

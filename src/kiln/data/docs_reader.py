@@ -1,0 +1,91 @@
+"""Reading a committed docs folder back, verified against its manifest without a second pass.
+
+Iterating `DocsReader(folder)` first checks that every part the manifest lists is there with its size (a
+deleted or cut part stops here, before the first document is handed out); while the documents stream, each part's
+bytes are hashed, and a part whose sha256 differs from the manifest raises `IntegrityError` when its
+last record has been read, before the caller commits anything. Memory: one decompression window.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+import zstandard
+
+from kiln.errors import IntegrityError, KilnError
+from kiln.manifest import MANIFEST, read_manifest
+
+PART = re.compile(r"^part-\d+\.jsonl\.zst$")
+
+
+class _Hashing(io.RawIOBase):
+    """A read-only file that hashes what is read through it."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f, self.sha = f, hashlib.sha256()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        data = self.f.read(len(buf))
+        self.sha.update(data)
+        buf[: len(data)] = data
+        return len(data)
+
+    def finish(self) -> str:
+        while block := self.f.read(1 << 20):  # bytes after the compressed frame count too
+            self.sha.update(block)
+        return self.sha.hexdigest()
+
+
+class DocsReader:
+    """The kept documents of a docs folder, in order; iterable more than once. `folder` is kept for callers
+    that must not write over their input (`kiln.manifest.check_replaceable`)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+
+    def parts(self) -> tuple[dict[str, Any], list[str]]:
+        """The manifest and its part names, after checking each part is there with its size."""
+        if not (self.folder / MANIFEST).is_file():
+            hint = "" if self.folder.is_dir() else " (no such folder)"
+            raise KilnError(f"{self.folder}: no docs folder committed by `kiln data` here{hint} (no part-*.jsonl.zst "
+                            f"with a {MANIFEST}); run `kiln data` first")
+        manifest = read_manifest(self.folder)
+        parts = sorted(name for name in manifest["files"] if PART.match(name))
+        if not parts:
+            raise KilnError(f"{self.folder}: no part-*.jsonl.zst files; run `kiln data` first")
+        for name in parts:
+            path, size = self.folder / name, manifest["files"][name]["size"]
+            if not path.is_file():
+                raise IntegrityError(f"{path}: listed in {MANIFEST} but missing; the docs folder is incomplete, "
+                                     f"run `kiln data` again")
+            if path.stat().st_size != size:
+                raise IntegrityError(f"{path}: {path.stat().st_size} bytes, {MANIFEST} says {size}; the docs folder "
+                                     f"changed after `kiln data` wrote it, run `kiln data` again")
+        return manifest, parts
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        manifest, parts = self.parts()
+        for name in parts:
+            path = self.folder / name
+            with open(path, "rb") as f:
+                raw = _Hashing(f)
+                reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=False)
+                try:
+                    for line in io.TextIOWrapper(reader, encoding="utf-8"):
+                        if line.strip():
+                            yield json.loads(line)
+                except (zstandard.ZstdError, ValueError) as exc:  # ValueError: bad JSON or UTF-8
+                    raise IntegrityError(f"{path}: cannot be read ({str(exc)[:120]}); the docs folder changed after "
+                                         f"`kiln data` wrote it, run `kiln data` again") from None
+                digest = raw.finish()
+            if digest != manifest["files"][name]["sha256"]:
+                raise IntegrityError(f"{path}: sha256 {digest[:16]}… != {MANIFEST}; the docs folder changed after "
+                                     f"`kiln data` wrote it, run `kiln data` again")

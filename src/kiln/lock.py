@@ -1,0 +1,95 @@
+"""One writer per output folder: an exclusive `fcntl.flock` on a lock file beside the folder.
+
+`{parent}/.{name}.lock` holds the holder's host, pid, start time and command (JSON). A second
+writer does not wait: it refuses at once with a message naming the holder. The kernel releases a
+flock when its process ends however it ends (SIGKILL too), so a lock left by a dead process is
+simply taken over; nobody ever deletes a lock file by hand. The lock file is removed on release;
+a writer that locked a file which was removed meanwhile (its inode is no longer the path's)
+retries on the new file, so two writers can never both hold "the" lock.
+
+Locks are per open file: two writers in one process exclude each other too. On a shared
+filesystem (NFS) Linux maps flock to POSIX record locks, which NFS honours across machines.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from kiln.errors import KilnError
+
+
+def lock_path(folder: Path) -> Path:
+    folder = Path(folder).absolute()
+    return folder.with_name(f".{folder.name}.lock")
+
+
+def describe_holder(info: dict) -> str:
+    started = info.get("started")
+    when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)) if isinstance(started, (int, float)) else "?"
+    return f"pid {info.get('pid', '?')} on host {info.get('host', '?')} since {when} ({info.get('command', '?')})"
+
+
+class OutputLock:
+    """An exclusive lock on `folder`'s lock file, held until `release()` (or the process ends)."""
+
+    def __init__(self, folder: Path, what: str) -> None:
+        self.folder, self.path, self.what = Path(folder), lock_path(folder), what
+        self.fd: int | None = None
+
+    def acquire(self) -> "OutputLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read(fd)
+                os.close(fd)
+                raise KilnError(f"{self.folder} is being written by another {self.what}: {describe_holder(holder)}; "
+                                f"wait for it to finish or stop it (its lock {self.path} goes when it ends)") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the holder before us removed this file on release: lock the new one
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
+                "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:300], "what": self.what}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)  # while still locked: nobody else holds this inode
+        finally:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> "OutputLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+
+
+def _read(fd: int) -> dict:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}

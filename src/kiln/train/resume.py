@@ -1,0 +1,112 @@
+"""What a run checks before it trains: the prepared data exists, one writer holds the run folder, and a
+checkpoint resumes only onto the data and tokenizer it was trained on.
+
+- `require_prepared(cfg)`: the tokenizer and shards are there, else one line saying how to make them.
+- `lock_run(run_dir, d)`: rank 0 takes the run folder's lock (`kiln.lock`) for the whole job; every
+  rank learns whether it got it, so a refused job stops on all ranks at once.
+- `data_fingerprint(train)`: what the loader position of a checkpoint refers to (the shards manifests
+  and source weights).
+- `check_resume_data(...)`: the checkpoint's recorded data fingerprint and tokenizer sha256 must match
+  the shards it resumes onto; otherwise a refusal that says which changed and what to do, unless
+  `train.resume_on_new_data=true`, which resumes the weights with the loader at a clean position.
+- `resume_notes(...)`: lines a resumed run owes the user (batch size changed, max_steps already passed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from kiln.errors import KilnError
+from kiln.manifest import sha256_file
+
+
+def require_prepared(cfg) -> None:
+    """The tokenizer and (unless loader.sources names others) the shards must exist before training."""
+    tok = cfg.out / "tokenizer" / "tokenizer.json"
+    shards = cfg.out / "shards" / "manifest.json"
+    missing = [p for p in ([tok] + ([] if cfg.loader.sources else [shards])) if not p.is_file()]
+    if missing:
+        raise KilnError(f"{' and '.join(str(p) for p in missing)} missing: training needs the tokenizer and shards; "
+                        f"make them first with `kiln run CONFIG --until pack` (out_dir={cfg.out_dir})")
+
+
+def lock_run(run_dir: Path, d) -> Any:
+    """Rank 0 locks `run_dir` for the job (returns the lock; None on other ranks). A refusal on rank 0
+    stops every rank: rank 0 raises the lock's message, the others a line pointing at it."""
+    from kiln.lock import OutputLock
+    from kiln.train.parallel import all_reduce_sum
+
+    lock, error = None, None
+    if d.is_main:
+        try:
+            lock = OutputLock(run_dir, "`kiln train`").acquire()
+        except KilnError as exc:
+            error = exc
+    failed, = all_reduce_sum([float(error is not None)], d)
+    if error is not None:
+        raise error
+    if failed:
+        raise KilnError(f"{run_dir}: rank 0 could not lock the run folder (its message says who holds it)")
+    return lock
+
+
+def data_fingerprint(train) -> str:
+    """sha256 of the shards manifest for one local source (as checkpoints have always recorded it);
+    for several or remote sources, of each source's location, weight and manifest."""
+    sets = train.sets
+    if len(sets) == 1 and not train.weights and hasattr(sets[0].source, "folder"):
+        return sha256_file(Path(sets[0].source.folder) / "manifest.json")
+    weights = list(train.weights) if train.weights else [None] * len(sets)
+    parts = [[s.location, w, hashlib.sha256(json.dumps(s.manifest, sort_keys=True).encode()).hexdigest()]
+             for s, w in zip(sets, weights)]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def check_resume_data(manifest: dict[str, Any], folder: Path, fingerprint: str, tokenizer_sha: str,
+                      allow_new_data: bool, log: Callable[[str], None]) -> list[str]:
+    """What changed since checkpoint `folder` (its manifest.json) was written: [] when nothing did.
+
+    A change is refused unless `allow_new_data`; then it is logged and returned, and the caller
+    starts the loader at a clean position (the old position means nothing on other shards).
+    """
+    saved_data = manifest.get("data_fingerprint")
+    saved_tok = manifest.get("tokenizer_sha256") or manifest.get("files", {}).get("tokenizer.json", {}).get("sha256")
+    changed = []
+    if saved_data and saved_data != fingerprint:
+        changed.append(f"the shards changed (data fingerprint {saved_data[:12]}… -> {fingerprint[:12]}…)")
+    if saved_tok and saved_tok != tokenizer_sha:
+        changed.append(f"the tokenizer changed (sha256 {saved_tok[:12]}… -> {tokenizer_sha[:12]}…)")
+    if not changed:
+        return []
+    what = " and ".join(changed)
+    if not allow_new_data:
+        raise KilnError(f"{folder} was trained on other data: {what}. To start fresh, use a new out_dir or move "
+                        f"{folder.parent} away; to continue these weights on the new data deliberately, set "
+                        f"train.resume_on_new_data=true (the loader then starts at epoch 0, position 0)")
+    log(f"warning: resuming {folder} on new data ({what}); train.resume_on_new_data=true: "
+        f"the loader starts at epoch 0, position 0")
+    return changed
+
+
+def resume_notes(folder: Path, cfg, step: int) -> list[str]:
+    """Lines a resumed run owes: a changed train.batch_size, and a max_steps below the checkpoint's step."""
+    notes = []
+    try:
+        saved = yaml.safe_load((Path(folder) / "config.yaml").read_text()) or {}
+        old_batch = saved.get("train", {}).get("batch_size")
+    except (OSError, yaml.YAMLError, AttributeError):
+        old_batch = None
+    if old_batch is not None and old_batch != cfg.train.batch_size:
+        notes.append(f"warning: {folder.name} was trained with train.batch_size={old_batch}, this run uses "
+                     f"{cfg.train.batch_size}: the sample order goes on from the same position, but each step now "
+                     f"takes {cfg.train.batch_size} sequences, so the run is no longer the same as an "
+                     f"uninterrupted one")
+    if step > cfg.train.max_steps:
+        notes.append(f"{folder.name} is at step {step}, beyond train.max_steps={cfg.train.max_steps}: nothing to "
+                     f"train; raise train.max_steps above {step} to continue")
+    return notes
