@@ -11,9 +11,40 @@ from kiln import __version__
 from kiln.errors import IntegrityError, KilnError
 
 
+def _is_override(word: str) -> bool:
+    """KEY=VALUE, unless the word names an existing file (a Hive-style path such as lang=en/part-0.parquet)."""
+    return "=" in word and not word.startswith("-") and not Path(word).exists()
+
+
 def _split_overrides(values: list[str]) -> tuple[list[str], list[str]]:
-    """Positional words with '=' are KEY=VALUE overrides; the rest are paths."""
-    return [v for v in values if "=" not in v], [v for v in values if "=" in v]
+    """Positional words with '=' are KEY=VALUE overrides; the rest are paths (after `--`, see main)."""
+    return [v for v in values if not _is_override(v)], [v for v in values if _is_override(v)]
+
+
+def _explicit_overrides(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """Take `--set KEY=VALUE` (repeatable) and everything after `--` out of argv as overrides.
+
+    With either, positional words are never read as overrides, so any path (one holding '=') works:
+    `kiln data 'lang=en/*.parquet' --out docs -- data.min_chars=100`. None when neither is used."""
+    words, overrides, explicit = [], [], False
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            overrides += argv[i + 1:]
+            explicit = True
+            break
+        if word == "--set" and i + 1 < len(argv):
+            overrides.append(argv[i + 1])
+            explicit, i = True, i + 2
+            continue
+        if word.startswith("--set="):
+            overrides.append(word[len("--set="):])
+            explicit = True
+        else:
+            words.append(word)
+        i += 1
+    return words, (overrides if explicit else None)
 
 
 def _console():
@@ -42,7 +73,8 @@ def cmd_data(args) -> int:
 
     if args.inputs[:1] == ["explain"]:  # `kiln data explain DOC_ID_OR_URL --out DIR` (a file named explain: ./explain)
         return cmd_data_explain(args.inputs[1:], Path(args.out))  # a URL may hold '=': not an override here
-    inputs, overrides = _split_overrides(args.inputs)
+    inputs, overrides = (args.inputs, []) if args.explicit else _split_overrides(args.inputs)
+    overrides += args.set_overrides
     if args.lang_model:
         overrides.append(f"data.lang_model={args.lang_model}")
     cfg = load_config(args.config, overrides)
@@ -65,9 +97,13 @@ def cmd_data_explain(keys: list[str], docs_dir: Path) -> int:
 def cmd_tokenizer_train(args) -> int:
     from kiln.config import load_config
     from kiln.data.pipeline import read_docs
+    from kiln.data.rejections import few_documents_message
     from kiln.tokenizer import train_tokenizer
 
     cfg = load_config(args.config, args.overrides)
+    stats = Path(args.docs_dir) / "stats.json"
+    if stats.is_file() and (few := few_documents_message(json.loads(stats.read_text()), Path(args.docs_dir))):
+        raise KilnError(few)
     tok = train_tokenizer(read_docs(Path(args.docs_dir)), Path(args.out), cfg.tokenizer, cfg.seed)
     print(json.dumps({"tokenizer": str(Path(args.out) / "tokenizer.json"), "vocab_size": tok.get_vocab_size()}))
     return 0
@@ -104,17 +140,24 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _checkpoint(path: str) -> Path:
+    """A checkpoint folder, or the newest valid one of a run folder (named on stderr)."""
+    from kiln.train.resolve import resolve_checkpoint
+
+    return resolve_checkpoint(path, log=_console().print)
+
+
 def cmd_eval(args) -> int:
     from kiln.eval import evaluate_checkpoint
 
-    print(json.dumps(evaluate_checkpoint(Path(args.checkpoint), Path(args.text) if args.text else None)))
+    print(json.dumps(evaluate_checkpoint(_checkpoint(args.checkpoint), Path(args.text) if args.text else None)))
     return 0
 
 
 def cmd_generate(args) -> int:
     from kiln.eval.generate import generate_from_checkpoint
 
-    out = generate_from_checkpoint(Path(args.checkpoint), args.prompt, args.max_new_tokens, args.temperature,
+    out = generate_from_checkpoint(_checkpoint(args.checkpoint), args.prompt, args.max_new_tokens, args.temperature,
                                    args.top_k, args.seed)
     print(out.prompt + out.text)
     return 0
@@ -200,7 +243,7 @@ def cmd_report(args) -> int:
 def cmd_export(args) -> int:
     from kiln.ops.export import export_hf
 
-    print(json.dumps(export_hf(Path(args.checkpoint), Path(args.out_dir))))
+    print(json.dumps(export_hf(_checkpoint(args.checkpoint), Path(args.out_dir))))
     return 0
 
 
@@ -332,8 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    words, explicit = _explicit_overrides(list(sys.argv[1:] if argv is None else argv))
     # KEY=VALUE overrides may also come after the options (argparse alone would refuse them there).
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(words)
     if extra and not all("=" in e and not e.startswith("-") for e in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if hasattr(args, "inputs"):
@@ -344,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
         args.config = None
     if not hasattr(args, "overrides"):
         args.overrides = []
+    args.explicit, args.set_overrides = explicit is not None, explicit or []
+    if not hasattr(args, "inputs"):
+        args.overrides = [*args.overrides, *args.set_overrides]
     try:
         return args.fn(args)
     except IntegrityError as exc:

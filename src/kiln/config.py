@@ -10,6 +10,7 @@ import difflib
 import hashlib
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -144,7 +145,7 @@ class DedupConfig(Section):
 
 
 class DataConfig(Section):
-    inputs: list[str] = Field(default_factory=list, description="WARC files or globs (relative paths: to the working directory)")
+    inputs: list[str] = Field(default_factory=list, description="WARC/JSONL/Parquet files, globs or URLs (relative: to the config file's folder)")
     workers: int = Field(1, ge=1)
     executor: Literal["local", "ray"] = Field("local", description="local: a process pool of data.workers; ray: Ray tasks")
     ray_address: str | None = Field(None, description="executor=ray: an existing cluster (e.g. ray://head:10001, auto); null starts a local Ray of data.workers CPUs")
@@ -494,11 +495,48 @@ def _explain(err: ValidationError) -> str:
 
 
 def build_config(data: dict[str, Any], overrides: list[str] | None = None) -> Config:
-    merged = _merge(data, parse_overrides(overrides or []))
+    """`data` as given; relative paths in `overrides` (typed by a user) are made absolute against the working
+    directory, so a saved config.yaml means the same wherever it is read."""
+    merged = _merge(data, resolve_paths(parse_overrides(overrides or []), Path.cwd()))
     try:
         return Config(**merged)
     except ValidationError as err:
         raise ConfigError(_explain(err)) from None
+
+
+# Config keys holding paths ("[]" = each item; "[].path" = each item's `path`). In a config file, a relative
+# one is relative to the file's folder, so a config works from any working directory; on the command line
+# (KEY=VALUE overrides) it is relative to the working directory, as a shell user expects.
+PATH_KEYS = ("out_dir", "data.inputs[]", "data.lang_model", "data.blocklist.file", "tokenizer.path",
+             "loader.sources[].path", "loader.cache_dir", "checkpoint.signing_key", "checkpoint.public_key",
+             "eval.tasks[].path")
+
+
+def _anchor(value: Any, base: Path) -> Any:
+    if not isinstance(value, str) or not value or "://" in value or Path(value).expanduser().is_absolute():
+        return value
+    return os.path.normpath(base / Path(value).expanduser())
+
+
+def resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """Relative paths under PATH_KEYS made relative to `base` (the config file's folder); `data` is not changed."""
+    def walk(node: Any, parts: list[str]) -> Any:
+        if not parts:
+            return _anchor(node, base)
+        head, rest = parts[0], parts[1:]
+        if head.endswith("[]"):
+            items = node.get(head[:-2]) if isinstance(node, dict) else None
+            if not isinstance(items, list):
+                return node
+            new = [walk(item, rest) if rest else _anchor(item, base) for item in items]
+            return {**node, head[:-2]: new}
+        if not isinstance(node, dict) or head not in node:
+            return node
+        return {**node, head: walk(node[head], rest)}
+
+    for key in PATH_KEYS:
+        data = walk(data, key.replace("[].", "[] ").replace(".", " ").split())
+    return data
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
@@ -517,4 +555,4 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(data).__name__}")
-    return build_config(data, overrides)
+    return build_config(resolve_paths(data, path.resolve().parent), overrides)

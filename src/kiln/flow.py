@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from kiln.config import Config
 from kiln.data.pipeline import expand_inputs, fingerprint as data_fingerprint, read_docs, run_data
+from kiln.data.rejections import few_documents_message
 from kiln.errors import KilnError
 from kiln.manifest import is_complete, read_manifest
 from kiln.shards.pack import pack
@@ -37,6 +38,8 @@ def run_data_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
 
 def run_tokenizer_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
     docs, out = cfg.out / "docs", cfg.out / "tokenizer"
+    if few := few_documents_message(json.loads((docs / "stats.json").read_text()), docs):
+        raise KilnError(few)
     fp = _hash(_manifest_sha(docs), cfg.section_hash("tokenizer"))
     if is_complete(out, fp):
         log(f"tokenizer: skipping, {out} is complete and up to date")
