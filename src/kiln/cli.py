@@ -150,6 +150,12 @@ def _checkpoint(path: str) -> Path:
 def cmd_eval(args) -> int:
     from kiln.eval import evaluate_checkpoint
 
+    if args.mc:
+        from kiln.eval.mc import evaluate_mc_checkpoint, load_questions
+
+        load_questions(args.mc)  # a bad task file is named before the checkpoint is looked for
+        print(json.dumps({"mc": evaluate_mc_checkpoint(_checkpoint(args.checkpoint), Path(args.mc))}))
+        return 0
     print(json.dumps(evaluate_checkpoint(_checkpoint(args.checkpoint), Path(args.text) if args.text else None)))
     return 0
 
@@ -301,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("eval", help='print {"loss", "perplexity", "tokens"} of a checkpoint')
     s.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
     s.add_argument("--text", metavar="FILE", help="a UTF-8 text file instead of the validation shards")
+    s.add_argument("--mc", metavar="FILE.jsonl", help='multiple choice: rows {"context", "choices", "answer"}; '
+                   'prints {"mc": {"acc", "acc_norm", "n"}} (lm-eval-harness definitions)')
     s.set_defaults(fn=cmd_eval)
 
     s = sub.add_parser("generate", help="print the prompt and a sampled continuation from a checkpoint")

@@ -411,6 +411,17 @@ class PlanConfig(Section):
     tokens: int | None = Field(None, ge=1, description="training tokens D; null = train.max_steps × batch_size × seq_len")
 
 
+class TaskConfig(Section):
+    name: str = Field(description="the task's name in metrics.jsonl and the report")
+    path: str = Field(description='a JSONL of {"context", "choices", "answer"} rows (kiln.eval.mc)')
+
+
+class EvalConfig(Section):
+    """Downstream multiple-choice tasks run inside the training loop (lm-eval-harness's acc and acc_norm)."""
+    tasks: list[TaskConfig] = Field(default_factory=list, description="[{name, path}]; empty = none")
+    tasks_every: int = Field(0, ge=0, description="steps between task evals; 0 = only at the last step")
+
+
 class Config(Section):
     out_dir: str = "out/run"
     seed: int = 1234
@@ -428,6 +439,7 @@ class Config(Section):
     preflight: PreflightConfig = Field(default_factory=PreflightConfig)
     plan: PlanConfig = Field(default_factory=PlanConfig)
     loader: LoaderConfig = Field(default_factory=LoaderConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @property
     def out(self) -> Path:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from kiln.config import Config
 from kiln.errors import KilnError
 from kiln.eval import next_token_loss, sample_batches, summed_loss
+from kiln.eval.mc import DownstreamTasks
 from kiln.manifest import sha256_file, write_atomic
 from kiln.model import Llama, ModelArgs, MoEArgs, RopeScaling
 from kiln.tokenizer import tokenizer_sha256
@@ -144,6 +145,7 @@ class Trainer:
         self.requests = StopRequests()
         self.watchdog = Watchdog(self.d, cfg.watchdog, self.run_dir, log)
         self.peak, self.peak_source = peak_tflops(self.d.device, t.dtype, t.peak_tflops)
+        self.tasks = DownstreamTasks(cfg.eval.tasks, cfg.eval.tasks_every, self.tokenizer_file)
         self.metrics: MetricsLog | None = None
         self.step, self.tokens_seen = 0, 0
         self.history: dict[str, Any] = {"val_loss": {}}
@@ -272,6 +274,15 @@ class Trainer:
         self.event({"event": "eval", "step": self.step, "val_loss": val})
         self.log(f"step {self.step} val_loss {val:.4f}")
         return val
+
+    def run_tasks(self) -> None:
+        """The downstream tasks of eval.tasks (kiln.eval.mc), one `task` event each."""
+        reduce = functools.partial(all_reduce_sum, d=self.d)
+        for name, result in self.tasks.run(self.wrapped, self.cfg.pack.seq_len, self.d.device, self.autocast,
+                                           self.d.rank, self.d.world, reduce):
+            self.event({"event": "task", "step": self.step, "task": name, **result})
+            self.log(f"step {self.step} {name}: acc {result['acc']:.4f} acc_norm {result['acc_norm']:.4f} (n {result['n']})")
+        self.watchdog.beat(self.step)
 
     # --- one optimizer step -----------------------------------------------------------------
 
@@ -423,6 +434,8 @@ class Trainer:
                 if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps \
                         or self.schedule.wants_eval(self.step):
                     self.schedule.observe_eval(self.step, self.run_eval())
+                if self.tasks.due(self.step, t.max_steps):
+                    self.run_tasks()
                 stopped = self._stop_reason(measured)
                 if stopped or measured["save"] or self.step % cfg.checkpoint.every == 0 or self.step == t.max_steps:
                     self.save(stopped or ("signal" if measured["save"] else "schedule"))
