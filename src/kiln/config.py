@@ -171,6 +171,11 @@ class DataConfig(Section):
 
 
 class TokenizerConfig(Section):
+    path: str | None = Field(None, description="your own tokenizer.json (or a folder with one, e.g. a Hub model's); "
+                             "null = train a byte-level BPE on the documents")
+    eos_token: str = Field("<|eos|>", description="the end-of-document token (ends every document in the shards)")
+    pad_token: str | None = Field("<|pad|>", description="the padding token (pack.mode=best_fit's filler); null = none")
+    bos_token: str | None = Field("<|bos|>", description="the beginning-of-text token (exported as bos_token); null = none")
     vocab_size: int = Field(4096, ge=300, le=2**32 - 1)
     max_docs: int = Field(100_000, ge=1, description="documents sampled (seeded) to train on")
     min_frequency: int = Field(2, ge=1)

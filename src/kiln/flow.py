@@ -12,7 +12,7 @@ from kiln.data.rejections import few_documents_message
 from kiln.errors import KilnError
 from kiln.manifest import is_complete, read_manifest
 from kiln.shards.pack import pack
-from kiln.tokenizer import tokenizer_sha256, train_tokenizer
+from kiln.tokenizer import tokenizer_sha256, train_tokenizer, use_tokenizer
 
 
 def _hash(*parts: str) -> str:
@@ -40,6 +40,12 @@ def run_tokenizer_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, An
     docs, out = cfg.out / "docs", cfg.out / "tokenizer"
     if few := few_documents_message(json.loads((docs / "stats.json").read_text()), docs):
         raise KilnError(few)
+    if cfg.tokenizer.path:  # the user's own: committed as it is, with the names of its special tokens
+        fp = _hash(tokenizer_sha256(cfg.tokenizer.path), cfg.section_hash("tokenizer"))
+        if not is_complete(out, fp):
+            log(f"tokenizer: using {cfg.tokenizer.path} -> {out}")
+            use_tokenizer(out, cfg.tokenizer, fingerprint=fp)
+        return read_manifest(out)
     fp = _hash(_manifest_sha(docs), cfg.section_hash("tokenizer"))
     if is_complete(out, fp):
         log(f"tokenizer: skipping, {out} is complete and up to date")

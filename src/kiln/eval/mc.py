@@ -111,12 +111,13 @@ def judge(q: Question, scores: list[float]) -> tuple[int, int]:
 
 
 def evaluate_questions(model: torch.nn.Module, tok, questions: list[Question], window: int, device: torch.device,
-                       autocast_dtype: torch.dtype | None = None, rank: int = 0, world: int = 1) -> list[int]:
+                       autocast_dtype: torch.dtype | None = None, rank: int = 0, world: int = 1,
+                       eos_token: str | None = None) -> list[int]:
     """[acc hits, acc_norm hits, questions] over this rank's share (every world-th question). Every rank runs
     the same number of forwards (FSDP2 needs all ranks in each), a rank out of questions repeating its last."""
-    from kiln.tokenizer import eos_id
+    from kiln.tokenizer import EOS, eos_id
 
-    eos = eos_id(tok)
+    eos = eos_id(tok, eos_token or EOS)
     was_training = model.training
     model.eval()
     hits, hits_norm, count = 0, 0, 0
@@ -152,17 +153,18 @@ def evaluate_mc_checkpoint(folder: Path, task_file: Path) -> dict[str, Any]:
     weights = load_checkpoint(folder)["model"]
     model = build_model(cfg, weights["tok_embeddings.weight"].shape[0])
     model.load_state_dict(weights)
-    return summarise(*evaluate_questions(model, tok, questions, cfg.pack.seq_len, torch.device("cpu")))
+    return summarise(*evaluate_questions(model, tok, questions, cfg.pack.seq_len, torch.device("cpu"),
+                                         eos_token=cfg.tokenizer.eos_token))
 
 
 class DownstreamTasks:
     """The in-loop tasks of `eval.tasks`, read once before training (a bad file stops the run before step 1);
     due every `eval.tasks_every` steps and at the last step."""
 
-    def __init__(self, tasks: list, every: int, tokenizer_file: Path) -> None:
+    def __init__(self, tasks: list, every: int, tokenizer_file: Path, eos_token: str | None = None) -> None:
         from kiln.tokenizer import load_tokenizer
 
-        self.every = every
+        self.every, self.eos_token = every, eos_token
         self.tasks = [(t.name, load_questions(t.path)) for t in tasks]
         self.tok = load_tokenizer(tokenizer_file) if tasks else None
 
@@ -176,6 +178,7 @@ class DownstreamTasks:
         """(name, {"acc", "acc_norm", "n"}) per task; `reduce` sums a list of numbers over the ranks."""
         out = []
         for name, questions in self.tasks:
-            counts = evaluate_questions(model, self.tok, questions, window, device, autocast_dtype, rank, world)
+            counts = evaluate_questions(model, self.tok, questions, window, device, autocast_dtype, rank, world,
+                                        self.eos_token)
             out.append((name, summarise(*reduce([float(c) for c in counts]))))
         return out

@@ -21,7 +21,7 @@ from kiln.manifest import staging_dir, write_manifest
 from kiln.shards.encode import encode_documents
 from kiln.shards.format import FORMAT_VERSION, IDX_ENTRY, ShardHeader, token_dtype, write_shard
 from kiln.shards.packing import Entry, Packer, make_packer
-from kiln.tokenizer import TOKENIZER_FILE, eos_id, load_tokenizer, pad_id, tokenizer_sha256
+from kiln.tokenizer import TOKENIZER_FILE, eos_id, load_tokenizer, pad_id, special_names, tokenizer_sha256
 
 SPLITS = ("train", "val")
 
@@ -110,7 +110,11 @@ def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, 
     `progress`: a progress bar on stderr; None shows it when stderr is a terminal.
     """
     tok = load_tokenizer(tokenizer_dir)
-    eos, pad = eos_id(tok), pad_id(tok)
+    names = special_names(tokenizer_dir)  # a tokenizer of the user's own names its tokens in its manifest
+    eos = eos_id(tok, names["eos_token"])
+    # PAD only fills best_fit's gaps: a tokenizer without one packs `concat` with no pad id.
+    has_pad = names["pad_token"] is not None and tok.token_to_id(names["pad_token"]) is not None
+    pad = pad_id(tok, names["pad_token"]) if has_pad or cfg.mode == "best_fit" else None
     vocab = tok.get_vocab_size()
     dtype = token_dtype(vocab)
     tokenizer_dir = Path(tokenizer_dir)

@@ -145,7 +145,7 @@ class Trainer:
         self.requests = StopRequests()
         self.watchdog = Watchdog(self.d, cfg.watchdog, self.run_dir, log)
         self.peak, self.peak_source = peak_tflops(self.d.device, t.dtype, t.peak_tflops)
-        self.tasks = DownstreamTasks(cfg.eval.tasks, cfg.eval.tasks_every, self.tokenizer_file)
+        self.tasks = DownstreamTasks(cfg.eval.tasks, cfg.eval.tasks_every, self.tokenizer_file, cfg.tokenizer.eos_token)
         self.metrics: MetricsLog | None = None
         self.step, self.tokens_seen = 0, 0
         self.history: dict[str, Any] = {"val_loss": {}}
