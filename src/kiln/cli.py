@@ -63,7 +63,7 @@ def cmd_run(args) -> int:
     result = run_all(cfg, log=console.print, until=args.until)
     from rich.console import Console
 
-    print_summary(result, Console(stderr=True, highlight=False, width=max(console.width, 110)))
+    print_summary(result, Console(stderr=True, highlight=False, width=max(console.width, 110)), config=args.config)
     return 0
 
 

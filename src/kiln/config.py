@@ -313,7 +313,12 @@ class TrainConfig(Section):
     threads: int | None = Field(None, ge=1, description="torch intra-op threads per process; null = torch default")
     eval_every: int = Field(50, ge=0, description="steps between validation evals; 0 = only at start and end")
     eval_batches: int = Field(8, ge=1)
-    log_every: int = Field(10, ge=1)
+    log_every: int = Field(10, ge=1, description="steps between printed lines (at most a tenth of max_steps); "
+                           "a terminal also gets a live line every step")
+    loggers: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["jsonl"], description="metrics.jsonl always; tensorboard -> run/tensorboard/ "
+        "(kiln-lm[tensorboard]); wandb -> run/wandb/ (kiln-lm[wandb]; WANDB_MODE=offline keeps it local)")
+    wandb_project: str = Field("kiln", description="the W&B project of train.loggers' wandb")
     schedule: Literal["cosine", "wsd", "constant", "breathing"] = Field(
         "cosine", description="LR after warmup (kiln.train.schedule): cosine to the floor, warmup-stable-decay, constant, breathing")
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: the last fraction of max_steps that decays to the floor")

@@ -157,7 +157,7 @@ class PackProgress:
             return None
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-        self.bar = Progress(SpinnerColumn(), TextColumn("pack: {task.fields[docs]:,} documents, "
+        self.bar = Progress(SpinnerColumn(finished_text="[green]✓[/]"), TextColumn("pack: {task.fields[docs]:,} documents, "
                                                         "{task.fields[mb]:,.1f} MB of text, {task.fields[rate]:.1f} MB/s"),
                             TimeElapsedColumn(), console=self.console, transient=False)
         self.bar.start()
@@ -172,4 +172,5 @@ class PackProgress:
 
     def __exit__(self, *exc) -> None:
         if self.bar:
+            self.bar.update(self.bar.task_ids[0], total=1, completed=1)  # the check mark, not a frozen spinner
             self.bar.stop()

@@ -28,10 +28,12 @@ from kiln.train import checkpoint as ckpt
 from kiln.train import parallel
 from kiln.train.budget import Budget
 from kiln.train.clip import clip, group_norms, layer_groups
+from kiln.train.console import TrainConsole, warnings_for
 from kiln.train.cpu_memory import keep_freed_memory
 from kiln.train.guards import Escalation, NonFiniteGuard, SpikeGuard
 from kiln.train.data import open_splits
 from kiln.train.loader import Loader
+from kiln.train.loggers import check_loggers, open_sinks
 from kiln.train.metrics import MetricsLog, mfu, peak_memory_gb, peak_tflops
 from kiln.train.parallel import Dist, all_reduce_sum, init_distributed
 from kiln.train.precision import apply_precision_policy
@@ -77,6 +79,7 @@ class Trainer:
         self.cfg, self.log = cfg, log
         t = cfg.train
         self.d = d or init_distributed(cfg.parallel.startup_timeout_s)
+        check_loggers(t.loggers)  # a logger asked for and not installed: before any work
         if t.threads:
             torch.set_num_threads(t.threads)
         if self.d.device.type == "cpu":
@@ -147,6 +150,7 @@ class Trainer:
         self.peak, self.peak_source = peak_tflops(self.d.device, t.dtype, t.peak_tflops)
         self.tasks = DownstreamTasks(cfg.eval.tasks, cfg.eval.tasks_every, self.tokenizer_file, cfg.tokenizer.eos_token)
         self.metrics: MetricsLog | None = None
+        self.console: TrainConsole | None = None
         self.step, self.tokens_seen = 0, 0
         self.history: dict[str, Any] = {"val_loss": {}}
         # Settings a checkpoint cannot be resumed under when they change (train.max_steps may change).
@@ -396,13 +400,18 @@ class Trainer:
             write_atomic(self.run_dir / "config.yaml", cfg.to_yaml())
             write_atomic(self.run_dir / "env.json", json.dumps(env_fingerprint(), indent=1))
             self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", self.step if resumed else -1,
-                                      self.run_dir / "tensorboard")
+                                      self.run_dir / "tensorboard" if "tensorboard" in t.loggers else None,
+                                      open_sinks(t.loggers, self.run_dir, cfg.model_dump(mode="json"), t.wandb_project))
         if resumed:
             self.log(f"resumed from {resumed} (step {self.step})")
         elif self.step == 0:
             self.run_eval()
         if self.peak is None and self.d.is_main and self.step < t.max_steps:
             self.log(f"MFU not reported: {self.peak_source}")
+        if self.d.is_main and self.step < t.max_steps:
+            for warning in warnings_for(cfg, len(self.train_set)):
+                self.log(f"warning: {warning}")
+            self.console = TrainConsole(t.max_steps, t.log_every, self.step, self.log)
         self.requests.install()
         self.watchdog.start()
         profiler = _Profiler(t.profile_steps, self.run_dir / "profile", self.d.rank)
@@ -450,6 +459,9 @@ class Trainer:
             self.watchdog.stop()
             self.requests.uninstall()
             profiler.close()
+            if self.console is not None:
+                self.console.close()
+                self.console = None
             if self.metrics is not None:
                 self.metrics.close()
                 self.metrics = None
@@ -484,10 +496,8 @@ class Trainer:
             self.event({"event": "skip", "step": self.step, "reason": result["skip_reason"], "loss": measured["loss"],
                         "grad_norm": result["grad_norm"], "data_position": self.loader.state.position,
                         "epoch": self.loader.state.epoch})
-        if self.step % self.cfg.train.log_every == 0 or self.step == self.cfg.train.max_steps or result["skip_reason"]:
-            skip = f" SKIPPED ({result['skip_reason']})" if result["skip_reason"] else ""
-            self.log(f"step {self.step}/{self.cfg.train.max_steps} loss {measured['loss']:.4f} lr {lr:.2e} "
-                     f"grad_norm {result['grad_norm']:.3f} {tps:,.0f} tok/s{skip}")
+        if self.console is not None:  # the live line, and a printed one every log_every steps
+            self.console.step(record, result["skip_reason"])
 
     def summary(self, stopped: str | None = None) -> dict[str, Any]:
         last = ckpt.list_checkpoints(self.ckpt_dir)
