@@ -115,3 +115,23 @@ def test_warning_rules():
 @pytest.mark.parametrize("log_every, max_steps, expected", [(25, 20, 2), (10, 1000, 10), (5, 3, 1), (1, 1, 1)])
 def test_log_every_is_capped_at_a_tenth_of_the_run(log_every, max_steps, expected):
     assert effective_log_every(log_every, max_steps) == expected
+
+
+def test_run_summary_has_wall_time_per_stage_and_next_commands():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from kiln.summary import print_summary
+
+    data = {"documents": {"read": 10, "kept": 8, "rejected": 2}, "rejected_by_reason": {"quality/too_short": 2},
+            "kept_by_lang": {"en": 8}, "file_errors": [], "truncated": []}
+    train = {"steps": 20, "tokens_seen": 100, "skipped_steps": 0, "params": 5, "val_loss_start": 7.0,
+             "val_loss_end": 6.0, "checkpoint": "/r/out/run/checkpoints/step-00000020"}
+    out = StringIO()
+    print_summary({"data": data, "train": train, "timings_s": {"data": 3.25, "train": 125.0}},
+                  Console(file=out, width=140), config="my.yaml")
+    text = out.getvalue()
+    assert re.search(r"wall time: data\s+│\s+3\.2 s", text) and re.search(r"wall time: train\s+│\s+2 min 5 s", text)
+    assert "kiln report /r/out/run" in text and "kiln export --hf /r/out/run /r/out/hf" in text
+    assert "kiln run my.yaml train.max_steps=40" in text and "kiln eval /r/out/run --mc TASK.jsonl" in text

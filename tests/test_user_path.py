@@ -173,3 +173,43 @@ def test_tiny_example_runs_from_any_folder(tmp_path, monkeypatch):
     cfg = load_config(ROOT / "examples" / "tiny.yaml")
     assert Path(cfg.data.inputs[0]) == ROOT / "examples" / "data" / "sample.warc.gz"
     assert Path(cfg.out_dir) == ROOT / "out" / "tiny"
+
+
+# --- config show and --help ----------------------------------------------------------------------------------------
+
+def test_config_show_prints_the_resolved_config_with_descriptions_and_defaults(tmp_path, capsys):
+    import yaml
+
+    from kiln.config import load_config
+
+    tiny = ROOT / "examples" / "tiny.yaml"
+    assert kiln(["config", "show", str(tiny), "train.max_steps=20"]) == 0
+    out = capsys.readouterr().out
+    assert "  max_steps: 20  # * default 100" in out
+    assert '  text_field: "text"  # JSONL/Parquet: the field holding the document text; default "text"' in out
+    assert "  warmup_steps: 20  # * default 10" in out and "  eos_token: \"<|eos|>\"  # the end-of-document" in out
+    # It is YAML that loads back into the same config.
+    shown = tmp_path / "shown.yaml"
+    shown.write_text(out)
+    assert load_config(shown) == load_config(tiny, ["train.max_steps=20"])
+    assert yaml.safe_load(out)["data"]["inputs"] == [str(ROOT / "examples" / "data" / "sample.warc.gz")]
+
+
+def test_config_show_names_a_misspelt_override(capsys):
+    err = fails(capsys, ["config", "show", str(ROOT / "examples" / "tiny.yaml"), "train.max_step=3"])
+    assert "unknown config key 'train.max_step': did you mean train.max_steps?" in err
+
+
+@pytest.mark.parametrize("command", [["run"], ["data"], ["tokenizer", "train"], ["pack"], ["train"], ["eval"],
+                                     ["generate"], ["ckpt", "list"], ["export"], ["import"], ["config", "show"],
+                                     ["report"], ["doctor"], ["plan"]])
+def test_help_shows_defaults_and_an_example(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        kiln([*command, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "\nexample:\n  kiln " in out or "\nexample:\n  torchrun " in out
+    if command == ["generate"]:
+        assert "--max-new-tokens N  default: 100" in out and "--seed S            default: 0" in out
+    if command == ["run"]:
+        assert "(default: train)" in out and "--set KEY=VALUE" in " ".join(out.split())

@@ -239,6 +239,14 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_config_show(args) -> int:
+    from kiln.config import load_config
+    from kiln.config_doc import show
+
+    print(show(load_config(args.config, args.overrides)))
+    return 0
+
+
 def cmd_report(args) -> int:
     from kiln.ops.report import write_report
 
@@ -260,6 +268,63 @@ def cmd_import(args) -> int:
     cfg = load_config(args.config, args.overrides)
     print(json.dumps({"checkpoint": str(import_hf(Path(args.hf), cfg))}))
     return 0
+
+
+CHECKPOINT_HELP = "a checkpoint folder, or a run folder or out_dir (its newest valid checkpoint, named on stderr)"
+OVERRIDES_HELP = ("config overrides, e.g. train.lr=3e-4 (or --set KEY=VALUE, or every word after --); "
+                  "`kiln config show CONFIG` lists the keys")
+# One example per command, shown at the end of its --help.
+EXAMPLES = {
+    "run": "kiln run examples/tiny.yaml train.max_steps=50",
+    "data": "kiln data 'crawl/*.warc.gz' --out out/docs -- data.languages=[en]      "
+            "(after --, every word is an override; before it, any path)",
+    "tokenizer train": "kiln tokenizer train out/tiny/docs --out out/tok tokenizer.vocab_size=8192",
+    "pack": "kiln pack out/tiny/docs --tokenizer out/tiny/tokenizer --out out/shards pack.seq_len=512",
+    "train": "torchrun --nproc_per_node=2 -m kiln train examples/tiny.yaml train.max_steps=500",
+    "eval": "kiln eval out/tiny/run --mc tasks.jsonl      (a run folder: its newest valid checkpoint)",
+    "generate": 'kiln generate out/tiny/run --prompt "The Debian" --temperature 0',
+    "ckpt verify": "kiln ckpt verify out/tiny/run/checkpoints/step-00000300",
+    "ckpt list": "kiln ckpt list out/tiny/run",
+    "shards verify": "kiln shards verify out/tiny/shards",
+    "shards inspect": "kiln shards inspect out/tiny/shards --at 0",
+    "doctor": "kiln doctor --config examples/tiny.yaml",
+    "preflight": "kiln preflight examples/tiny.yaml",
+    "plan": "kiln plan examples/gpu-1b.yaml plan.devices=8",
+    "config show": "kiln config show examples/tiny.yaml train.lr=1e-3",
+    "report": "kiln report out/tiny/run",
+    "export": "kiln export --hf out/tiny/run out/tiny/hf",
+    "import": "kiln import --hf path/to/llama --config my.yaml      (tokenizer.path: path/to/llama in my.yaml)",
+}
+
+
+def _has_default(action: argparse.Action) -> bool:
+    return not any(action.default is v for v in (None, False, True, argparse.SUPPRESS)) and action.nargs != 0
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option with a default says it; the epilog (the example) keeps its layout."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.option_strings and _has_default(action) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _add_examples(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                command = f"{prefix} {name}".strip()
+                sub.formatter_class = _HelpFormatter
+                for option in sub._actions:
+                    if option.dest == "overrides" and option.help is None:
+                        option.help = OVERRIDES_HELP
+                    if option.help is None and option.option_strings and _has_default(option):
+                        option.help = "default: %(default)s"
+                if command in EXAMPLES:
+                    sub.epilog = f"example:\n  {EXAMPLES[command]}"
+                _add_examples(sub, command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -305,14 +370,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_train)
 
     s = sub.add_parser("eval", help='print {"loss", "perplexity", "tokens"} of a checkpoint')
-    s.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    s.add_argument("checkpoint", metavar="CHECKPOINT", help=CHECKPOINT_HELP)
     s.add_argument("--text", metavar="FILE", help="a UTF-8 text file instead of the validation shards")
     s.add_argument("--mc", metavar="FILE.jsonl", help='multiple choice: rows {"context", "choices", "answer"}; '
                    'prints {"mc": {"acc", "acc_norm", "n"}} (lm-eval-harness definitions)')
     s.set_defaults(fn=cmd_eval)
 
     s = sub.add_parser("generate", help="print the prompt and a sampled continuation from a checkpoint")
-    s.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    s.add_argument("checkpoint", metavar="CHECKPOINT", help=CHECKPOINT_HELP)
     s.add_argument("--prompt", required=True, metavar="TEXT")
     s.add_argument("--max-new-tokens", type=int, default=100, metavar="N")
     s.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0 = greedy")
@@ -361,6 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     s.set_defaults(fn=cmd_plan)
 
+    cf = sub.add_parser("config", help="config commands").add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    s = cf.add_parser("show", help="the resolved config with each key's description and default ('*' marks a change)")
+    s.add_argument("config", nargs="?", help="a YAML config; without one, the defaults")
+    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    s.set_defaults(fn=cmd_config_show)
+
     s = sub.add_parser("report", help="write a self-contained report.html with the run's plots")
     s.add_argument("run_dir", metavar="RUN_DIR", help="the run folder ({out_dir}/run)")
     s.add_argument("--out", metavar="FILE", help="default: RUN_DIR/report.html")
@@ -368,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama folder")
     s.add_argument("--hf", action="store_true", required=True, help="the Hugging Face transformers layout")
-    s.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    s.add_argument("checkpoint", metavar="CHECKPOINT", help=CHECKPOINT_HELP)
     s.add_argument("out_dir", metavar="OUT_DIR")
     s.set_defaults(fn=cmd_export)
 
@@ -378,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", required=True, help="the config to train with; its model section must match HF_DIR/config.json")
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     s.set_defaults(fn=cmd_import)
+    _add_examples(p)
     return p
 
 
