@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -63,7 +64,8 @@ def cmd_run(args) -> int:
     result = run_all(cfg, log=console.print, until=args.until)
     from rich.console import Console
 
-    print_summary(result, Console(stderr=True, highlight=False, width=max(console.width, 110)), config=args.config)
+    again = shlex.join([args.config, *(o for o in args.overrides if not o.startswith("train.max_steps="))])
+    print_summary(result, Console(stderr=True, highlight=False, width=max(console.width, 110)), config=again)
     return 0
 
 

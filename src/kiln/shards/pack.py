@@ -9,6 +9,7 @@ and counted.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -123,9 +124,12 @@ def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, 
     documents: list[dict[str, Any]] = []
     with staging_dir(out) as tmp, PackProgress(progress) as advance:
         writers = {s: SplitWriter(tmp, s, header, cfg.samples_per_shard, make_packer(cfg, pad)) for s in SPLITS}
+        text_bytes, tokens_by_lang = {s: 0 for s in SPLITS}, Counter()  # for bytes/token and the report
         for doc, ids in encode_documents(docs, tokenizer_file, cfg.batch_docs, cfg.workers, dtype, eos, advance):
             split = split_of(doc["id"], cfg.val_fraction)
             writers[split].add(ids, len(documents))
+            text_bytes[split] += len(doc["text"].encode("utf-8", "replace"))
+            tokens_by_lang[doc.get("lang") or "unknown"] += len(ids)
             documents.append({"id": doc["id"], "split": split, "source": doc.get("source"),
                               "offset": doc.get("offset"), "length": doc.get("length"), "url": doc.get("url"),
                               "tokens": len(ids)})
@@ -138,6 +142,7 @@ def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, 
             sample_len=cfg.seq_len + 1, mode=cfg.mode, splits=splits, packing_efficiency=packing_efficiency(splits),
             data_weight=round(data_weight(documents, source_weights), 6),
             split_documents=sum(s["split_documents"] for s in splits.values()), documents=documents,
+            tokens_by_lang=dict(tokens_by_lang.most_common()), text_bytes=text_bytes,
         )
     return manifest
 
