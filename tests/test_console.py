@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, tiny_config
+
 from kiln.train.console import effective_log_every, run_warnings
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -66,22 +66,23 @@ def test_live_line_every_step_under_a_terminal(workdir, tmp_path):
 def test_plain_lines_at_a_capped_log_every_in_a_file(workdir, tmp_path):
     log = tmp_path / "train.log"
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "kiln", "train", str(config_file(workdir, tmp_path))],
+        proc = subprocess.run([sys.executable, "-m", "kiln", "train", str(config_file(workdir, tmp_path))], check=False,
                               stdout=subprocess.PIPE, stderr=f, env=env(), timeout=300)
     assert proc.returncode == 0
     text = log.read_text()
     assert "\x1b[" not in text  # no escape codes in a log file
-    steps = [int(m) for m in re.findall(r"^step (\d+)/20 ", text, re.M)]
+    steps = [int(m) for m in re.findall(r"^step (\d+)/20 ", text, re.MULTILINE)]
     # log_every 25 > 20 steps: capped at a tenth of the run, so it prints every 2 steps.
     assert steps == list(range(2, 21, 2))
-    assert re.search(r"^step 20/20  0:00:\d\d elapsed  ETA 0:00:00  loss \d+\.\d{4} \(smoothed \d+\.\d{4}\)", text, re.M)
+    last = r"^step 20/20  0:00:\d\d elapsed  ETA 0:00:00  loss \d+\.\d{4} \(smoothed \d+\.\d{4}\)"
+    assert re.search(last, text, re.MULTILINE)
 
 
 def test_warnings_for_settings_that_make_a_run_quietly_wrong(workdir, tmp_path):
     log = tmp_path / "train.log"
     config = config_file(workdir, tmp_path, warmup_steps=30, max_steps=4)
     with open(log, "w") as f:
-        assert subprocess.run([sys.executable, "-m", "kiln", "train", str(config)], stdout=subprocess.PIPE,
+        assert subprocess.run([sys.executable, "-m", "kiln", "train", str(config)], stdout=subprocess.PIPE, check=False,
                               stderr=f, env=env(), timeout=300).returncode == 0
     assert "warning: train.warmup_steps=30 >= train.max_steps=4: the whole run is warmup" in log.read_text()
 
@@ -135,3 +136,18 @@ def test_run_summary_has_wall_time_per_stage_and_next_commands():
     assert re.search(r"wall time: data\s+│\s+3\.2 s", text) and re.search(r"wall time: train\s+│\s+2 min 5 s", text)
     assert "kiln report /r/out/run" in text and "kiln export --hf /r/out/run /r/out/hf" in text
     assert "kiln run my.yaml train.max_steps=40" in text and "kiln eval /r/out/run --mc TASK.jsonl" in text
+
+
+def test_kiln_run_shows_a_progress_line_per_stage_under_a_terminal(tmp_path):
+    from conftest import SAMPLE_WARC
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"out_dir: out\ndata:\n  inputs: [{SAMPLE_WARC}]\n  min_chars: 200\n"
+                      "tokenizer:\n  vocab_size: 512\npack:\n  seq_len: 64\n")
+    rc, out = under_pty([sys.executable, "-m", "kiln", "run", str(config), "--until", "pack"])
+    assert rc == 0, out
+    plain = ANSI.sub("", out)
+    assert re.search(r"data .*\d+/1 tasks .*records/s", plain)  # the data stage's bar
+    assert re.search(r"✓ tokenizer: sampling up to [\d,]+ documents and training", plain)  # ends ticked
+    assert re.search(r"✓ pack: \d+ documents", plain)  # not a frozen spinner glyph
+    assert re.search(r"wall time: pack\s+│", plain) and "next:" in plain and "kiln run " in plain

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, tiny_config
+
 from kiln.cli import main as kiln
 from kiln.train.checkpoint import list_checkpoints
 from kiln.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
-QUIET = lambda *_: None  # noqa: E731
+QUIET = lambda *_: None
 
 
 def make_task(path: Path, rows: int = 24, seed: int = 0) -> Path:
@@ -104,7 +104,8 @@ def test_tasks_run_in_the_loop_and_match_the_command(trained, capsys):
     (None, "no such task file"),
     ('{"context": "a", "choices": ["b", "c"]}\n', ':1: a row needs "context", "choices" and "answer"'),
     ('{"context": "a", "choices": ["b", "c"], "answer": 0}\nnot json\n', ":2: not JSON"),
-    ('{"context": "a", "choices": ["b", "c"], "answer": 2}\n', ':1: "answer" must be the index of the right choice (0 to 1)'),
+    ('{"context": "a", "choices": ["b", "c"], "answer": 2}\n',
+     ':1: "answer" must be the index of the right choice (0 to 1)'),
     ('{"context": "a", "choices": ["b"], "answer": 0}\n', "two or more non-empty texts"),
 ])
 def test_a_bad_task_file_is_one_line(trained, tmp_path, capsys, content, message):

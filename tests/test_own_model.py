@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, tiny_config
+
 from kiln.cli import main as kiln
 from kiln.train.checkpoint import list_checkpoints, load_checkpoint
 from kiln.train.trainer import build_model

@@ -9,13 +9,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, tiny_config
+
 from kiln.cli import main as kiln
 from kiln.train.checkpoint import list_checkpoints
 from kiln.train.trainer import Trainer
 
-QUIET = lambda *_: None  # noqa: E731
+QUIET = lambda *_: None
 
 
 def fails(capsys, args: list[str], rc: int = 2) -> str:
@@ -106,7 +106,8 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def test_one_sentence_per_line_prints_the_rejection_table_and_the_keys(tmp_path, capsys):
-    data = _jsonl(tmp_path / "one.jsonl", [{"text": f"This is sentence number {i} of a small file."} for i in range(60)])
+    rows = [{"text": f"This is sentence number {i} of a small file."} for i in range(60)]
+    data = _jsonl(tmp_path / "one.jsonl", rows)
     config = tmp_path / "own.yaml"
     config.write_text(f"out_dir: out\ndata:\n  inputs: [{data.name}]\n")
     err = fails(capsys, ["run", str(config), "--until", "tokenizer"])

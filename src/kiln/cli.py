@@ -428,7 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     s.set_defaults(fn=cmd_plan)
 
-    cf = sub.add_parser("config", help="config commands").add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    cf = sub.add_parser("config", help="config commands").add_subparsers(dest="config_command", required=True,
+                                                                         metavar="ACTION")
     s = cf.add_parser("show", help="the resolved config with each key's description and default ('*' marks a change)")
     s.add_argument("config", nargs="?", help="a YAML config; without one, the defaults")
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")

@@ -145,7 +145,8 @@ class DedupConfig(Section):
 
 
 class DataConfig(Section):
-    inputs: list[str] = Field(default_factory=list, description="WARC/JSONL/Parquet files, globs or URLs (relative: to the config file's folder)")
+    inputs: list[str] = Field(default_factory=list, description="WARC/JSONL/Parquet files, globs or URLs "
+                              "(relative: to the config file's folder)")
     workers: int = Field(1, ge=1)
     executor: Literal["local", "ray"] = Field("local", description="local: a process pool of data.workers; ray: Ray tasks")
     ray_address: str | None = Field(None, description="executor=ray: an existing cluster (e.g. ray://head:10001, auto); null starts a local Ray of data.workers CPUs")
@@ -175,7 +176,8 @@ class TokenizerConfig(Section):
                              "null = train a byte-level BPE on the documents")
     eos_token: str = Field("<|eos|>", description="the end-of-document token (ends every document in the shards)")
     pad_token: str | None = Field("<|pad|>", description="the padding token (pack.mode=best_fit's filler); null = none")
-    bos_token: str | None = Field("<|bos|>", description="the beginning-of-text token (exported as bos_token); null = none")
+    bos_token: str | None = Field("<|bos|>", description="the beginning-of-text token (exported as bos_token); "
+                                  "null = none")
     vocab_size: int = Field(4096, ge=300, le=2**32 - 1)
     max_docs: int = Field(100_000, ge=1, description="documents sampled (seeded) to train on")
     min_frequency: int = Field(2, ge=1)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from kiln.errors import KilnError
 
 DELIMITER = " "
+ROW = '{"context", "choices", "answer"}'
 
 
 @dataclass
@@ -40,7 +41,7 @@ def load_questions(path: str | Path) -> list[Question]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
-        raise KilnError(f"{path}: no such task file; give a JSONL of {{\"context\", \"choices\", \"answer\"}} rows") from None
+        raise KilnError(f"{path}: no such task file; give a JSONL of {ROW} rows") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise KilnError(f"{path}: cannot read it as UTF-8 text ({exc})") from None
     questions = []
@@ -65,7 +66,7 @@ def load_questions(path: str | Path) -> list[Question]:
                             f"got {row['answer']!r}")
         questions.append(Question(context, choices, answer))
     if not questions:
-        raise KilnError(f"{path}: no rows; give a JSONL of {{\"context\", \"choices\", \"answer\"}} rows")
+        raise KilnError(f"{path}: no rows; give a JSONL of {ROW} rows")
     return questions
 
 

@@ -190,6 +190,8 @@ def model_card(cfg: Config, config: dict, checkpoint: Path, out_dir: Path, param
     step, tokens = state.get("step"), state.get("tokens_seen")
     val = (state.get("history") or {}).get("val_loss", {}).get(str(step))
     arch = config["architectures"][0]
+    sizes = (f'{config["num_hidden_layers"]} / {config["hidden_size"]} / {config["num_attention_heads"]} '
+             f'({config["num_key_value_heads"]})')
     inputs = ", ".join(cfg.data.inputs) or "(not recorded)"
     return f"""---
 library_name: transformers
@@ -203,7 +205,7 @@ A {arch} of {params:,} parameters trained with Kiln (`pip install kiln-lm`).
 
 | | |
 |---|---|
-| layers / hidden size / heads (kv) | {config["num_hidden_layers"]} / {config["hidden_size"]} / {config["num_attention_heads"]} ({config["num_key_value_heads"]}) |
+| layers / hidden size / heads (kv) | {sizes} |
 | vocabulary | {config["vocab_size"]:,} |
 | context | {cfg.pack.seq_len} tokens |
 | training steps / tokens | {_count(step)} / {_count(tokens)} |
@@ -267,7 +269,8 @@ def export_hf(checkpoint: Path, out_dir: Path) -> dict:
         shutil.copyfile(Path(checkpoint) / "tokenizer.json", tmp / "tokenizer.json")
         for name, content in tokenizer_files(token_names(cfg, tok), cfg.pack.seq_len).items():
             write_atomic(tmp / name, json.dumps(content, indent=1))
-        write_atomic(tmp / "README.md", model_card(cfg, config, checkpoint, out_dir, sum(v.numel() for v in hf.values())))
+        params = sum(v.numel() for v in hf.values())
+        write_atomic(tmp / "README.md", model_card(cfg, config, checkpoint, out_dir, params))
         _readable(tmp)
         write_manifest(tmp, stage=EXPORT_STAGE, source=str(checkpoint), step=read_manifest(checkpoint).get("step"))
     result = {"out_dir": str(out_dir), "model_type": config["model_type"], "parameters": sum(v.numel() for v in hf.values())}

@@ -430,7 +430,7 @@ def tokenizer_rows(out_dir: Path, config: dict | None) -> list[dict]:
         text_bytes = shards.get("text_bytes") or {}
         for split, info in (shards.get("splits") or {}).items():
             rows.append({"what": f"{split} tokens / samples / documents",
-                         "value": f"{fmt(info.get('tokens'))} / {fmt(info.get('samples'))} / {fmt(info.get('documents'))}"})
+                         "value": " / ".join(fmt(info.get(k)) for k in ("tokens", "samples", "documents"))})
             if text_bytes.get(split) and info.get("tokens"):
                 rows.append({"what": f"{split} bytes per token", "value": text_bytes[split] / info["tokens"]})
         if shards.get("packing_efficiency") is not None:
@@ -509,7 +509,8 @@ def render(run_dir: Path) -> str:
     val = (shards.get("splits") or {}).get("val") or {}
     val_bytes = (shards.get("text_bytes") or {}).get("val")
     if (fig := plot_bits_per_byte(records, val_bytes / val["tokens"] if val_bytes and val.get("tokens") else None)):
-        parts.append(_figure_html("Validation bits per byte (validation loss / ln 2 / the split's bytes per token)", fig))
+        parts.append(_figure_html("Validation bits per byte (validation loss / ln 2 / the split's bytes per token)",
+                                  fig))
     if not any(isinstance(r.get("mfu"), (int, float)) for r in records if r.get("event") == "step"):
         parts.append("<p>MFU is not plotted: the run's device has no peak FLOP/s in Kiln's table (a CPU, or an "
                      "unlisted GPU); set <code>train.peak_tflops</code> to report it.</p>")

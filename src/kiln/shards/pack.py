@@ -162,7 +162,7 @@ class PackProgress:
             return None
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-        self.bar = Progress(SpinnerColumn(finished_text="[green]✓[/]"), TextColumn("pack: {task.fields[docs]:,} documents, "
+        self.bar = Progress(SpinnerColumn(finished_text="✓"), TextColumn("pack: {task.fields[docs]:,} documents, "
                                                         "{task.fields[mb]:,.1f} MB of text, {task.fields[rate]:.1f} MB/s"),
                             TimeElapsedColumn(), console=self.console, transient=False)
         self.bar.start()

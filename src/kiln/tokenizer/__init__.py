@@ -144,7 +144,8 @@ def tokenizer_sha256(path: str | Path) -> str:
     file = path / TOKENIZER_FILE if path.is_dir() or not path.suffix else path
     if not file.is_file():
         raise KilnError(f"no tokenizer at {file}; prepare the data first: `kiln run CONFIG --until pack` "
-                        "(or `kiln tokenizer train DOCS_DIR --out DIR`), or set tokenizer.path to your own tokenizer.json")
+                        "(or `kiln tokenizer train DOCS_DIR --out DIR`), or set tokenizer.path to your own "
+                        "tokenizer.json")
     return sha256_file(file)
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Iterator
+from typing import Any
 
 # Weight of a new step in the smoothed loss: about the last 20 steps count.
 SMOOTHING = 0.1
@@ -120,7 +121,7 @@ def stage_progress(label: str, show: bool | None = None) -> Iterator[None]:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    bar = Progress(SpinnerColumn(finished_text="[green]✓[/]"), TextColumn(label), TimeElapsedColumn(),
+    bar = Progress(SpinnerColumn(finished_text="✓"), TextColumn(label), TimeElapsedColumn(),
                    console=Console(stderr=True), transient=False)
     task = bar.add_task(label, total=1)
     with bar:

@@ -69,7 +69,8 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class MetricsLog:
-    def __init__(self, path: Path, resume_step: int, tensorboard_dir: Path | None = None, sinks: list | None = None) -> None:
+    def __init__(self, path: Path, resume_step: int, tensorboard_dir: Path | None = None,
+                 sinks: list | None = None) -> None:
         self.sinks = list(sinks or [])  # more loggers (kiln.train.loggers): write(record), close()
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,8 @@ Hugging Face folder, a folder with no checkpoints) is a one-line KilnError sayin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from kiln.errors import IntegrityError, KilnError
 

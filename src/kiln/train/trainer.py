@@ -285,7 +285,8 @@ class Trainer:
         for name, result in self.tasks.run(self.wrapped, self.cfg.pack.seq_len, self.d.device, self.autocast,
                                            self.d.rank, self.d.world, reduce):
             self.event({"event": "task", "step": self.step, "task": name, **result})
-            self.log(f"step {self.step} {name}: acc {result['acc']:.4f} acc_norm {result['acc_norm']:.4f} (n {result['n']})")
+            self.log(f"step {self.step} {name}: acc {result['acc']:.4f} acc_norm {result['acc_norm']:.4f} "
+                     f"(n {result['n']})")
         self.watchdog.beat(self.step)
 
     # --- one optimizer step -----------------------------------------------------------------
