@@ -78,13 +78,16 @@ def test_plain_lines_at_a_capped_log_every_in_a_file(workdir, tmp_path):
     assert re.search(last, text, re.MULTILINE)
 
 
-def test_warnings_for_settings_that_make_a_run_quietly_wrong(workdir, tmp_path):
-    log = tmp_path / "train.log"
-    config = config_file(workdir, tmp_path, warmup_steps=30, max_steps=4)
-    with open(log, "w") as f:
-        assert subprocess.run([sys.executable, "-m", "kiln", "train", str(config)], stdout=subprocess.PIPE, check=False,
-                              stderr=f, env=env(), timeout=300).returncode == 0
-    assert "warning: train.warmup_steps=30 >= train.max_steps=4: the whole run is warmup" in log.read_text()
+def test_warnings_for_settings_that_make_a_run_quietly_wrong(workdir):
+    from kiln.train.trainer import Trainer
+
+    lines: list[str] = []
+    cfg = tiny_config(workdir, train={"max_steps": 2, "warmup_steps": 30, "eval_every": 0}, checkpoint={"every": 2})
+    Trainer(cfg, log=lines.append).run()
+    assert "warning: train.warmup_steps=30 >= train.max_steps=2: the whole run is warmup and the learning rate " \
+           "never reaches train.lr; lower warmup_steps" in lines
+    assert lines.index(next(ln for ln in lines if ln.startswith("warning:"))) < \
+        lines.index(next(ln for ln in lines if ln.startswith("step 1/2")))  # before the first step
 
 
 def test_repeated_data_and_a_short_vocabulary_are_named(prepared):
@@ -138,6 +141,7 @@ def test_run_summary_has_wall_time_per_stage_and_next_commands():
     assert "kiln run my.yaml train.max_steps=40" in text and "kiln eval /r/out/run --mc TASK.jsonl" in text
 
 
+@pytest.mark.slow
 def test_kiln_run_shows_a_progress_line_per_stage_under_a_terminal(tmp_path):
     from conftest import SAMPLE_WARC
 

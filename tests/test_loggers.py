@@ -27,11 +27,19 @@ def train_cli(workdir: Path, tmp_path: Path, loggers: list[str], **env) -> list[
     return read_metrics(workdir / "run" / "metrics.jsonl")
 
 
-def test_tensorboard_events_hold_the_metrics(workdir, tmp_path):
+def train_here(workdir: Path, loggers: list[str]) -> list[dict]:
+    from kiln.train.trainer import Trainer
+
+    cfg = tiny_config(workdir, train={"max_steps": 4, "eval_every": 2, "loggers": loggers}, checkpoint={"every": 4})
+    Trainer(cfg, log=lambda *_: None).run()
+    return read_metrics(workdir / "run" / "metrics.jsonl")
+
+
+def test_tensorboard_events_hold_the_metrics(workdir):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    metrics = train_cli(workdir, tmp_path, ["jsonl", "tensorboard"])
+    metrics = train_here(workdir, ["jsonl", "tensorboard"])
     events = EventAccumulator(str(workdir / "run" / "tensorboard"))
     events.Reload()
     losses = [(e.step, e.value) for e in events.Scalars("step/loss")]
@@ -64,6 +72,7 @@ def wandb_records(path: Path) -> list:
     return out
 
 
+@pytest.mark.slow  # a W&B service process starts and stops: ~20 s
 def test_wandb_offline_run_holds_the_config_and_metrics(workdir, tmp_path):
     pytest.importorskip("wandb")
     metrics = train_cli(workdir, tmp_path, ["jsonl", "wandb"], WANDB_MODE="offline", WANDB_SILENT="true",
@@ -86,8 +95,11 @@ def test_wandb_offline_run_holds_the_config_and_metrics(workdir, tmp_path):
     assert vals == [(m["step"], pytest.approx(m["val_loss"], rel=1e-9)) for m in metrics if m["event"] == "eval"]
 
 
-def test_default_is_jsonl_alone(workdir, tmp_path):
-    train_cli(workdir, tmp_path, ["jsonl"])
+def test_default_is_jsonl_alone(workdir):
+    from kiln.config import TrainConfig
+
+    assert TrainConfig().loggers == ["jsonl"]
+    train_here(workdir, ["jsonl"])
     assert not (workdir / "run" / "tensorboard").exists() and not (workdir / "run" / "wandb").exists()
 
 
