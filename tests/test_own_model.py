@@ -142,3 +142,12 @@ def test_import_names_a_missing_shard(prepared, hub_model, tmp_path, capsys):
     assert kiln(["import", "--hf", str(hub), "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert f"names {shard.name}, which is not in {hub}; download every shard" in err and "Traceback" not in err
+
+
+def test_import_with_another_tokenizer_says_to_set_tokenizer_path(workdir, hub_model, tmp_path, capsys):
+    config = tmp_path / "kiln-tok.yaml"
+    config.write_text(tiny_config(workdir, model=SIZES).to_yaml())  # shards packed with Kiln's own tokenizer
+    assert kiln(["import", "--hf", str(hub_model), "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert f"set tokenizer.path: {hub_model} (and tokenizer.eos_token to its end-of-text token)" in err
+    assert "Traceback" not in err and not (workdir / "run").exists()
