@@ -121,11 +121,12 @@ def test_one_sentence_per_line_prints_the_rejection_table_and_the_keys(tmp_path,
 
 
 def test_a_text_field_by_another_name_points_at_data_text_field(tmp_path, capsys):
-    data = _jsonl(tmp_path / "c.jsonl", [{"content": "word " * 80} for _ in range(30)])
+    data = _jsonl(tmp_path / "c.jsonl", [{"id": f"r{i}", "content": "word " * 80} for i in range(30)])
     config = tmp_path / "own.yaml"
     config.write_text(f"out_dir: {tmp_path / 'out'}\ndata:\n  inputs: [{data}]\n")
     err = fails(capsys, ["run", str(config), "--until", "pack"])
     assert "30  100.0%  read/missing_text  <- data.text_field" in err
+    assert "the records have the fields content, id: set data.text_field to the one holding the text" in err
 
 
 def test_relative_paths_in_a_config_are_relative_to_its_folder(tmp_path, monkeypatch, capsys):

@@ -82,6 +82,37 @@ def few_documents_message(stats: dict[str, Any], docs_dir) -> str | None:
     if docs["read"] == 0:
         return (f"{head}: no document was read from the inputs; check data.inputs "
                 f"(and data.text_field for JSONL/Parquet); details in {docs_dir}/stats.json")
+    hint = ""
+    if stats.get("rejected_by_reason", {}).get("read/missing_text") and (fields := _record_fields(docs_dir)):
+        hint = f"\n  the records have the fields {', '.join(fields)}: set data.text_field to the one holding the text"
     return (f"{head}; rejections by reason, with the config keys that decide them "
             f"(details: {docs_dir}/stats.json, `kiln data explain FILE:LINE --out {docs_dir}`):\n"
-            f"{rejection_table(stats)}")
+            f"{rejection_table(stats)}{hint}")
+
+
+def _record_fields(docs_dir) -> list[str] | None:
+    """The fields of the first JSONL record rejected for missing text, read back from its input line
+    (the reject's source and offset); reads up to that line of one file."""
+    import json
+    from pathlib import Path
+
+    from kiln.data.pipeline import read_part
+    from kiln.data.sources import _lines, is_url, open_input
+
+    for part in sorted((Path(docs_dir) / "rejects").glob("part-*.jsonl.zst")):
+        for rec in read_part(part):
+            source = rec.get("source") or ""
+            if rec.get("reason") != "missing_text" or is_url(source) or not Path(source).is_file():
+                continue
+            offset = 0
+            with open_input(source) as f:
+                for line in _lines(f, source):
+                    if offset == rec.get("offset"):
+                        try:
+                            row = json.loads(line)
+                        except ValueError:
+                            return None
+                        return sorted(row)[:20] if isinstance(row, dict) else None
+                    offset += len(line)
+            return None
+    return None
