@@ -45,15 +45,17 @@ def config_error(path, overrides=None) -> str:
 # --- loading ---------------------------------------------------------------------------------
 
 def test_tiny_yaml_loads_with_its_values():
+    from kiln.config import resolve_paths
+
     cfg = load_config(TINY_YAML)
-    raw = yaml.safe_load(TINY_YAML.read_text())
+    raw = resolve_paths(yaml.safe_load(TINY_YAML.read_text()), TINY_YAML.resolve().parent)  # paths: relative to the file
     dumped, defaults = cfg.model_dump(), Config().model_dump()
     for name, value in dumped.items():
         if isinstance(value, dict):  # a section: keys in the file win, the others keep their defaults
             assert value == defaults[name] | raw.get(name, {}), name
         else:
             assert value == raw.get(name, defaults[name]), name
-    assert cfg.data.inputs == ["examples/data/sample.warc.gz"] and cfg.data.workers == 2
+    assert cfg.data.inputs == [str(ROOT / "examples" / "data" / "sample.warc.gz")] and cfg.data.workers == 2
     assert (cfg.model.n_heads, cfg.model.n_kv_heads, cfg.train.lr, cfg.train.dtype) == (4, 2, 3e-3, "fp32")
     assert cfg.out == Path(cfg.out_dir)
 
@@ -108,8 +110,10 @@ def test_override_changes_one_value_and_keeps_the_rest():
         ("model.n_kv_heads=", lambda c: c.model.n_kv_heads, None),
         ("data.languages=[en, de, ja]", lambda c: c.data.languages, ["en", "de", "ja"]),
         ("data.languages=[]", lambda c: c.data.languages, []),
-        ("data.inputs=[a.warc.gz, 'b c.warc.gz']", lambda c: c.data.inputs, ["a.warc.gz", "b c.warc.gz"]),
-        ("out_dir=runs/x=1", lambda c: c.out_dir, "runs/x=1"),  # only the first '=' splits
+        # paths typed on the command line are relative to the working directory
+        ("data.inputs=[a.warc.gz, 'b c.warc.gz']", lambda c: c.data.inputs,
+         [str(Path.cwd() / "a.warc.gz"), str(Path.cwd() / "b c.warc.gz")]),
+        ("out_dir=runs/x=1", lambda c: c.out_dir, str(Path.cwd() / "runs/x=1")),  # only the first '=' splits
         (" seed = 99 ", lambda c: c.seed, 99),
         ("train.dtype=bf16", lambda c: c.train.dtype, "bf16"),
     ],

@@ -29,7 +29,8 @@ def run_dir(prepared, tmp_path_factory):
     stats = json.loads((prepared.out / "docs" / "stats.json").read_text())
     stats["dedup"] = {"cluster_sizes": {"2": 5, "3": 1}}  # the near-dedup stage's figure, when it reports one
     (out / "docs" / "stats.json").write_text(json.dumps(stats))
-    Trainer(tiny_config(out, train={"max_steps": 6, "eval_every": 3}, checkpoint={"every": 3}), log=lambda *_: None).run()
+    Trainer(tiny_config(out, train={"max_steps": 6, "eval_every": 3, "update_ratio_every": 2}, checkpoint={"every": 3}),
+            log=lambda *_: None).run()
     metrics = out / "run" / "metrics.jsonl"
     lines = metrics.read_text().splitlines()
     extra = [{"event": "skip", "step": 4, "reason": "loss_spike", "data_position": 32},
@@ -96,3 +97,41 @@ def test_report_renders_in_headless_chromium_with_every_image_loaded(run_dir, tm
     assert marker, result.stdout[-2000:]
     assert (int(marker[1]), int(marker[2]), int(marker[3])) == (n_images, n_images, 0)
     assert n_images >= 10
+
+
+def test_report_has_the_users_plots_rounded_numbers_and_the_config_changes(run_dir):
+    page = render(run_dir)
+    captions = re.findall(r"<figcaption>(.*?)</figcaption>", page)
+    for want in ("Loss against tokens seen and training time", "Update-to-weight ratio", "Validation bits per byte",
+                 "Funnel: documents left after each stage", "Rejections per language", "Document lengths",
+                 "Tokens per language"):
+        assert any(c.startswith(want) for c in captions), (want, captions)
+    assert not any(c.startswith("Cost so far") for c in captions)  # no price set: not a flat zero line
+    assert "MFU is not plotted: the run's device has no peak FLOP/s" in page  # a CPU run says why
+    assert re.search(r"<td>last train loss</td><td>\d\.\d{4}</td>", page)  # not 7.055826187133789
+    assert re.search(r"<td>packing efficiency \(concat\)</td><td>\d+\.\d\d%</td>", page)
+    assert re.search(r"<td>train bytes per token</td><td>\d\.\d{4}</td>", page)
+    assert "<td>train.max_steps</td><td>6</td><td>100</td>" in page and "<details><summary>" in page
+
+
+def test_data_stage_and_pack_count_what_the_report_shows(prepared):
+    from kiln.data.pipeline import read_docs
+    from kiln.shards.pack import split_of
+
+    stats = json.loads((prepared.out / "docs" / "stats.json").read_text())
+    docs = stats["documents"]
+    assert sum(sum(r.values()) for r in stats["rejected_by_lang"].values()) == docs["rejected"]
+    by_reason: dict[str, int] = {}
+    for reasons in stats["rejected_by_lang"].values():
+        for reason, n in reasons.items():
+            by_reason[reason] = by_reason.get(reason, 0) + n
+    assert by_reason == stats["rejected_by_reason"]
+    assert sum(stats["length_histogram"]["kept"].values()) == docs["kept"]
+    kept = list(read_docs(prepared.out / "docs"))
+    for doc in kept[:50]:  # each kept document in the bin of its length
+        assert 0 < int(max(b for b in stats["length_histogram"]["kept"] if int(b) <= len(doc["text"]))) <= len(doc["text"])
+    shards = json.loads((prepared.out / "shards" / "manifest.json").read_text())
+    assert sum(shards["tokens_by_lang"].values()) == sum(d["tokens"] for d in shards["documents"])
+    val = prepared.pack.val_fraction
+    assert shards["text_bytes"] == {s: sum(len(d["text"].encode()) for d in kept if split_of(d["id"], val) == s)
+                                    for s in ("train", "val")}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -11,9 +12,40 @@ from kiln import __version__
 from kiln.errors import IntegrityError, KilnError
 
 
+def _is_override(word: str) -> bool:
+    """KEY=VALUE, unless the word names an existing file (a Hive-style path such as lang=en/part-0.parquet)."""
+    return "=" in word and not word.startswith("-") and not Path(word).exists()
+
+
 def _split_overrides(values: list[str]) -> tuple[list[str], list[str]]:
-    """Positional words with '=' are KEY=VALUE overrides; the rest are paths."""
-    return [v for v in values if "=" not in v], [v for v in values if "=" in v]
+    """Positional words with '=' are KEY=VALUE overrides; the rest are paths (after `--`, see main)."""
+    return [v for v in values if not _is_override(v)], [v for v in values if _is_override(v)]
+
+
+def _explicit_overrides(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """Take `--set KEY=VALUE` (repeatable) and everything after `--` out of argv as overrides.
+
+    With either, positional words are never read as overrides, so any path (one holding '=') works:
+    `kiln data 'lang=en/*.parquet' --out docs -- data.min_chars=100`. None when neither is used."""
+    words, overrides, explicit = [], [], False
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            overrides += argv[i + 1:]
+            explicit = True
+            break
+        if word == "--set" and i + 1 < len(argv):
+            overrides.append(argv[i + 1])
+            explicit, i = True, i + 2
+            continue
+        if word.startswith("--set="):
+            overrides.append(word[len("--set="):])
+            explicit = True
+        else:
+            words.append(word)
+        i += 1
+    return words, (overrides if explicit else None)
 
 
 def _console():
@@ -32,7 +64,8 @@ def cmd_run(args) -> int:
     result = run_all(cfg, log=console.print, until=args.until)
     from rich.console import Console
 
-    print_summary(result, Console(stderr=True, highlight=False, width=max(console.width, 110)))
+    again = shlex.join([args.config, *(o for o in args.overrides if not o.startswith("train.max_steps="))])
+    print_summary(result, Console(stderr=True, highlight=False, width=max(console.width, 110)), config=again)
     return 0
 
 
@@ -42,7 +75,8 @@ def cmd_data(args) -> int:
 
     if args.inputs[:1] == ["explain"]:  # `kiln data explain DOC_ID_OR_URL --out DIR` (a file named explain: ./explain)
         return cmd_data_explain(args.inputs[1:], Path(args.out))  # a URL may hold '=': not an override here
-    inputs, overrides = _split_overrides(args.inputs)
+    inputs, overrides = (args.inputs, []) if args.explicit else _split_overrides(args.inputs)
+    overrides += args.set_overrides
     if args.lang_model:
         overrides.append(f"data.lang_model={args.lang_model}")
     cfg = load_config(args.config, overrides)
@@ -69,9 +103,13 @@ def cmd_data_explain(keys: list[str], docs_dir: Path) -> int:
 def cmd_tokenizer_train(args) -> int:
     from kiln.config import load_config
     from kiln.data.pipeline import read_docs
+    from kiln.data.rejections import few_documents_message
     from kiln.tokenizer import train_tokenizer
 
     cfg = load_config(args.config, args.overrides)
+    stats = Path(args.docs_dir) / "stats.json"
+    if stats.is_file() and (few := few_documents_message(json.loads(stats.read_text()), Path(args.docs_dir))):
+        raise KilnError(few)
     tok = train_tokenizer(read_docs(Path(args.docs_dir)), Path(args.out), cfg.tokenizer, cfg.seed)
     print(json.dumps({"tokenizer": str(Path(args.out) / "tokenizer.json"), "vocab_size": tok.get_vocab_size()}))
     return 0
@@ -108,17 +146,30 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _checkpoint(path: str) -> Path:
+    """A checkpoint folder, or the newest valid one of a run folder (named on stderr)."""
+    from kiln.train.resolve import resolve_checkpoint
+
+    return resolve_checkpoint(path, log=_console().print)
+
+
 def cmd_eval(args) -> int:
     from kiln.eval import evaluate_checkpoint
 
-    print(json.dumps(evaluate_checkpoint(Path(args.checkpoint), Path(args.text) if args.text else None)))
+    if args.mc:
+        from kiln.eval.mc import evaluate_mc_checkpoint, load_questions
+
+        load_questions(args.mc)  # a bad task file is named before the checkpoint is looked for
+        print(json.dumps({"mc": evaluate_mc_checkpoint(_checkpoint(args.checkpoint), Path(args.mc))}))
+        return 0
+    print(json.dumps(evaluate_checkpoint(_checkpoint(args.checkpoint), Path(args.text) if args.text else None)))
     return 0
 
 
 def cmd_generate(args) -> int:
     from kiln.eval.generate import generate_from_checkpoint
 
-    out = generate_from_checkpoint(Path(args.checkpoint), args.prompt, args.max_new_tokens, args.temperature,
+    out = generate_from_checkpoint(_checkpoint(args.checkpoint), args.prompt, args.max_new_tokens, args.temperature,
                                    args.top_k, args.seed)
     print(out.prompt + out.text)
     return 0
@@ -194,6 +245,14 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_config_show(args) -> int:
+    from kiln.config import load_config
+    from kiln.config_doc import show
+
+    print(show(load_config(args.config, args.overrides)))
+    return 0
+
+
 def cmd_report(args) -> int:
     from kiln.ops.report import write_report
 
@@ -204,7 +263,7 @@ def cmd_report(args) -> int:
 def cmd_export(args) -> int:
     from kiln.ops.export import export_hf
 
-    print(json.dumps(export_hf(Path(args.checkpoint), Path(args.out_dir))))
+    print(json.dumps(export_hf(_checkpoint(args.checkpoint), Path(args.out_dir))))
     return 0
 
 
@@ -215,6 +274,63 @@ def cmd_import(args) -> int:
     cfg = load_config(args.config, args.overrides)
     print(json.dumps({"checkpoint": str(import_hf(Path(args.hf), cfg))}))
     return 0
+
+
+CHECKPOINT_HELP = "a checkpoint folder, or a run folder or out_dir (its newest valid checkpoint, named on stderr)"
+OVERRIDES_HELP = ("config overrides, e.g. train.lr=3e-4 (or --set KEY=VALUE, or every word after --); "
+                  "`kiln config show CONFIG` lists the keys")
+# One example per command, shown at the end of its --help.
+EXAMPLES = {
+    "run": "kiln run examples/tiny.yaml train.max_steps=50",
+    "data": "kiln data 'crawl/*.warc.gz' --out out/docs -- data.languages=[en]      "
+            "(after --, every word is an override; before it, any path)",
+    "tokenizer train": "kiln tokenizer train out/tiny/docs --out out/tok tokenizer.vocab_size=8192",
+    "pack": "kiln pack out/tiny/docs --tokenizer out/tiny/tokenizer --out out/shards pack.seq_len=512",
+    "train": "torchrun --nproc_per_node=2 -m kiln train examples/tiny.yaml train.max_steps=500",
+    "eval": "kiln eval out/tiny/run --mc tasks.jsonl      (a run folder: its newest valid checkpoint)",
+    "generate": 'kiln generate out/tiny/run --prompt "The Debian" --temperature 0',
+    "ckpt verify": "kiln ckpt verify out/tiny/run/checkpoints/step-00000300",
+    "ckpt list": "kiln ckpt list out/tiny/run",
+    "shards verify": "kiln shards verify out/tiny/shards",
+    "shards inspect": "kiln shards inspect out/tiny/shards --at 0",
+    "doctor": "kiln doctor --config examples/tiny.yaml",
+    "preflight": "kiln preflight examples/tiny.yaml",
+    "plan": "kiln plan examples/gpu-1b.yaml plan.devices=8",
+    "config show": "kiln config show examples/tiny.yaml train.lr=1e-3",
+    "report": "kiln report out/tiny/run",
+    "export": "kiln export --hf out/tiny/run out/tiny/hf",
+    "import": "kiln import --hf path/to/llama --config my.yaml      (tokenizer.path: path/to/llama in my.yaml)",
+}
+
+
+def _has_default(action: argparse.Action) -> bool:
+    return not any(action.default is v for v in (None, False, True, argparse.SUPPRESS)) and action.nargs != 0
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option with a default says it; the epilog (the example) keeps its layout."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.option_strings and _has_default(action) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _add_examples(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                command = f"{prefix} {name}".strip()
+                sub.formatter_class = _HelpFormatter
+                for option in sub._actions:
+                    if option.dest == "overrides" and option.help is None:
+                        option.help = OVERRIDES_HELP
+                    if option.help is None and option.option_strings and _has_default(option):
+                        option.help = "default: %(default)s"
+                if command in EXAMPLES:
+                    sub.epilog = f"example:\n  {EXAMPLES[command]}"
+                _add_examples(sub, command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -260,12 +376,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_train)
 
     s = sub.add_parser("eval", help='print {"loss", "perplexity", "tokens"} of a checkpoint')
-    s.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    s.add_argument("checkpoint", metavar="CHECKPOINT", help=CHECKPOINT_HELP)
     s.add_argument("--text", metavar="FILE", help="a UTF-8 text file instead of the validation shards")
+    s.add_argument("--mc", metavar="FILE.jsonl", help='multiple choice: rows {"context", "choices", "answer"}; '
+                   'prints {"mc": {"acc", "acc_norm", "n"}} (lm-eval-harness definitions)')
     s.set_defaults(fn=cmd_eval)
 
     s = sub.add_parser("generate", help="print the prompt and a sampled continuation from a checkpoint")
-    s.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    s.add_argument("checkpoint", metavar="CHECKPOINT", help=CHECKPOINT_HELP)
     s.add_argument("--prompt", required=True, metavar="TEXT")
     s.add_argument("--max-new-tokens", type=int, default=100, metavar="N")
     s.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0 = greedy")
@@ -314,6 +432,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     s.set_defaults(fn=cmd_plan)
 
+    cf = sub.add_parser("config", help="config commands").add_subparsers(dest="config_command", required=True,
+                                                                         metavar="ACTION")
+    s = cf.add_parser("show", help="the resolved config with each key's description and default ('*' marks a change)")
+    s.add_argument("config", nargs="?", help="a YAML config; without one, the defaults")
+    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    s.set_defaults(fn=cmd_config_show)
+
     s = sub.add_parser("report", help="write a self-contained report.html with the run's plots")
     s.add_argument("run_dir", metavar="RUN_DIR", help="the run folder ({out_dir}/run)")
     s.add_argument("--out", metavar="FILE", help="default: RUN_DIR/report.html")
@@ -321,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama folder")
     s.add_argument("--hf", action="store_true", required=True, help="the Hugging Face transformers layout")
-    s.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    s.add_argument("checkpoint", metavar="CHECKPOINT", help=CHECKPOINT_HELP)
     s.add_argument("out_dir", metavar="OUT_DIR")
     s.set_defaults(fn=cmd_export)
 
@@ -331,13 +456,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", required=True, help="the config to train with; its model section must match HF_DIR/config.json")
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     s.set_defaults(fn=cmd_import)
+    _add_examples(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    words, explicit = _explicit_overrides(list(sys.argv[1:] if argv is None else argv))
     # KEY=VALUE overrides may also come after the options (argparse alone would refuse them there).
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(words)
     if extra and not all("=" in e and not e.startswith("-") for e in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if hasattr(args, "inputs"):
@@ -348,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
         args.config = None
     if not hasattr(args, "overrides"):
         args.overrides = []
+    args.explicit, args.set_overrides = explicit is not None, explicit or []
+    if not hasattr(args, "inputs"):
+        args.overrides = [*args.overrides, *args.set_overrides]
     try:
         return args.fn(args)
     except IntegrityError as exc:

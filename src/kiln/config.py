@@ -10,6 +10,7 @@ import difflib
 import hashlib
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -157,7 +158,8 @@ class DedupConfig(Section):
 
 
 class DataConfig(Section):
-    inputs: list[str] = Field(default_factory=list, description="WARC files or globs (relative paths: to the working directory)")
+    inputs: list[str] = Field(default_factory=list, description="WARC/JSONL/Parquet files, globs or URLs "
+                              "(relative: to the config file's folder)")
     workers: int = Field(1, ge=1)
     executor: Literal["local", "ray"] = Field("local", description="local: a process pool of data.workers; ray: Ray tasks")
     ray_address: str | None = Field(None, description="executor=ray: an existing cluster (e.g. ray://head:10001, auto); null starts a local Ray of data.workers CPUs")
@@ -185,6 +187,12 @@ class DataConfig(Section):
 
 
 class TokenizerConfig(Section):
+    path: str | None = Field(None, description="your own tokenizer.json (or a folder with one, e.g. a Hub model's); "
+                             "null = train a byte-level BPE on the documents")
+    eos_token: str = Field("<|eos|>", description="the end-of-document token (ends every document in the shards)")
+    pad_token: str | None = Field("<|pad|>", description="the padding token (pack.mode=best_fit's filler); null = none")
+    bos_token: str | None = Field("<|bos|>", description="the beginning-of-text token (exported as bos_token); "
+                                  "null = none")
     vocab_size: int = Field(4096, ge=300, le=2**32 - 1)
     max_docs: int = Field(100_000, ge=1, description="documents sampled (seeded) to train on")
     min_frequency: int = Field(2, ge=1)
@@ -322,7 +330,12 @@ class TrainConfig(Section):
     threads: int | None = Field(None, ge=1, description="torch intra-op threads per process; null = torch default")
     eval_every: int = Field(50, ge=0, description="steps between validation evals; 0 = only at start and end")
     eval_batches: int = Field(8, ge=1)
-    log_every: int = Field(10, ge=1)
+    log_every: int = Field(10, ge=1, description="steps between printed lines (at most a tenth of max_steps); "
+                           "a terminal also gets a live line every step")
+    loggers: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["jsonl"], description="metrics.jsonl always; tensorboard -> run/tensorboard/ "
+        "(kiln-lm[tensorboard]); wandb -> run/wandb/ (kiln-lm[wandb]; WANDB_MODE=offline keeps it local)")
+    wandb_project: str = Field("kiln", description="the W&B project of train.loggers' wandb")
     schedule: Literal["cosine", "wsd", "constant", "breathing"] = Field(
         "cosine", description="LR after warmup (kiln.train.schedule): cosine to the floor, warmup-stable-decay, constant, breathing")
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: the last fraction of max_steps that decays to the floor")
@@ -427,6 +440,17 @@ class PlanConfig(Section):
     tokens: int | None = Field(None, ge=1, description="training tokens D; null = train.max_steps × batch_size × seq_len")
 
 
+class TaskConfig(Section):
+    name: str = Field(description="the task's name in metrics.jsonl and the report")
+    path: str = Field(description='a JSONL of {"context", "choices", "answer"} rows (kiln.eval.mc)')
+
+
+class EvalConfig(Section):
+    """Downstream multiple-choice tasks run inside the training loop (lm-eval-harness's acc and acc_norm)."""
+    tasks: list[TaskConfig] = Field(default_factory=list, description="[{name, path}]; empty = none")
+    tasks_every: int = Field(0, ge=0, description="steps between task evals; 0 = only at the last step")
+
+
 class Config(Section):
     out_dir: str = "out/run"
     seed: int = 1234
@@ -444,6 +468,7 @@ class Config(Section):
     preflight: PreflightConfig = Field(default_factory=PreflightConfig)
     plan: PlanConfig = Field(default_factory=PlanConfig)
     loader: LoaderConfig = Field(default_factory=LoaderConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @property
     def out(self) -> Path:
@@ -511,11 +536,48 @@ def _explain(err: ValidationError) -> str:
 
 
 def build_config(data: dict[str, Any], overrides: list[str] | None = None) -> Config:
-    merged = _merge(data, parse_overrides(overrides or []))
+    """`data` as given; relative paths in `overrides` (typed by a user) are made absolute against the working
+    directory, so a saved config.yaml means the same wherever it is read."""
+    merged = _merge(data, resolve_paths(parse_overrides(overrides or []), Path.cwd()))
     try:
         return Config(**merged)
     except ValidationError as err:
         raise ConfigError(_explain(err)) from None
+
+
+# Config keys holding paths ("[]" = each item; "[].path" = each item's `path`). In a config file, a relative
+# one is relative to the file's folder, so a config works from any working directory; on the command line
+# (KEY=VALUE overrides) it is relative to the working directory, as a shell user expects.
+PATH_KEYS = ("out_dir", "data.inputs[]", "data.lang_model", "data.blocklist.file", "tokenizer.path",
+             "loader.sources[].path", "loader.cache_dir", "checkpoint.signing_key", "checkpoint.public_key",
+             "eval.tasks[].path")
+
+
+def _anchor(value: Any, base: Path) -> Any:
+    if not isinstance(value, str) or not value or "://" in value or Path(value).expanduser().is_absolute():
+        return value
+    return os.path.normpath(base / Path(value).expanduser())
+
+
+def resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """Relative paths under PATH_KEYS made relative to `base` (the config file's folder); `data` is not changed."""
+    def walk(node: Any, parts: list[str]) -> Any:
+        if not parts:
+            return _anchor(node, base)
+        head, rest = parts[0], parts[1:]
+        if head.endswith("[]"):
+            items = node.get(head[:-2]) if isinstance(node, dict) else None
+            if not isinstance(items, list):
+                return node
+            new = [walk(item, rest) if rest else _anchor(item, base) for item in items]
+            return {**node, head[:-2]: new}
+        if not isinstance(node, dict) or head not in node:
+            return node
+        return {**node, head: walk(node[head], rest)}
+
+    for key in PATH_KEYS:
+        data = walk(data, key.replace("[].", "[] ").replace(".", " ").split())
+    return data
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
@@ -534,4 +596,4 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(data).__name__}")
-    return build_config(data, overrides)
+    return build_config(resolve_paths(data, path.resolve().parent), overrides)

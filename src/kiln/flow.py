@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from typing import Any, Callable
 
 from kiln.config import Config
 from kiln.data.pipeline import expand_inputs, fingerprint as data_fingerprint, read_docs, run_data
+from kiln.data.rejections import few_documents_message
 from kiln.errors import KilnError
 from kiln.manifest import is_complete, read_manifest
 from kiln.shards.pack import pack
-from kiln.tokenizer import tokenizer_sha256, train_tokenizer
+from kiln.train.console import stage_progress, stderr_is_terminal
+from kiln.tokenizer import tokenizer_sha256, train_tokenizer, use_tokenizer
 
 
 def _hash(*parts: str) -> str:
@@ -31,18 +34,27 @@ def run_data_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
         log(f"data: skipping, {docs} is complete and up to date")
     else:
         log(f"data: reading {len(cfg.data.inputs)} input(s) -> {docs}")
-        run_data(cfg.data.inputs, docs, cfg.data)
+        run_data(cfg.data.inputs, docs, cfg.data, progress=stderr_is_terminal())
     return json.loads((docs / "stats.json").read_text())
 
 
 def run_tokenizer_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
     docs, out = cfg.out / "docs", cfg.out / "tokenizer"
+    if few := few_documents_message(json.loads((docs / "stats.json").read_text()), docs):
+        raise KilnError(few)
+    if cfg.tokenizer.path:  # the user's own: committed as it is, with the names of its special tokens
+        fp = _hash(tokenizer_sha256(cfg.tokenizer.path), cfg.section_hash("tokenizer"))
+        if not is_complete(out, fp):
+            log(f"tokenizer: using {cfg.tokenizer.path} -> {out}")
+            use_tokenizer(out, cfg.tokenizer, fingerprint=fp)
+        return read_manifest(out)
     fp = _hash(_manifest_sha(docs), cfg.section_hash("tokenizer"))
     if is_complete(out, fp):
         log(f"tokenizer: skipping, {out} is complete and up to date")
     else:
         log(f"tokenizer: training byte-level BPE (vocab {cfg.tokenizer.vocab_size}) -> {out}")
-        train_tokenizer(read_docs(docs), out, cfg.tokenizer, cfg.seed, fingerprint=fp)
+        with stage_progress(f"tokenizer: sampling up to {cfg.tokenizer.max_docs:,} documents and training"):
+            train_tokenizer(read_docs(docs), out, cfg.tokenizer, cfg.seed, fingerprint=fp)
     return read_manifest(out)
 
 
@@ -75,9 +87,11 @@ STAGES = {"data": run_data_stage, "tokenizer": run_tokenizer_stage, "pack": run_
 
 def run_all(cfg: Config, log: Callable[[str], None] = print, until: str = "train") -> dict[str, Any]:
     """Run the stages in order up to and including `until`; returns each stage's result by name."""
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"timings_s": {}}
     for name, stage in STAGES.items():
+        start = time.perf_counter()
         results[name] = stage(cfg, log)
+        results["timings_s"][name] = round(time.perf_counter() - start, 3)
         if name == until:
             break
     return results

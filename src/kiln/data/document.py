@@ -40,6 +40,7 @@ class Document:
     lang_score: float | None = None
     rejection: Rejection | None = None
     edits: dict[str, int] = field(default_factory=dict)  # what rewriting gates changed, e.g. {"pii_email": 2}
+    text_chars: int | None = None  # a reject record's text length (its text is not kept), for the report
 
     def reject(self, stage: str, reason: str, **signals: Any) -> "Document":
         self.rejection = Rejection(stage, reason, signals)
@@ -61,14 +62,15 @@ class Document:
             "id": self.id, "url": self.url, "source": self.source, "offset": self.offset,
             "length": self.length, "stage": self.rejection.stage, "reason": self.rejection.reason,
             "signals": self.rejection.signals, "date": self.date, "record_id": self.record_id,
-            "content_type": self.content_type,
+            "content_type": self.content_type, "lang": self.lang,
+            "chars": len(self.text) if self.text is not None else self.text_chars,
         }
 
     @classmethod
     def from_record(cls, rec: dict[str, Any]) -> "Document":
         """A kept or reject record (as a task wrote it) back into a Document."""
         names = ("id", "source", "offset", "length", "url", "date", "content_type", "record_id", "text", "lang", "lang_score")
-        doc = cls(**{k: rec.get(k) for k in names}, edits=rec.get("edits") or {})
+        doc = cls(**{k: rec.get(k) for k in names}, edits=rec.get("edits") or {}, text_chars=rec.get("chars"))
         if "reason" in rec:
             doc.rejection = Rejection(rec["stage"], rec["reason"], rec["signals"])
         return doc

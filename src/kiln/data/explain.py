@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -21,17 +22,68 @@ def _records(folder: Path, outcome: str) -> Iterator[tuple[str, dict[str, Any]]]
             yield outcome, rec | {"part": name}
 
 
+_AT_LINE = re.compile(r"^(?P<path>.+):(?P<where>\d+|row\d+)$")
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return a == b
+
+
+def _line_offset(path: str, line: int) -> int | None:
+    """Byte offset (in the decompressed stream) where line `line` (1-based) of a local JSONL file starts.
+    Reads at most `line` lines."""
+    from kiln.data.sources import _lines, open_input
+
+    if not Path(path).is_file():
+        return None
+    offset = 0
+    with open_input(path, None) as f:
+        for number, text in enumerate(_lines(f, path), 1):
+            if number == line:
+                return offset
+            offset += len(text)
+    return None
+
+
+def _at_line(key: str) -> Any:
+    """For 'PATH:LINE' (or 'PATH:rowN' of a Parquet file), a test on a record's provenance; else None.
+    A record whose own id field was used is found by its source and byte offset."""
+    m = _AT_LINE.match(key)
+    if not m:
+        return None
+    path, where = m["path"], m["where"]
+    basename_id = f"{Path(path).name}:{where}"
+    offset = _line_offset(path, int(where)) if where.isdigit() and not path.endswith(".parquet") else None
+    row = int(where[3:]) if where.startswith("row") else None
+
+    def matches(rec: dict[str, Any]) -> bool:
+        src = str(rec.get("source") or "")
+        if not (_same_file(src, path) or Path(src).name == Path(path).name):
+            return False
+        if rec.get("id") == basename_id:
+            return True
+        at = offset if row is None else row
+        return at is not None and rec.get("offset") == at and _same_file(src, path)
+
+    return matches
+
+
 def find(key: str, docs_dir: Path) -> list[dict[str, Any]]:
-    """Every outcome whose id, WARC-Record-ID or URL is `key` (a URL can have been crawled twice)."""
+    """Every outcome whose id, WARC-Record-ID or URL is `key` (a URL can have been crawled twice); a key
+    of the form PATH:LINE (what a user copies from an editor) finds that line of that input file."""
     docs_dir = Path(docs_dir)
     read_manifest(docs_dir)  # a folder `kiln data` committed, or a clear error
+    at_line = _at_line(key)
     found = []
     for outcome, rec in itertools.chain(_records(docs_dir, "kept"), _records(docs_dir / "rejects", "rejected")):
-        if key in (rec.get("id"), rec.get("record_id"), rec.get("url")):
+        if key in (rec.get("id"), rec.get("record_id"), rec.get("url")) or (at_line and at_line(rec)):
             found.append(rec | {"outcome": outcome})
     if not found:
         raise KilnError(f"{docs_dir}: no document with id, WARC-Record-ID or URL {key!r}; "
-                        "ids are in part-*.jsonl.zst and rejects/part-*.jsonl.zst")
+                        "ids are in part-*.jsonl.zst and rejects/part-*.jsonl.zst, or give FILE:LINE of an input")
     return found
 
 

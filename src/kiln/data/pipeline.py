@@ -36,6 +36,7 @@ from kiln.data.extract import extract
 from kiln.data.gates import apply_gates, default_gates
 from kiln.data.language import check_model, identify_language
 from kiln.data.read import read_warc, splittable
+from kiln.data.shape import CorpusShape
 from kiln.data.sources import expand_inputs as _expand, input_format, input_identity, input_size, read_jsonl, read_parquet
 from kiln.errors import KilnError
 from kiln.manifest import staging_dir, write_atomic, write_manifest, writes_folder
@@ -318,8 +319,10 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
     langs: Counter[str] = Counter()
     by_source = {s["source"]: Counter() for s in summaries}  # every input, in input order, even an empty one
     read = kept = chars = 0
+    shape = CorpusShape()
     for doc in docs:
         read += 1
+        shape.add(doc)
         counts = by_source[doc.source]
         counts["read"] += 1
         if doc.rejection is None:
@@ -362,6 +365,7 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
         "kept_by_lang": dict(sorted(langs.items(), key=lambda kv: (-kv[1], kv[0]))),
         "by_source": {src: {k: c[k] for k in ("read", "kept", "rejected")} for src, c in by_source.items()},
         "kept_chars": chars,
+        **shape.report(),
         "edits": dict(sorted(edits.items())),
         # per-source sampling weights: a source whose top tokens drift is down-weighted, never dropped
         "source_weights": profiles.report(),

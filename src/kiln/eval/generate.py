@@ -79,11 +79,11 @@ def sample_ids(model: torch.nn.Module, context: list[int], max_new_tokens: int, 
 
 
 def generate(model: torch.nn.Module, tokenizer, prompt: str, max_new_tokens: int = 100, temperature: float = 1.0,
-             top_k: int | None = None, seed: int = 0) -> Generation:
-    """Continue `prompt` with `model`; the same seed gives the same text."""
-    from kiln.tokenizer import eos_id
+             top_k: int | None = None, seed: int = 0, eos_token: str | None = None) -> Generation:
+    """Continue `prompt` with `model`; the same seed gives the same text. `eos_token`: default Kiln's <|eos|>."""
+    from kiln.tokenizer import EOS, eos_id
 
-    eos = eos_id(tokenizer)
+    eos = eos_id(tokenizer, eos_token or EOS)
     context = [eos] + tokenizer.encode(prompt, add_special_tokens=False).ids
     new, stop = sample_ids(model, context, max_new_tokens, temperature, top_k, seed, eos, tokenizer.get_vocab_size())
     return Generation(prompt, tokenizer.decode(new, skip_special_tokens=False), new, stop)
@@ -104,4 +104,4 @@ def generate_from_checkpoint(folder: str | Path, prompt: str, max_new_tokens: in
     # The embedding's rows, not the tokenizer's size: the model may pad its vocabulary.
     model = build_model(cfg, weights["tok_embeddings.weight"].shape[0])
     model.load_state_dict(weights)
-    return generate(model, tok, prompt, max_new_tokens, temperature, top_k, seed)
+    return generate(model, tok, prompt, max_new_tokens, temperature, top_k, seed, cfg.tokenizer.eos_token)

@@ -8,6 +8,7 @@ installed: the folder is config.json + safetensors + tokenizer files.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -18,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from kiln.config import Config
 from kiln.errors import KilnError
 from kiln.manifest import read_manifest, staging_dir, write_atomic, write_manifest, writes_folder
-from kiln.tokenizer import BOS, EOS, PAD, load_tokenizer, tokenizer_sha256
+from kiln.tokenizer import NAME_KEYS, load_tokenizer, tokenizer_sha256
 
 # Kiln name -> Hugging Face LlamaForCausalLM name; {i} is the layer number.
 NAMES = [
@@ -86,6 +87,12 @@ def rope_parameters(cfg: Config) -> dict:
             "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_seq_len}
 
 
+def token_names(cfg: Config, tok) -> dict[str, str | None]:
+    """{bos_token, eos_token, pad_token}: the config's names (tokenizer.*) that the tokenizer has; others None."""
+    names = {k: getattr(cfg.tokenizer, k) for k in NAME_KEYS}
+    return {k: v if v is not None and tok.token_to_id(v) is not None else None for k, v in names.items()}
+
+
 def hf_config(cfg: Config, vocab_size: int, tok, where: Path = Path(".")) -> dict:
     from kiln.train.trainer import build_model
 
@@ -103,7 +110,7 @@ def hf_config(cfg: Config, vocab_size: int, tok, where: Path = Path(".")) -> dic
         "rope_scaling": None if rope["rope_type"] == "default" else rope,
         "tie_word_embeddings": args.tie_embeddings, "attention_bias": False, "attention_dropout": 0.0,
         "mlp_bias": False, "initializer_range": args.init_std, "use_cache": True,
-        "bos_token_id": tok.token_to_id(BOS), "eos_token_id": tok.token_to_id(EOS), "pad_token_id": tok.token_to_id(PAD),
+        **{f"{k}_id": tok.token_to_id(v) if v else None for k, v in token_names(cfg, tok).items()},
     }
     return config | (moe or {})
 
@@ -150,17 +157,82 @@ def from_hf(state: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tens
     return out
 
 
-def tokenizer_files(tok, seq_len: int) -> dict[str, dict]:
+def tokenizer_files(names: dict[str, str | None], seq_len: int) -> dict[str, dict]:
     # Kiln pads on the right in training (samples are packed, no padding), and Kiln encodes text that spells a
     # special token as text (split_special_tokens), so the HF tokenizer must behave the same.
+    present = {k: v for k, v in names.items() if v}
     return {
         "tokenizer_config.json": {
-            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
+            "tokenizer_class": "PreTrainedTokenizerFast", **present,
             "add_bos_token": False, "add_eos_token": False, "padding_side": "right", "model_max_length": seq_len,
             "split_special_tokens": True, "clean_up_tokenization_spaces": False,
         },
-        "special_tokens_map.json": {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD},
+        "special_tokens_map.json": present,
     }
+
+
+def _readable(folder: Path) -> None:
+    """Files as a plain `cp` would make them (0666 less the umask): the staging writes leave some at 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in folder.iterdir():
+        if p.is_file():
+            os.chmod(p, 0o666 & ~umask)
+
+
+def _count(n: int | None) -> str:
+    return "n/a" if n is None else f"{n:,}"
+
+
+def model_card(cfg: Config, config: dict, checkpoint: Path, out_dir: Path, params: int) -> str:
+    """README.md of the export: what the model is, what it was trained on, how to load and evaluate it."""
+    state = json.loads((Path(checkpoint) / "state.json").read_text())
+    step, tokens = state.get("step"), state.get("tokens_seen")
+    val = (state.get("history") or {}).get("val_loss", {}).get(str(step))
+    arch = config["architectures"][0]
+    sizes = (f'{config["num_hidden_layers"]} / {config["hidden_size"]} / {config["num_attention_heads"]} '
+             f'({config["num_key_value_heads"]})')
+    inputs = ", ".join(cfg.data.inputs) or "(not recorded)"
+    return f"""---
+library_name: transformers
+pipeline_tag: text-generation
+tags: [kiln, pretraining, {config["model_type"]}]
+---
+
+# {out_dir.name}
+
+A {arch} of {params:,} parameters trained with Kiln (`pip install kiln-lm`).
+
+| | |
+|---|---|
+| layers / hidden size / heads (kv) | {sizes} |
+| vocabulary | {config["vocab_size"]:,} |
+| context | {cfg.pack.seq_len} tokens |
+| training steps / tokens | {_count(step)} / {_count(tokens)} |
+| validation loss at the last step | {"n/a" if val is None else f"{val:.4f}"} |
+| data | {inputs} |
+| exported from | {checkpoint} |
+
+## Use
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained("{out_dir}")
+model = AutoModelForCausalLM.from_pretrained("{out_dir}")
+```
+
+Documents in training follow `{cfg.tokenizer.eos_token}`: start a prompt with it for the model's view of
+"the start of a document".
+
+## Evaluate with lm-eval-harness
+
+```
+lm_eval --model hf --model_args pretrained={out_dir} --tasks hellaswag --device cpu
+```
+
+The harness downloads its data sets; offline, `kiln eval CHECKPOINT --mc FILE.jsonl` scores a local
+multiple-choice file with the same definitions of acc and acc_norm.
+"""
 
 
 @writes_folder(EXPORT_STAGE, out="out_dir", inputs=("checkpoint",))
@@ -179,12 +251,16 @@ def export_hf(checkpoint: Path, out_dir: Path) -> dict:
     with staging_dir(out_dir) as tmp:
         save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_atomic(tmp / "config.json", json.dumps(config, indent=1))
+        # No max_length: transformers would warn on every generate that it overrides max_new_tokens.
         write_atomic(tmp / "generation_config.json", json.dumps(
             {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-             "pad_token_id": config["pad_token_id"], "max_length": cfg.pack.seq_len}, indent=1))
+             "pad_token_id": config["pad_token_id"]}, indent=1))
         shutil.copyfile(Path(checkpoint) / "tokenizer.json", tmp / "tokenizer.json")
-        for name, content in tokenizer_files(tok, cfg.pack.seq_len).items():
+        for name, content in tokenizer_files(token_names(cfg, tok), cfg.pack.seq_len).items():
             write_atomic(tmp / name, json.dumps(content, indent=1))
+        params = sum(v.numel() for v in hf.values())
+        write_atomic(tmp / "README.md", model_card(cfg, config, checkpoint, out_dir, params))
+        _readable(tmp)
         write_manifest(tmp, stage=EXPORT_STAGE, source=str(checkpoint), step=read_manifest(checkpoint).get("step"))
     result = {"out_dir": str(out_dir), "model_type": config["model_type"], "parameters": sum(v.numel() for v in hf.values())}
     if config["model_type"] == "mixtral" and cfg.model.moe.capacity_factor is not None:
@@ -210,6 +286,25 @@ def _config_mismatches(hf: dict, expected: dict) -> list[str]:
     return out
 
 
+def safetensors_files(hf_dir: Path) -> list[Path]:
+    """model.safetensors, or the shards that model.safetensors.index.json's weight_map names (each checked)."""
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise KilnError(f"{index}: not a safetensors index (a JSON object with a weight_map): {exc}") from None
+        missing = [n for n in names if not (hf_dir / n).is_file()]
+        if missing:
+            raise KilnError(f"{index} names {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+                            f"not in {hf_dir}; download every shard")
+        return [hf_dir / n for n in names]
+    if (hf_dir / "model.safetensors").is_file():
+        return [hf_dir / "model.safetensors"]
+    raise KilnError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json; import reads safetensors "
+                    "weights (convert a pytorch_model.bin with transformers' save_pretrained)")
+
+
 def import_hf(hf_dir: Path, cfg: Config) -> Path:
     """Write `{out_dir}/run/checkpoints/step-00000000/` from an HF Llama/Mixtral folder; `kiln train` resumes from it.
 
@@ -221,9 +316,11 @@ def import_hf(hf_dir: Path, cfg: Config) -> Path:
     from kiln.train.trainer import Trainer
 
     hf_dir = Path(hf_dir)
-    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+    for name in ("config.json", "tokenizer.json"):
         if not (hf_dir / name).is_file():
-            raise KilnError(f"{hf_dir}: no {name}; import reads a folder with config.json, one model.safetensors and tokenizer.json")
+            raise KilnError(f"{hf_dir}: no {name}; import reads a Hugging Face Llama folder: config.json, "
+                            "tokenizer.json and model.safetensors (or shards listed in model.safetensors.index.json)")
+    weight_files = safetensors_files(hf_dir)
     try:
         hf = json.loads((hf_dir / "config.json").read_text())
     except json.JSONDecodeError as exc:
@@ -231,12 +328,16 @@ def import_hf(hf_dir: Path, cfg: Config) -> Path:
     run_tok = cfg.out / "tokenizer" / "tokenizer.json"
     if not run_tok.is_file() or tokenizer_sha256(run_tok) != tokenizer_sha256(hf_dir / "tokenizer.json"):
         raise KilnError(f"{run_tok} is missing or differs from {hf_dir / 'tokenizer.json'}; the run's shards must be packed "
-                        f"with the imported tokenizer: copy it to {run_tok.parent}/ and run `kiln pack`")
+                        f"with the model's own tokenizer: set tokenizer.path: {hf_dir} (and tokenizer.eos_token to its "
+                        "end-of-text token) in the config, then `kiln run CONFIG --until pack`")
     mismatches = _config_mismatches(hf, hf_config(cfg, int(hf.get("vocab_size", 0)), load_tokenizer(run_tok), hf_dir))
     if mismatches:
         raise KilnError(f"{hf_dir / 'config.json'} does not match the config's model section: {'; '.join(mismatches)}; "
                         "set the model.* keys to the folder's sizes")
-    weights = {k: v.to(torch.float32) for k, v in from_hf(load_file(str(hf_dir / "model.safetensors")), hf_dir).items()}
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files:
+        state.update(load_file(str(file)))
+    weights = {k: v.to(torch.float32) for k, v in from_hf(state, hf_dir).items()}
     if cfg.model.tie_embeddings:
         weights.setdefault("output.weight", weights["tok_embeddings.weight"])
     trainer = Trainer(cfg, log=lambda *_: None)

@@ -12,6 +12,7 @@ import base64
 import html
 import io
 import json
+import math
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
@@ -20,6 +21,7 @@ from kiln.errors import KilnError
 from kiln.manifest import write_atomic
 
 Records = list[dict[str, Any]]
+DPI = 110  # 880 px wide figures: sharp at the page's width, text readable without zooming
 
 
 def read_records(path: Path) -> tuple[Records, int]:
@@ -46,7 +48,7 @@ def _series(records: Records, event: str, key: str) -> tuple[list[float], list[f
 def _figure():
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(8, 3.4), dpi=100, layout="constrained")
+    fig = Figure(figsize=(8, 3.4), dpi=DPI, layout="constrained")
     return fig, fig.add_subplot()
 
 
@@ -64,9 +66,11 @@ def plot_loss(records: Records):
     if not steps and not vsteps:
         return None
     fig, ax = _figure()
-    ax.plot(steps, loss, lw=1, label="train loss")
+    ax.plot(steps, loss, lw=0.8, alpha=0.35, color="tab:blue", label="train loss")
+    if len(loss) > 2:
+        ax.plot(steps, smooth(loss), lw=1.8, color="tab:blue", label=f"train loss, smoothed (EMA {SMOOTHING})")
     if vsteps:
-        ax.plot(vsteps, vloss, "o-", ms=4, label="validation loss")
+        ax.plot(vsteps, vloss, "o-", ms=5, lw=1.5, color="tab:red", label="validation loss")
     skips = [r["step"] for r in records if r.get("event") == "skip"]
     for i, s in enumerate(skips):
         ax.axvline(s, color="tab:orange", ls=":", lw=1, label="skipped step" if i == 0 else None)
@@ -75,6 +79,55 @@ def plot_loss(records: Records):
         if isinstance(r.get("to_step"), (int, float)):
             ax.annotate(f"→ {r['to_step']}", (r["step"], ax.get_ylim()[1]), fontsize=8, color="tab:red", va="top")
     ax.set(xlabel="step", ylabel="loss")
+    ax.legend(fontsize=8)
+    return fig
+
+
+SMOOTHING = 0.9  # EMA weight of the past: about the last 10 steps
+
+
+def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
+    """Exponential moving average, debiased at the start (as TensorBoard's smoothing)."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values, 1):
+        avg = weight * avg + (1 - weight) * v
+        out.append(avg / (1 - weight ** i))
+    return out
+
+
+def plot_loss_by_tokens_and_time(records: Records):
+    """The loss against tokens seen and against the training time (the sum of step times; evals excluded)."""
+    steps = [r for r in records if r.get("event") == "step" and isinstance(r.get("loss"), (int, float))]
+    if len(steps) < 2 or not all(isinstance(r.get("tokens_seen"), (int, float)) for r in steps):
+        return None
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 3.2), dpi=DPI, layout="constrained")
+    by_tokens, by_time = fig.subplots(1, 2, sharey=True)
+    loss = smooth([r["loss"] for r in steps])
+    by_tokens.plot([r["tokens_seen"] for r in steps], loss, lw=1.5)
+    by_tokens.set(xlabel="tokens seen", ylabel="train loss (smoothed)")
+    clock, t = [], 0.0
+    for r in steps:
+        t += float(r.get("step_time_s") or 0.0)
+        clock.append(t / 60)
+    by_time.plot(clock, loss, lw=1.5, color="tab:purple")
+    by_time.set(xlabel="training time (minutes)")
+    return fig
+
+
+def plot_tasks(records: Records):
+    """Downstream tasks (eval.tasks): acc and acc_norm per task against steps."""
+    tasks = sorted({r["task"] for r in records if r.get("event") == "task" and "task" in r})
+    if not tasks:
+        return None
+    fig, ax = _figure()
+    for name in tasks:
+        rows = [r for r in records if r.get("event") == "task" and r.get("task") == name]
+        steps = [r["step"] for r in rows]
+        ax.plot(steps, [r["acc"] for r in rows], "o-", ms=4, label=f"{name} acc")
+        ax.plot(steps, [r["acc_norm"] for r in rows], "s--", ms=4, label=f"{name} acc_norm")
+    ax.set(xlabel="step", ylabel="accuracy", ylim=(0, 1))
     ax.legend(fontsize=8)
     return fig
 
@@ -138,7 +191,20 @@ TRAINING_PLOTS: list[tuple[str, Callable[[Records], Any]]] = [
     ("Throughput and MFU", plot_throughput),
     ("Peak memory", lambda r: _lines(r, ["mem_peak_gb"], "GiB")),
     ("Step time split", plot_step_time),
-    ("Cost so far", lambda r: _lines(r, ["cost_so_far"], "cost")),
+    ("Cost so far", lambda r: _lines(r, ["cost_so_far"], "cost") if _any_nonzero(r, "cost_so_far") else None),
+]
+
+
+def _any_nonzero(records: Records, key: str) -> bool:
+    return any(r.get(key) for r in records if r.get("event") == "step")
+
+
+# Added after "Loss": loss against tokens and time, bits per byte, the update size and downstream tasks.
+TRAINING_PLOTS[1:1] = [
+    ("Loss against tokens seen and training time", plot_loss_by_tokens_and_time),
+    ("Update-to-weight ratio ‖Δw‖/‖w‖ (every train.update_ratio_every steps)",
+     lambda r: _lines(r, ["update_to_weight"], "‖Δw‖ / ‖w‖", log=True)),
+    ("Downstream tasks (eval.tasks)", plot_tasks),
 ]
 
 
@@ -152,7 +218,7 @@ def _bars(counts: dict[str, float], xlabel: str, top: int = 25):
     fig.set_figheight(max(2.0, 0.28 * len(items) + 1))
     ax.barh([k for k, _ in items][::-1], [v for _, v in items][::-1], color="tab:blue")
     ax.set_xlabel(xlabel)
-    ax.tick_params(axis="y", labelsize=8)
+    ax.tick_params(axis="y", labelsize=9)
     return fig
 
 
@@ -187,8 +253,85 @@ def plot_dedup_clusters(stats: dict):
     return _bars({f"{k} documents": v for k, v in sizes.items()}, "clusters")
 
 
+STAGE_ORDER = ["read", "extract", "language", "quality", "dedup"]
+
+
+def plot_funnel(stats: dict):
+    """Documents left after each stage, in the order the stages run: read -> extract -> language -> quality -> dedup."""
+    read = (stats.get("documents") or {}).get("read")
+    by_stage = stats.get("rejected_by_stage") or {}
+    if not read:
+        return None
+    stages = STAGE_ORDER[:-1] + [s for s in by_stage if s not in STAGE_ORDER] + ["dedup"]
+    names, counts, left = ["documents read"], [read], read
+    for stage in stages:
+        if stage == "read" and not by_stage.get("read"):
+            continue  # nothing unreadable: "after read" would repeat the first bar
+        left -= by_stage.get(stage, 0)
+        names.append(f"after {stage}")
+        counts.append(left)
+    fig, ax = _figure()
+    fig.set_figheight(2.8)
+    bars = ax.barh(names[::-1], counts[::-1], color="tab:blue")
+    ax.bar_label(bars, labels=[f"{c:,} ({c / read:.0%})" for c in counts[::-1]], fontsize=9, padding=3)
+    ax.set_xlim(0, read * 1.25)
+    ax.set_xlabel("documents")
+    return fig
+
+
+def plot_rejections_by_language(stats: dict, top_langs: int = 12, top_reasons: int = 7):
+    """Stacked bars: per language (as language ID saw it; 'unknown' = dropped before it ran), the reasons."""
+    by_lang = stats.get("rejected_by_lang") or {}
+    if not by_lang:
+        return None
+    langs = list(by_lang)[:top_langs]
+    totals: dict[str, int] = {}
+    for lang in langs:
+        for reason, n in by_lang[lang].items():
+            totals[reason] = totals.get(reason, 0) + n
+    reasons = sorted(totals, key=lambda r: -totals[r])[:top_reasons]
+    fig, ax = _figure()
+    fig.set_figheight(max(2.2, 0.38 * len(langs) + 1.4))
+    left = [0] * len(langs)
+    for reason in reasons + ["other"]:
+        vals = [sum(n for r, n in by_lang[lang].items() if r not in reasons) if reason == "other"
+                else by_lang[lang].get(reason, 0) for lang in langs]
+        if any(vals):
+            ax.barh(langs[::-1], vals[::-1], left=left[::-1], label=reason)
+            left = [a + b for a, b in zip(left, vals)]
+    ax.set_xlabel("rejected documents")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), title="reason", title_fontsize=8)
+    return fig
+
+
+def plot_lengths(stats: dict):
+    """Document length histograms (characters, power-of-two bins), kept and rejected side by side."""
+    hist = stats.get("length_histogram") or {}
+    bins = sorted({int(b) for h in hist.values() for b in h})
+    if not bins:
+        return None
+    import numpy as np
+
+    fig, ax = _figure()
+    x = np.arange(len(bins))
+    for i, (name, color) in enumerate([("kept", "tab:blue"), ("rejected", "tab:orange")]):
+        counts = [hist.get(name, {}).get(str(b), 0) for b in bins]
+        ax.bar(x + (i - 0.5) * 0.4, counts, width=0.4, label=name, color=color)
+    ax.set_xticks(x, [_chars(b) for b in bins], fontsize=8, rotation=45)
+    ax.set(xlabel="document length (characters, bins from the value shown)", ylabel="documents")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _chars(n: int) -> str:
+    return f"{n // 1_000_000}M" if n >= 1_000_000 else f"{n // 1000}k" if n >= 1000 else str(n)
+
+
 DATA_PLOTS: list[tuple[str, Callable[[dict], Any]]] = [
+    ("Funnel: documents left after each stage", plot_funnel),
     ("Documents kept and rejected by reason", plot_kept_rejected),
+    ("Rejections per language", plot_rejections_by_language),
+    ("Document lengths", plot_lengths),
     ("Kept documents by language", lambda s: _bars(s.get("kept_by_lang") or {}, "documents")),
     ("Documents by source", plot_sources),
     ("Near-duplicate clusters", plot_dedup_clusters),
@@ -209,9 +352,24 @@ def _figure_html(title: str, fig) -> str:
             f'<img alt="{html.escape(title)}" src="data:image/png;base64,{_png(fig)}"></figure>')
 
 
+def fmt(value: Any) -> str:
+    """A number as a person reads it: 7.0558 not 7.055826187133789, 1,234,567 not 1234567."""
+    if value is None:
+        return ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if value != value or value in (float("inf"), float("-inf")):
+        return str(value)
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.4g}" if abs(value) < 0.01 and value else f"{value:.4f}"
+
+
 def _table(rows: list[dict], columns: list[str]) -> str:
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape('' if r.get(c) is None else str(r.get(c)))}</td>" for c in columns) + "</tr>"
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(fmt(r.get(c)))}</td>" for c in columns) + "</tr>"
                    for r in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
 
@@ -225,7 +383,89 @@ def _summary(records: Records) -> list[dict]:
             {"what": "last validation loss", "value": evals[-1].get("val_loss") if evals else None},
             {"what": "skipped steps", "value": sum(r.get("event") == "skip" for r in records)},
             {"what": "rollbacks", "value": sum(r.get("event") == "rollback" for r in records)}]
+    if steps:
+        times = sorted(float(r.get("step_time_s") or 0) for r in steps)
+        rates = sorted(float(r.get("tokens_per_s") or 0) for r in steps)
+        rows += [{"what": "training time (sum of step times)", "value": f"{sum(times) / 60:.1f} min"},
+                 {"what": "tokens/s (median)", "value": rates[len(rates) // 2]}]
+        mfus = [r["mfu"] for r in steps if isinstance(r.get("mfu"), (int, float))]
+        rows.append({"what": "MFU (median)", "value": f"{sorted(mfus)[len(mfus) // 2]:.1%}" if mfus else
+                     "not reported: the device's peak FLOP/s is unknown (set train.peak_tflops)"})
+    for r in records:
+        if r.get("event") == "task":
+            rows.append({"what": f"task {r['task']} at step {r['step']}",
+                         "value": f"acc {r['acc']:.3f}, acc_norm {r['acc_norm']:.3f} (n {r['n']})"})
     return [r for r in rows if r["value"] is not None]
+
+
+def _read_yaml(path: Path) -> dict | None:
+    from kiln.config import parse_yaml
+
+    try:
+        data = parse_yaml(path.read_bytes())
+    except Exception:  # a missing or damaged file: the report says so instead of failing
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def tokenizer_rows(out_dir: Path, config: dict | None) -> list[dict]:
+    """Vocabulary asked and reached, bytes per token, packing efficiency and tokens per split (when recorded)."""
+    rows: list[dict] = []
+    tok = _read_json(out_dir / "tokenizer" / "manifest.json")
+    asked = ((config or {}).get("tokenizer") or {}).get("vocab_size")
+    if tok:
+        reached = tok.get("vocab_size")
+        own = ((config or {}).get("tokenizer") or {}).get("path")
+        rows.append({"what": "vocabulary", "value": f"{fmt(reached)} (your own: {own})" if own else
+                     f"{fmt(reached)} reached of {fmt(asked)} asked" if asked else fmt(reached)})
+    shards = _read_json(out_dir / "shards" / "manifest.json")
+    if shards:
+        text_bytes = shards.get("text_bytes") or {}
+        for split, info in (shards.get("splits") or {}).items():
+            rows.append({"what": f"{split} tokens / samples / documents",
+                         "value": " / ".join(fmt(info.get(k)) for k in ("tokens", "samples", "documents"))})
+            if text_bytes.get(split) and info.get("tokens"):
+                rows.append({"what": f"{split} bytes per token", "value": text_bytes[split] / info["tokens"]})
+        if shards.get("packing_efficiency") is not None:
+            rows.append({"what": f"packing efficiency ({shards.get('mode', 'concat')})",
+                         "value": f"{shards['packing_efficiency']:.2%}"})
+    return rows
+
+
+def plot_bits_per_byte(records: Records, bytes_per_token: float | None):
+    """Validation loss in bits per byte: comparable across tokenizers (nats/token / ln 2 / bytes per token)."""
+    vsteps, vloss = _series(records, "eval", "val_loss")
+    if not vsteps or not bytes_per_token:
+        return None
+    fig, ax = _figure()
+    ax.plot(vsteps, [v / math.log(2) / bytes_per_token for v in vloss], "o-", ms=4, color="tab:green")
+    ax.set(xlabel="step", ylabel="bits per byte")
+    return fig
+
+
+def config_changes(config: dict) -> list[dict]:
+    """The keys of a run's config.yaml that differ from Kiln's defaults, dotted, with the default."""
+    from kiln.config import Config
+
+    defaults = Config().model_dump(mode="json")
+    rows = []
+
+    def walk(value, default, key):
+        if isinstance(value, dict) and isinstance(default, dict):
+            for k, v in value.items():
+                walk(v, default.get(k), f"{key}.{k}" if key else k)
+        elif value != default:
+            rows.append({"key": key, "value": json.dumps(value), "default": json.dumps(default)})
+
+    walk(config, defaults, "")
+    return rows
 
 
 def _checkpoints(run_dir: Path) -> str:
@@ -240,8 +480,16 @@ def _checkpoints(run_dir: Path) -> str:
     return _table(rows, ["path", "step", "valid", "tokens_seen", "val_loss", "problem"])
 
 
+def run_folder(path: Path) -> Path:
+    """The run folder itself, or an out_dir's run/."""
+    path = Path(path)
+    if not (path / "metrics.jsonl").is_file() and (path / "run" / "metrics.jsonl").is_file():
+        return path / "run"
+    return path
+
+
 def render(run_dir: Path) -> str:
-    run_dir = Path(run_dir)
+    run_dir = run_folder(run_dir)
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise KilnError(f"{run_dir}: no metrics.jsonl; give the run folder `kiln train` wrote ({{out_dir}}/run)")
@@ -255,6 +503,17 @@ def render(run_dir: Path) -> str:
     for title, plot in TRAINING_PLOTS:
         if (fig := plot(records)) is not None:
             parts.append(_figure_html(title, fig))
+    config_file = run_dir / "config.yaml"
+    config = _read_yaml(config_file)
+    shards = _read_json(run_dir.parent / "shards" / "manifest.json") or {}
+    val = (shards.get("splits") or {}).get("val") or {}
+    val_bytes = (shards.get("text_bytes") or {}).get("val")
+    if (fig := plot_bits_per_byte(records, val_bytes / val["tokens"] if val_bytes and val.get("tokens") else None)):
+        parts.append(_figure_html("Validation bits per byte (validation loss / ln 2 / the split's bytes per token)",
+                                  fig))
+    if not any(isinstance(r.get("mfu"), (int, float)) for r in records if r.get("event") == "step"):
+        parts.append("<p>MFU is not plotted: the run's device has no peak FLOP/s in Kiln's table (a CPU, or an "
+                     "unlisted GPU); set <code>train.peak_tflops</code> to report it.</p>")
     stats_file = run_dir.parent / "docs" / "stats.json"
     parts.append("<h2>Data</h2>")
     if stats_file.is_file():
@@ -267,16 +526,26 @@ def render(run_dir: Path) -> str:
                 parts.append(_figure_html(title, fig))
     else:
         parts.append(f"<p>No data-stage statistics at {html.escape(str(stats_file))}.</p>")
+    if rows := tokenizer_rows(run_dir.parent, config):
+        parts.append("<h3>Tokenizer and packing</h3>" + _table(rows, ["what", "value"]))
+    if (fig := _bars(shards.get("tokens_by_lang") or {}, "tokens")) is not None:
+        parts.append(_figure_html("Tokens per language (both splits)", fig))
     parts.append("<h2>Checkpoints</h2>" + _checkpoints(run_dir))
-    config = run_dir / "config.yaml"
-    parts.append("<h2>Config</h2>" + (f"<pre>{html.escape(config.read_text())}</pre>" if config.is_file()
-                                      else "<p>No config.yaml in the run folder.</p>"))
+    if config is None:
+        parts.append("<h2>Config</h2><p>No config.yaml in the run folder.</p>")
+    else:
+        changes = config_changes(config)
+        parts.append("<h2>Config</h2><p>Keys that differ from Kiln's defaults "
+                     f"(<code>kiln config show {html.escape(str(config_file))}</code> explains every key):</p>"
+                     + (_table(changes, ["key", "value", "default"]) if changes else "<p>none</p>")
+                     + f"<details><summary>the whole config.yaml</summary><pre>{html.escape(config_file.read_text())}"
+                     "</pre></details>")
     return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>Kiln report</title>"
             f"<style>{CSS}</style></head><body>{''.join(parts)}</body></html>\n")
 
 
 def write_report(run_dir: Path, out: Path | None = None) -> Path:
-    out = Path(out) if out is not None else Path(run_dir) / "report.html"
+    out = Path(out) if out is not None else run_folder(run_dir) / "report.html"
     page = render(run_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, page)

@@ -9,6 +9,7 @@ and counted.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -21,7 +22,7 @@ from kiln.manifest import staging_dir, write_manifest, writes_folder
 from kiln.shards.encode import encode_documents
 from kiln.shards.format import FORMAT_VERSION, IDX_ENTRY, ShardHeader, token_dtype, write_shard
 from kiln.shards.packing import Entry, Packer, make_packer
-from kiln.tokenizer import TOKENIZER_FILE, eos_id, load_tokenizer, pad_id, tokenizer_sha256
+from kiln.tokenizer import TOKENIZER_FILE, eos_id, load_tokenizer, pad_id, special_names, tokenizer_sha256
 
 SPLITS = ("train", "val")
 
@@ -111,7 +112,11 @@ def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, 
     `progress`: a progress bar on stderr; None shows it when stderr is a terminal.
     """
     tok = load_tokenizer(tokenizer_dir)
-    eos, pad = eos_id(tok), pad_id(tok)
+    names = special_names(tokenizer_dir)  # a tokenizer of the user's own names its tokens in its manifest
+    eos = eos_id(tok, names["eos_token"])
+    # PAD only fills best_fit's gaps: a tokenizer without one packs `concat` with no pad id.
+    has_pad = names["pad_token"] is not None and tok.token_to_id(names["pad_token"]) is not None
+    pad = pad_id(tok, names["pad_token"]) if has_pad or cfg.mode == "best_fit" else None
     vocab = tok.get_vocab_size()
     dtype = token_dtype(vocab)
     tokenizer_dir = Path(tokenizer_dir)
@@ -120,9 +125,12 @@ def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, 
     documents: list[dict[str, Any]] = []
     with staging_dir(out) as tmp, PackProgress(progress) as advance:
         writers = {s: SplitWriter(tmp, s, header, cfg.samples_per_shard, make_packer(cfg, pad)) for s in SPLITS}
+        text_bytes, tokens_by_lang = {s: 0 for s in SPLITS}, Counter()  # for bytes/token and the report
         for doc, ids in encode_documents(docs, tokenizer_file, cfg.batch_docs, cfg.workers, dtype, eos, advance):
             split = split_of(doc["id"], cfg.val_fraction)
             writers[split].add(ids, len(documents))
+            text_bytes[split] += len(doc["text"].encode("utf-8", "replace"))
+            tokens_by_lang[doc.get("lang") or "unknown"] += len(ids)
             documents.append({"id": doc["id"], "split": split, "source": doc.get("source"),
                               "offset": doc.get("offset"), "length": doc.get("length"), "url": doc.get("url"),
                               "tokens": len(ids)})
@@ -135,6 +143,7 @@ def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, 
             sample_len=cfg.seq_len + 1, mode=cfg.mode, splits=splits, packing_efficiency=packing_efficiency(splits),
             data_weight=round(data_weight(documents, source_weights), 6),
             split_documents=sum(s["split_documents"] for s in splits.values()), documents=documents,
+            tokens_by_lang=dict(tokens_by_lang.most_common()), text_bytes=text_bytes,
         )
     return manifest
 
@@ -154,7 +163,7 @@ class PackProgress:
             return None
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-        self.bar = Progress(SpinnerColumn(), TextColumn("pack: {task.fields[docs]:,} documents, "
+        self.bar = Progress(SpinnerColumn(finished_text="✓"), TextColumn("pack: {task.fields[docs]:,} documents, "
                                                         "{task.fields[mb]:,.1f} MB of text, {task.fields[rate]:.1f} MB/s"),
                             TimeElapsedColumn(), console=self.console, transient=False)
         self.bar.start()
@@ -169,4 +178,5 @@ class PackProgress:
 
     def __exit__(self, *exc) -> None:
         if self.bar:
+            self.bar.update(self.bar.task_ids[0], total=1, completed=1)  # the check mark, not a frozen spinner
             self.bar.stop()

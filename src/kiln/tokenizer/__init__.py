@@ -17,7 +17,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from kiln.config import TokenizerConfig
 from kiln.errors import KilnError
-from kiln.manifest import sha256_file, staging_dir, write_atomic, write_manifest, writes_folder
+from kiln.manifest import read_manifest, sha256_file, staging_dir, write_atomic, write_manifest, writes_folder
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD]
@@ -68,8 +68,55 @@ def train_tokenizer(docs: Iterable[dict], out: Path, cfg: TokenizerConfig, seed:
         write_atomic(tmp / "training_docs.txt", "".join(d["id"] + "\n" for d in sample))
         write_manifest(tmp, stage="tokenizer", fingerprint=fingerprint, vocab_size=tok.get_vocab_size(),
                        special_tokens=SPECIAL_TOKENS, added_tokens=list(cfg.added_tokens), training_docs=len(sample),
-                       seed=seed)
+                       seed=seed, **{k: v for k, v in zip(NAME_KEYS, (BOS, EOS, PAD))})
     return tok
+
+
+# --- bring your own tokenizer -----------------------------------------------------------------
+
+NAME_KEYS = ("bos_token", "eos_token", "pad_token")
+DEFAULT_NAMES = dict(zip(NAME_KEYS, (BOS, EOS, PAD)))
+
+
+def special_tokens_in(tok: Tokenizer) -> list[str]:
+    return [t.content for _, t in sorted(tok.get_added_tokens_decoder().items()) if t.special]
+
+
+def use_tokenizer(out: Path, cfg: TokenizerConfig, fingerprint: str = "") -> Tokenizer:
+    """Commit `out` with the user's own tokenizer.json (tokenizer.path, copied byte for byte, so it stays the
+    same file as a Hub model's) and the names of its special tokens (tokenizer.eos_token, ...).
+
+    EOS is required (it ends every document in the shards). BOS and PAD are optional: a name left at Kiln's
+    default that the tokenizer lacks is recorded as null; one the user set and the tokenizer lacks is an error."""
+    path = Path(cfg.path)
+    file = path / TOKENIZER_FILE if path.is_dir() else path
+    tok = load_tokenizer(file)
+    names: dict[str, str | None] = {}
+    for key in NAME_KEYS:
+        name = getattr(cfg, key)
+        if name is not None and tok.token_to_id(name) is None:
+            if key == "eos_token" or name != DEFAULT_NAMES[key]:
+                have = ", ".join(special_tokens_in(tok)) or "none"
+                raise KilnError(f"{file} has no token {name!r} (tokenizer.{key}); set tokenizer.{key} to one of its "
+                                f"special tokens: {have}")
+            name = None
+        names[key] = name
+    with staging_dir(out) as tmp:
+        write_atomic(tmp / TOKENIZER_FILE, file.read_bytes())
+        write_manifest(tmp, stage="tokenizer", fingerprint=fingerprint, vocab_size=tok.get_vocab_size(),
+                       source=str(file), special_tokens=[n for n in names.values() if n], **names)
+    return tok
+
+
+def special_names(tokenizer_dir: str | Path) -> dict[str, str | None]:
+    """{bos_token, eos_token, pad_token} of a committed tokenizer folder (its manifest); Kiln's own names for a
+    bare tokenizer.json or a folder written before the names were recorded."""
+    folder = Path(tokenizer_dir)
+    if folder.is_dir() and (folder / "manifest.json").is_file():
+        m = read_manifest(folder)
+        if "eos_token" in m:
+            return {k: m.get(k) for k in NAME_KEYS}
+    return dict(DEFAULT_NAMES)
 
 
 def add_domain_terms(tok: Tokenizer, terms: list[str]) -> None:
@@ -95,20 +142,27 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 def tokenizer_sha256(path: str | Path) -> str:
     path = Path(path)
-    return sha256_file(path / TOKENIZER_FILE if path.is_dir() else path)
+    file = path / TOKENIZER_FILE if path.is_dir() or not path.suffix else path
+    if not file.is_file():
+        raise KilnError(f"no tokenizer at {file}; prepare the data first: `kiln run CONFIG --until pack` "
+                        "(or `kiln tokenizer train DOCS_DIR --out DIR`), or set tokenizer.path to your own "
+                        "tokenizer.json")
+    return sha256_file(file)
 
 
-def special_id(tok: Tokenizer, token: str) -> int:
-    ident = tok.token_to_id(token)
+def special_id(tok: Tokenizer, token: str, key: str = "eos_token") -> int:
+    ident = tok.token_to_id(token) if token else None
     if ident is None:
-        raise KilnError(f"tokenizer has no {token} token; train it with `kiln tokenizer train`")
+        have = ", ".join(special_tokens_in(tok)) or "none"
+        raise KilnError(f"the tokenizer has no {token!r} token; set tokenizer.{key} to one of its special tokens "
+                        f"({have}), or train one with `kiln tokenizer train`")
     return ident
 
 
-def eos_id(tok: Tokenizer) -> int:
-    return special_id(tok, EOS)
+def eos_id(tok: Tokenizer, name: str = EOS) -> int:
+    return special_id(tok, name, "eos_token")
 
 
-def pad_id(tok: Tokenizer) -> int:
-    return special_id(tok, PAD)
+def pad_id(tok: Tokenizer, name: str | None = PAD) -> int:
+    return special_id(tok, name, "pad_token")
 

@@ -69,7 +69,9 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class MetricsLog:
-    def __init__(self, path: Path, resume_step: int, tensorboard_dir: Path | None = None) -> None:
+    def __init__(self, path: Path, resume_step: int, tensorboard_dir: Path | None = None,
+                 sinks: list | None = None) -> None:
+        self.sinks = list(sinks or [])  # more loggers (kiln.train.loggers): write(record), close()
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Lines written after the checkpoint we resume from describe steps that will run again.
@@ -92,9 +94,13 @@ class MetricsLog:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k not in ("step", "event"):
                     self.tb.add_scalar(f"{record['event']}/{k}", v, record.get("step", 0))
+        for sink in self.sinks:
+            sink.write(record)
 
     def close(self) -> None:
         self.file.close()
+        for sink in self.sinks:
+            sink.close()
         if self.tb is not None:
             self.tb.close()
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from kiln.config import Config
 from kiln.errors import KilnError
 from kiln.eval import next_token_loss, sample_batches, summed_loss
-from kiln.manifest import remove_stale_staging, write_atomic
+from kiln.eval.mc import DownstreamTasks
+from kiln.manifest import remove_stale_staging, sha256_file, write_atomic
 from kiln.model import Llama, ModelArgs, MoEArgs, RopeScaling
 from kiln.tokenizer import tokenizer_sha256
 from kiln.train import checkpoint as ckpt
@@ -28,10 +29,12 @@ from kiln.train import parallel
 from kiln.train import resume as resume_checks
 from kiln.train.budget import Budget
 from kiln.train.clip import clip, group_norms, layer_groups
+from kiln.train.console import TrainConsole, warnings_for
 from kiln.train.cpu_memory import keep_freed_memory
 from kiln.train.guards import Escalation, NonFiniteGuard, SpikeGuard
 from kiln.train.data import open_splits
 from kiln.train.loader import Loader
+from kiln.train.loggers import check_loggers, open_sinks
 from kiln.train.metrics import MetricsLog, mfu, peak_memory_gb, peak_tflops
 from kiln.train.parallel import Dist, all_reduce_sum, init_distributed
 from kiln.train.precision import apply_precision_policy
@@ -77,6 +80,7 @@ class Trainer:
         self.cfg, self.log = cfg, log
         t = cfg.train
         self.d = d or init_distributed(cfg.parallel.startup_timeout_s)
+        check_loggers(t.loggers)  # a logger asked for and not installed: before any work
         if t.threads:
             torch.set_num_threads(t.threads)
         if self.d.device.type == "cpu":
@@ -148,7 +152,9 @@ class Trainer:
         self.requests = StopRequests()
         self.watchdog = Watchdog(self.d, cfg.watchdog, self.run_dir, log)
         self.peak, self.peak_source = peak_tflops(self.d.device, t.dtype, t.peak_tflops)
+        self.tasks = DownstreamTasks(cfg.eval.tasks, cfg.eval.tasks_every, self.tokenizer_file, cfg.tokenizer.eos_token)
         self.metrics: MetricsLog | None = None
+        self.console: TrainConsole | None = None
         self.step, self.tokens_seen = 0, 0
         self.history: dict[str, Any] = {"val_loss": {}}
         # Settings a checkpoint cannot be resumed under when they change (train.max_steps may change).
@@ -287,6 +293,16 @@ class Trainer:
         self.log(f"step {self.step} val_loss {val:.4f}")
         return val
 
+    def run_tasks(self) -> None:
+        """The downstream tasks of eval.tasks (kiln.eval.mc), one `task` event each."""
+        reduce = functools.partial(all_reduce_sum, d=self.d)
+        for name, result in self.tasks.run(self.wrapped, self.cfg.pack.seq_len, self.d.device, self.autocast,
+                                           self.d.rank, self.d.world, reduce):
+            self.event({"event": "task", "step": self.step, "task": name, **result})
+            self.log(f"step {self.step} {name}: acc {result['acc']:.4f} acc_norm {result['acc_norm']:.4f} "
+                     f"(n {result['n']})")
+        self.watchdog.beat(self.step)
+
     # --- one optimizer step -----------------------------------------------------------------
 
     def train_step(self) -> dict[str, Any]:
@@ -411,7 +427,8 @@ class Trainer:
             write_atomic(self.run_dir / "config.yaml", cfg.to_yaml())
             write_atomic(self.run_dir / "env.json", json.dumps(env_fingerprint(), indent=1))
             self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", self.step if resumed else -1,
-                                      self.run_dir / "tensorboard")
+                                      self.run_dir / "tensorboard" if "tensorboard" in t.loggers else None,
+                                      open_sinks(t.loggers, self.run_dir, cfg.model_dump(mode="json"), t.wandb_project))
         if resumed:
             self.log(f"resumed from {resumed} (step {self.step})")
             if self.data_reset_now is not None:
@@ -420,6 +437,10 @@ class Trainer:
             self.run_eval()
         if self.peak is None and self.d.is_main and self.step < t.max_steps:
             self.log(f"MFU not reported: {self.peak_source}")
+        if self.d.is_main and self.step < t.max_steps:
+            for warning in warnings_for(cfg, len(self.train_set)):
+                self.log(f"warning: {warning}")
+            self.console = TrainConsole(t.max_steps, t.log_every, self.step, self.log)
         self.requests.install()
         self.watchdog.start()
         profiler = _Profiler(t.profile_steps, self.run_dir / "profile", self.d.rank)
@@ -451,6 +472,8 @@ class Trainer:
                 if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.max_steps \
                         or self.schedule.wants_eval(self.step):
                     self.schedule.observe_eval(self.step, self.run_eval())
+                if self.tasks.due(self.step, t.max_steps):
+                    self.run_tasks()
                 stopped = self._stop_reason(measured)
                 if stopped or measured["save"] or self.step % cfg.checkpoint.every == 0 or self.step == t.max_steps:
                     self.save(stopped or ("signal" if measured["save"] else "schedule"))
@@ -465,6 +488,9 @@ class Trainer:
             self.watchdog.stop()
             self.requests.uninstall()
             profiler.close()
+            if self.console is not None:
+                self.console.close()
+                self.console = None
             if self.metrics is not None:
                 self.metrics.close()
                 self.metrics = None
@@ -499,10 +525,8 @@ class Trainer:
             self.event({"event": "skip", "step": self.step, "reason": result["skip_reason"], "loss": measured["loss"],
                         "grad_norm": result["grad_norm"], "data_position": self.loader.state.position,
                         "epoch": self.loader.state.epoch})
-        if self.step % self.cfg.train.log_every == 0 or self.step == self.cfg.train.max_steps or result["skip_reason"]:
-            skip = f" SKIPPED ({result['skip_reason']})" if result["skip_reason"] else ""
-            self.log(f"step {self.step}/{self.cfg.train.max_steps} loss {measured['loss']:.4f} lr {lr:.2e} "
-                     f"grad_norm {result['grad_norm']:.3f} {tps:,.0f} tok/s{skip}")
+        if self.console is not None:  # the live line, and a printed one every log_every steps
+            self.console.step(record, result["skip_reason"])
 
     def summary(self, stopped: str | None = None) -> dict[str, Any]:
         last = ckpt.list_checkpoints(self.ckpt_dir)
