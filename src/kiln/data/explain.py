@@ -41,10 +41,10 @@ def _line_offset(path: str, line: int) -> int | None:
         return None
     offset = 0
     with open_input(path, None) as f:
-        for number, text in enumerate(_lines(f, path), 1):
+        for number, (_, length) in enumerate(_lines(f, path), 1):
             if number == line:
                 return offset
-            offset += len(text)
+            offset += length
     return None
 
 

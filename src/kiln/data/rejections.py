@@ -106,13 +106,13 @@ def _record_fields(docs_dir) -> list[str] | None:
                 continue
             offset = 0
             with open_input(source) as f:
-                for line in _lines(f, source):
+                for line, length in _lines(f, source):
                     if offset == rec.get("offset"):
                         try:
-                            row = json.loads(line)
+                            row = json.loads(line or b"")
                         except ValueError:
                             return None
                         return sorted(row)[:20] if isinstance(row, dict) else None
-                    offset += len(line)
+                    offset += length
             return None
     return None
