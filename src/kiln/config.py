@@ -308,6 +308,10 @@ class TrainConfig(Section):
     eval_every: int = Field(50, ge=0, description="steps between validation evals; 0 = only at start and end")
     eval_batches: int = Field(8, ge=1)
     log_every: int = Field(10, ge=1)
+    deterministic: bool = Field(False, description="deterministic kernels (torch, cuBLAS, inductor): a resume on the same "
+                                "GPU layout is bitwise exact on GPUs too, at some speed (docs/architecture.md)")
+    gc_every: int = Field(50, ge=0, description="Python's garbage collector is off in the loop and collects every N "
+                          "steps on every rank at once (no stragglers from collections at random times); 0 = left on")
     schedule: Literal["cosine", "wsd", "constant", "breathing"] = Field(
         "cosine", description="LR after warmup (kiln.train.schedule): cosine to the floor, warmup-stable-decay, constant, breathing")
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: the last fraction of max_steps that decays to the floor")
