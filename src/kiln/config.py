@@ -377,6 +377,15 @@ class WatchdogConfig(Section):
     stall_timeout_s: float = Field(300.0, gt=0, description="a rank whose step has not advanced this long is reported")
 
 
+class TelemetryConfig(Section):
+    enabled: bool = Field(True, description="hardware figures (NVML, the CUDA allocator) and per-rank step times at "
+                          "every train.log_every step, with alerts (kiln.train.telemetry)")
+    straggler_ratio: float = Field(1.3, gt=1, description="a rank whose step time stays above this multiple of the median rank's is a straggler")
+    straggler_windows: int = Field(2, ge=1, description="consecutive log windows a rank must stay slow to be reported")
+    jump_fraction: float = Field(0.3, gt=0, description="alert when tokens/s moves this far from its rolling median")
+    rolling_windows: int = Field(10, ge=2, description="log windows in the rolling median tokens/s is compared with")
+
+
 class BudgetConfig(Section):
     device_hours: float | None = Field(None, gt=0, description="stop cleanly (after a checkpoint) when this is spent")
     price_per_device_hour: float = Field(0.0, ge=0)
@@ -426,6 +435,7 @@ class Config(Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     guards: GuardConfig = Field(default_factory=GuardConfig)
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     doctor: DoctorConfig = Field(default_factory=DoctorConfig)
     preflight: PreflightConfig = Field(default_factory=PreflightConfig)

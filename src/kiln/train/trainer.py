@@ -38,6 +38,7 @@ from kiln.train.parallel import Dist, all_reduce_sum, init_distributed
 from kiln.train.precision import apply_precision_policy
 from kiln.train.schedule import build_schedule
 from kiln.train.signals import StopRequests
+from kiln.train.telemetry import Telemetry
 from kiln.train.watchdog import Watchdog
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -157,6 +158,7 @@ class Trainer:
         self.requests = StopRequests()
         self.watchdog = Watchdog(self.d, cfg.watchdog, self.run_dir, log, cfg.parallel.startup_timeout_s)
         self.peak, self.peak_source = peak_tflops(self.d.device, t.dtype, t.peak_tflops)
+        self.telemetry = Telemetry.create(self.d, cfg.telemetry, log)
         self.metrics: MetricsLog | None = None
         self.step, self.tokens_seen = 0, 0
         self.history: dict[str, Any] = {"val_loss": {}}
@@ -446,6 +448,8 @@ class Trainer:
                 dt = time.perf_counter() - tick
                 self.budget.spend(dt)
                 self.watchdog.beat(self.step)
+                if self.telemetry is not None:
+                    self.telemetry.observe(dt, measured["time_comm_s"])
                 if gc_paused and self.step % t.gc_every == 0:
                     gc.collect(1)
                 reason = result["skip_reason"]
@@ -502,7 +506,16 @@ class Trainer:
                   "device_hours": self.budget.device_hours, "cost_so_far": self.budget.cost,
                   "cost_per_1k_steps": self.budget.cost / self.step * 1000}
         record.pop("skip_reason")
+        log_step = self.step % self.cfg.train.log_every == 0 or self.step == self.cfg.train.max_steps
+        alerts = []
+        if self.telemetry is not None and log_step:  # every rank: the ranks' figures meet in one all-gather
+            fields, alerts = self.telemetry.sample(self.step, tokens)
+            record.update(fields)
         self.event(record)
+        for alert in alerts:
+            self.event(alert)
+            if self.d.is_main:
+                self.log(f"warning: step {self.step}: {alert['message']}")
         if result["skip_reason"]:  # with the data position, so `kiln shards inspect` can show the batch
             self.event({"event": "skip", "step": self.step, "reason": result["skip_reason"], "loss": measured["loss"],
                         "grad_norm": result["grad_norm"], "data_position": self.loader.state.position,
