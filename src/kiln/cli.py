@@ -94,7 +94,7 @@ def cmd_train(args) -> int:
     from kiln.train.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)  # validated before any process group forms
-    d = init_distributed(cfg.parallel.startup_timeout_s)
+    d = init_distributed(cfg.parallel.startup_timeout_s, cfg.out / "run")
     try:
         summary = Trainer(cfg, d, log=_console().print if d.is_main else (lambda *_: None)).run()
         if d.is_main:

@@ -154,6 +154,9 @@ def apply_fsdp(model: nn.Module, d: Dist, mesh_shape: list[int] | None, param_dt
         raise ValueError("train.fp32_modules with 'output' or 'embeddings' needs untied embeddings under FSDP2 "
                          "(one weight cannot sit in two shard groups of different dtypes); set "
                          "model.tie_embeddings: false, or use parallel.mode=ddp")
+    if not dist.is_initialized():  # FSDP2 on one device (no torchrun): a process group of one, in memory
+        dist.init_process_group("nccl" if d.device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
     shape = tuple(mesh_shape) if mesh_shape else (d.world,)
     if int(torch.tensor(shape).prod()) != d.world:
         raise ValueError(f"parallel.mesh={list(shape)} multiplies to {int(torch.tensor(shape).prod())}, not the {d.world} ranks")
@@ -225,13 +228,13 @@ def load_states(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str, m
     """Load full (unsharded) weights and optimizer state. With several ranks only rank 0 has read them (the
     others pass empty dicts): rank 0 broadcasts, and each rank keeps its shard (FSDP2) or the whole (DDP),
     so host memory holds one copy per node's rank 0, not one per rank."""
-    if world == 1:
+    if world == 1 and mode != "fsdp":
         unwrap(model).load_state_dict(model_sd)
         optimizer.load_state_dict(optim_sd)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=world > 1)
     set_model_state_dict(model, model_sd, options=opts)
     set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
 
