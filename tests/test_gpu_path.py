@@ -26,21 +26,28 @@ from kiln.train.trainer import Trainer
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+# Each rank writes its result to a file of its own: two ranks printing to one pipe can interleave a line.
+EMIT = r"""
+import json as _json, os as _os
+def emit(record):
+    with open(_os.path.join(_os.environ["KILN_TEST_OUT"], f"rank{_os.environ['RANK']}.json"), "w") as f:
+        f.write(_json.dumps(record))
+"""
+
+
 def torchrun(script: str, tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    path = tmp_path / "script.py"
-    path.write_text(script)
+    path, results = tmp_path / "script.py", tmp_path / "ranks"
+    path.write_text(EMIT + script)
+    results.mkdir(exist_ok=True)
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(path), *args], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+                           str(path), *args], env={**ENV, "KILN_TEST_OUT": str(results)}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def rank_lines(proc: subprocess.CompletedProcess) -> dict[int, dict]:
-    """The JSON line each rank printed last, by rank."""
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith('{"rank"'):
-            rec = json.loads(line)
-            out[rec["rank"]] = rec
-    return out
+    """What each rank emitted, by rank."""
+    results = Path(proc.args[proc.args.index("--nproc_per_node=2") + 1]).parent / "ranks"
+    return {int(f.stem.removeprefix("rank")): json.loads(f.read_text()) for f in sorted(results.glob("rank*.json"))}
 
 
 def steps(out: Path) -> list[dict]:
@@ -58,7 +65,7 @@ trainer = Trainer(load_config(sys.argv[1]), log=print)
 if trainer.d.rank == 1:  # this rank's clock says the budget is all but spent; rank 0's has hours left
     trainer.budget.device_hours = trainer.budget.cfg.device_hours * (1 - 1e-9)
 summary = trainer.run()
-print(json.dumps({"rank": trainer.d.rank, "steps": summary["steps"], "stopped": summary["stopped"]}))
+emit({"rank": trainer.d.rank, "steps": summary["steps"], "stopped": summary["stopped"]})
 """
 
 
@@ -89,9 +96,9 @@ try:
     resume, resumed = trainer.resume, []
     trainer.resume = lambda: (resume(), resumed.append(trainer.step))[0]
     summary = trainer.run()
-    print(json.dumps({"rank": rank, "steps": summary["steps"], "resumed_at": resumed[0]}))
+    emit({"rank": rank, "steps": summary["steps"], "resumed_at": resumed[0]})
 except KilnError as exc:
-    print(json.dumps({"rank": rank, "error": str(exc)}))
+    emit({"rank": rank, "error": str(exc)})
     sys.exit(2)
 """
 
@@ -221,8 +228,8 @@ before = [p.detach().to_local().clone() for p in trainer.model.parameters()]
 scale = trainer.scaler.get_scale()
 result = trainer.optimizer_step(1e-3, measured["loss"], False)
 moved = any(not torch.equal(b, p.detach().to_local()) for b, p in zip(before, trainer.model.parameters()))
-print(json.dumps({"rank": trainer.d.rank, "moved": moved, "scale": [scale, trainer.scaler.get_scale()],
-                  "reason": result["skip_reason"]}))
+emit({"rank": trainer.d.rank, "moved": moved, "scale": [scale, trainer.scaler.get_scale()],
+      "reason": result["skip_reason"]})
 """
 
 
@@ -232,7 +239,8 @@ def test_fp16_overflow_on_one_ranks_shard_skips_the_step_on_every_rank(workdir, 
     proc = torchrun(_FP16, tmp_path, str(cfg))
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = rank_lines(proc)
-    for rank in (0, 1):  # torch.amp's scaler: rank 0 would step (its shard is finite), rank 1 skip
+    # Rank 0's shard is finite: it must skip because rank 1 overflowed (DTensor dispatch reduces found_inf).
+    for rank in (0, 1):
         assert ranks[rank]["moved"] is False and ranks[rank]["reason"] == "fp16_overflow", ranks
         assert ranks[rank]["scale"] == [65536.0, 32768.0]
 

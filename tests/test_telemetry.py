@@ -132,7 +132,8 @@ for w in range(4):
         tel.observe(0.16, comm_s=0.0 if slow else 0.06)
     fields, alerts = tel.sample(10 * (w + 1), 1000)
     report.append({"fields": fields, "alerts": [(a["kind"], a["rank"], a["host"], a["message"]) for a in alerts]})
-print(json.dumps({"rank": d.rank, "report": report, "gathers": len(gathers)}))
+with open(f"{sys.argv[1]}/rank{d.rank}.json", "w") as f:  # a file per rank: printed lines can interleave
+    f.write(json.dumps({"rank": d.rank, "report": report, "gathers": len(gathers)}))
 dist.destroy_process_group()
 """
 
@@ -141,9 +142,9 @@ def test_a_straggler_is_named_by_rank_and_host_on_two_gloo_ranks(tmp_path):
     script = tmp_path / "straggler.py"
     script.write_text(_STRAGGLER)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script)], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           str(script), str(tmp_path)], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = {r["rank"]: r for r in map(json.loads, (ln for ln in proc.stdout.splitlines() if ln.startswith("{")))}
+    ranks = {r["rank"]: r for r in (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))}
     host = os.uname().nodename
     for r in (0, 1):
         report = ranks[r]["report"]
