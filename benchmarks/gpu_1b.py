@@ -31,6 +31,7 @@ GPU time: about 2 minutes of data preparation on the CPU, then ~2-3 min throughp
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -95,7 +96,7 @@ def throughput(cfg, warmup: int, steps: int, report: Path):
     except _WindowDone:
         pass
     window = ends[warmup - 1:warmup + steps]
-    times = [b - a for a, b in zip(window, window[1:])]
+    times = [b - a for a, b in itertools.pairwise(window)]
     tokens = cfg.train.batch_size * cfg.pack.seq_len
     tps = tokens / statistics.median(times)
     d = trainer.d
@@ -194,7 +195,8 @@ def resume(cfg_path: Path, base_overrides: list[str], work: Path, timeout_s: flo
         path.write_text(cfg.to_yaml())
         runs[name] = (out, path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    command = lambda path: [sys.executable, "-m", "kiln", "train", str(path)]  # noqa: E731
+    def command(path: Path) -> list[str]:
+        return [sys.executable, "-m", "kiln", "train", str(path)]
     logs = {}
 
     def finish(proc: subprocess.Popen, name: str) -> None:

@@ -130,7 +130,7 @@ def test_ranks_resume_from_the_checkpoint_every_rank_can_read(workdir, tmp_path)
 
 
 def test_a_rank_that_cannot_read_the_weights_still_resumes_from_the_newest(workdir, tmp_path):
-    view0, view1, cfg0, cfg1 = _two_views(workdir, tmp_path)
+    _, view1, cfg0, cfg1 = _two_views(workdir, tmp_path)
     # Rank 0 alone reads the weights and broadcasts them: rank 1's copy is never read.
     (view1 / "run" / "checkpoints" / "step-00000010" / "model.safetensors").write_bytes(b"not weights")
     proc = torchrun(_PER_RANK, tmp_path, str(cfg0), str(cfg1))
@@ -139,7 +139,7 @@ def test_a_rank_that_cannot_read_the_weights_still_resumes_from_the_newest(workd
 
 
 def test_ranks_with_different_shards_stop_naming_the_rank(workdir, tmp_path):
-    view0, view1, cfg0, cfg1 = _two_views(workdir, tmp_path)
+    _, view1, cfg0, cfg1 = _two_views(workdir, tmp_path)
     manifest = view1 / "shards" / "manifest.json"
     manifest.write_text(json.dumps(json.loads(manifest.read_text()), indent=4))  # same shards, other bytes
     proc = torchrun(_PER_RANK, tmp_path, str(cfg0), str(cfg1))

@@ -12,8 +12,9 @@ Cost: one all_gather of a few strings per rank, plus the hashing each rank does 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 

@@ -38,7 +38,7 @@ def set_deterministic(enabled: bool) -> None:
 def layout(d: Dist, deterministic: bool) -> dict[str, Any]:
     """What a bitwise resume needs unchanged besides the software: ranks, ranks per node, the device model."""
     return {"deterministic": deterministic, "world_size": d.world,
-            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
             "device": torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu"}
 
 

@@ -26,9 +26,11 @@ ahead of the kernels, the compute time still singles out the slow rank (the othe
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -115,7 +117,7 @@ class Telemetry:
         self.rates: deque[float] = deque(maxlen=cfg.rolling_windows)
 
     @classmethod
-    def create(cls, d: Dist, cfg: TelemetryConfig, log: Callable[[str], None] = print) -> "Telemetry | None":
+    def create(cls, d: Dist, cfg: TelemetryConfig, log: Callable[[str], None] = print) -> Telemetry | None:
         if not cfg.enabled:
             return None
         nvml = None
@@ -145,13 +147,13 @@ class Telemetry:
         ranks = _gather_floats(self.d, mine)
         fields = dict(local)
         compute = [r[0] for r in ranks]
-        known = [c for c in compute if c == c]
+        known = [c for c in compute if not math.isnan(c)]
         if self.d.world > 1 and known:
-            slowest = max(range(self.d.world), key=lambda r: compute[r] if compute[r] == compute[r] else -1.0)
+            slowest = max(range(self.d.world), key=lambda r: -1.0 if math.isnan(compute[r]) else compute[r])
             fields |= {"rank_compute_median_s": statistics.median_low(known), "rank_compute_max_s": max(known),
                        "slowest_rank": slowest}
         alerts = self._stragglers(step, compute) + self._throttles(step, ranks) + self._retries(step, ranks)
-        step_s = statistics.median(r[1] for r in ranks) if ranks[0][1] == ranks[0][1] else None
+        step_s = None if math.isnan(ranks[0][1]) else statistics.median(r[1] for r in ranks)
         if step_s:
             alerts += self._throughput(step, tokens_per_step / step_s)
         return fields, alerts
@@ -163,13 +165,13 @@ class Telemetry:
         return {"event": "alert", "step": step, "kind": kind, **where, "message": message, **numbers}
 
     def _stragglers(self, step: int, compute: list[float]) -> list[dict]:
-        known = [c for c in compute if c == c]
+        known = [c for c in compute if not math.isnan(c)]
         if self.d.world < 2 or len(known) < 2:
             return []
         median = statistics.median_low(known)  # a real rank's time (of 2 ranks, the faster one's)
         alerts = []
         for r, c in enumerate(compute):
-            slow = c == c and median > 0 and c > self.cfg.straggler_ratio * median
+            slow = not math.isnan(c) and median > 0 and c > self.cfg.straggler_ratio * median
             self.slow_windows[r] = self.slow_windows[r] + 1 if slow else 0
             if self.slow_windows[r] == self.cfg.straggler_windows:  # once per slow spell
                 alerts.append(self._alert(step, "straggler", r,
@@ -182,7 +184,7 @@ class Telemetry:
     def _throttles(self, step: int, ranks: list[list[float]]) -> list[dict]:
         alerts = []
         for r, row in enumerate(ranks):
-            reasons = int(row[2]) if row[2] == row[2] else 0
+            reasons = 0 if math.isnan(row[2]) else int(row[2])
             bad = throttle_names(reasons)
             if bad and not self.throttled[r]:
                 alerts.append(self._alert(step, "throttle", r, f"rank {r} on host {self.hosts[r]}: the GPU is "
@@ -194,7 +196,7 @@ class Telemetry:
         alerts = []
         for r, row in enumerate(ranks):
             now, before = row[3], self.retries[r]
-            if now != now:
+            if math.isnan(now):
                 continue
             if before is not None and now > before:
                 alerts.append(self._alert(step, "alloc_retries", r,
