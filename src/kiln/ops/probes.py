@@ -71,6 +71,8 @@ def _collective_loop(fn, seconds: float, device: torch.device) -> tuple[int, flo
     t0 = time.perf_counter()
     for _ in range(3):
         fn()
+    if device.type == "cuda":  # NCCL returns before the reduction is done: time the work, not the launches
+        torch.cuda.synchronize()
     per_call = (time.perf_counter() - t0) / 3
     n = torch.tensor([max(3, int(seconds / max(per_call, 1e-9)))], device=device)
     dist.broadcast(n, src=0)
