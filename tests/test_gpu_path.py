@@ -389,3 +389,21 @@ def test_a_run_that_was_not_deterministic_resumes_on_another_layout_without_a_wa
     messages: list[str] = []
     Trainer(tiny_config(workdir, train={"max_steps": 6}), log=messages.append).run()
     assert not [m for m in messages if "another layout" in m]
+
+
+# --- 15. Python's collector: off in the loop, collected at the same steps on every rank -----------
+
+def test_garbage_collector_is_off_in_the_loop_and_collects_every_n_steps(workdir, monkeypatch):
+    import gc
+
+    trainer = Trainer(tiny_config(workdir, train={"max_steps": 6, "gc_every": 3}), log=lambda *_: None)
+    enabled, collected = [], []
+    step = trainer.optimizer_step
+    monkeypatch.setattr(trainer, "optimizer_step", lambda *a: (enabled.append(gc.isenabled()), step(*a))[1])
+    collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda generation=2: (collected.append((trainer.step, generation)),
+                                                             collect(generation))[1])
+    assert gc.isenabled()
+    trainer.run()
+    assert enabled == [False] * 6 and gc.isenabled()  # back on after the loop
+    assert collected == [(3, 1), (6, 1)]
