@@ -176,7 +176,8 @@ def _last_step(out: Path) -> int:
     return max(steps, default=0)
 
 
-def resume(cfg_path: Path, base_overrides: list[str], work: Path, timeout_s: float, total: int) -> tuple[dict, list[str]]:
+def resume(cfg_path: Path, base_overrides: list[str], work: Path, timeout_s: float,
+           total: int) -> tuple[dict, list[str]]:
     """An uninterrupted deterministic run against one killed with SIGKILL and started again."""
     import torch
     from safetensors.torch import load_file
@@ -225,8 +226,9 @@ def resume(cfg_path: Path, base_overrides: list[str], work: Path, timeout_s: flo
     finish(subprocess.Popen(command(path), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT), "restarted")
     want, got = _losses(runs["uninterrupted"][0]), _losses(out)
     differ = [s for s in sorted(want) if got.get(s) != want[s]]
-    weights = [load_file(str(list_checkpoints(o / "run" / "checkpoints")[-1] / "model.safetensors")) for o, _ in runs.values()]
-    same_weights = weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    a, b = (load_file(str(list_checkpoints(o / "run" / "checkpoints")[-1] / "model.safetensors"))
+            for o, _ in runs.values())
+    same_weights = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     found = re.search(r"resumed from .*?\(step (\d+)\)", " ".join(logs["restarted"].split()))  # rich wraps lines
     resumed_from = int(found.group(1)) if found else None
     if resumed_from is None:

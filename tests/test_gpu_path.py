@@ -257,7 +257,8 @@ def test_each_process_sees_only_its_own_gpu_uses_device_0():
 def test_init_distributed_binds_the_process_group_to_the_chosen_gpu(monkeypatch, tmp_path):
     # No GPU here: torch.cuda and the process group are fakes; the code under test is init_distributed.
     calls = {}
-    for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "MASTER_ADDR": "x", "MASTER_PORT": "1"}.items():
+    launcher = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "MASTER_ADDR": "x", "MASTER_PORT": "1"}
+    for name, value in launcher.items():
         monkeypatch.setenv(name, value)
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
                  "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):

@@ -308,8 +308,9 @@ class TrainConfig(Section):
     eval_every: int = Field(50, ge=0, description="steps between validation evals; 0 = only at start and end")
     eval_batches: int = Field(8, ge=1)
     log_every: int = Field(10, ge=1)
-    deterministic: bool = Field(False, description="deterministic kernels (torch, cuBLAS, inductor): a resume on the same "
-                                "GPU layout is bitwise exact on GPUs too, at some speed (docs/architecture.md)")
+    deterministic: bool = Field(False, description="deterministic kernels (torch, cuBLAS, inductor): a resume on "
+                                "the same GPU layout is bitwise exact on GPUs too, at some speed "
+                                "(docs/architecture.md)")
     gc_every: int = Field(50, ge=0, description="Python's garbage collector is off in the loop and collects every N "
                           "steps on every rank at once (no stragglers from collections at random times); 0 = left on")
     schedule: Literal["cosine", "wsd", "constant", "breathing"] = Field(
@@ -380,7 +381,8 @@ class WatchdogConfig(Section):
 class TelemetryConfig(Section):
     enabled: bool = Field(True, description="hardware figures (NVML, the CUDA allocator) and per-rank step times at "
                           "every train.log_every step, with alerts (kiln.train.telemetry)")
-    straggler_ratio: float = Field(1.3, gt=1, description="a rank whose step time stays above this multiple of the median rank's is a straggler")
+    straggler_ratio: float = Field(1.3, gt=1, description="a rank whose compute time stays above this multiple "
+                                   "of the median rank's is a straggler")
     straggler_windows: int = Field(2, ge=1, description="consecutive log windows a rank must stay slow to be reported")
     jump_fraction: float = Field(0.3, gt=0, description="alert when tokens/s moves this far from its rolling median")
     rolling_windows: int = Field(10, ge=2, description="log windows in the rolling median tokens/s is compared with")

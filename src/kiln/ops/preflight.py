@@ -100,7 +100,8 @@ def judge(cfg: Config, steps: list[dict], loader_tps: float, model_state: dict, 
     from kiln.train.metrics import peak_memory_gb
 
     # Reserved, not only allocated: the allocator's cache and fragments are what runs out (telemetry, on GPUs).
-    peak = max((s[k] for s in steps for k in ("mem_peak_gb", "mem_reserved_peak_gb") if isinstance(s.get(k), (int, float))),
+    peak = max((s[k] for s in steps for k in ("mem_peak_gb", "mem_reserved_peak_gb")
+                if isinstance(s.get(k), (int, float))),
                default=peak_memory_gb(torch.device("cuda" if torch.cuda.is_available() else "cpu")))
     total = _device_memory_gb()
     ok = peak / total <= p.max_memory_fraction

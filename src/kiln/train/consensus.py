@@ -69,16 +69,18 @@ def _readable(folder: Path, public_key: str | None) -> tuple[str | None, str | N
 
 
 def agreed_checkpoint(d: Dist, root: Path, log: Callable[[str], None],
-                      public_key: str | None = None) -> Path | None:
+                      public_key: str | None = None, before: int | None = None) -> Path | None:
     """The checkpoint every rank resumes from: rank 0's newest valid one that every other rank can read and
     whose manifest is byte-for-byte rank 0's. A candidate some rank cannot read is reported (rank, host, why)
     and the next older one is tried, as one process skips a corrupt checkpoint. None: start from scratch.
 
     Ranks other than 0 verify only the small files they read themselves (SMALL_FILES); rank 0 verifies the
-    whole folder and broadcasts the weights (parallel.load_states)."""
+    whole folder and broadcasts the weights (parallel.load_states). `before`: only checkpoints of earlier
+    steps (a rollback)."""
+    candidates = [c for c in ckpt.list_checkpoints(root) if before is None or ckpt.step_of(c) < before]
     if d.world == 1:
-        return ckpt.latest_valid(root, log=log, public_key=public_key)
-    candidates = ckpt.list_checkpoints(root) if d.is_main else []
+        return ckpt.latest_valid_of(candidates, log, public_key)
+    candidates = candidates if d.is_main else []
     while True:
         step = -1
         while d.is_main and candidates and step < 0:

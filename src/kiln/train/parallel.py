@@ -38,7 +38,8 @@ def init_distributed(startup_timeout_s: float = 1800, trace_dir: Path | None = N
     if torch.cuda.is_available():
         cuda_defaults(trace_dir)
     if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return Dist(device=torch.device("cuda", local_device_index(0)) if torch.cuda.is_available() else torch.device("cpu"))
+        cuda = torch.cuda.is_available()
+        return Dist(device=torch.device("cuda", local_device_index(0)) if cuda else torch.device("cpu"))
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         device, backend = torch.device("cuda", local_device_index(local)), "nccl"

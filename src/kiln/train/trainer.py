@@ -316,10 +316,12 @@ class Trainer:
         # The budget flag is every rank's verdict on the steps so far: one rank alone must never stop (it
         # would enter save()'s collectives while the others start the next step's).
         flags = [float(self.requests.stop), float(self.requests.save), float(self.budget.exhausted())]
-        agreed = torch.tensor([0.0, *flags], dtype=torch.float64, device=self.d.device)
+        dev = self.d.device
+        agreed = torch.tensor([0.0, *flags], dtype=torch.float64, device=dev)
         agreed[0] = loss_sum / len(micro_batches)
-        local = [torch.as_tensor(v, dtype=torch.float64, device=self.d.device) for v in moe_sums.values()] if self.moe else []
-        loss_total, stop, save, budget, *moe = torch.cat([parallel.all_reduce_(agreed, self.d), *(v.reshape(1) for v in local)]).tolist()
+        local = [torch.as_tensor(v, dtype=torch.float64, device=dev).reshape(1) for v in moe_sums.values()
+                 if self.moe]
+        loss_total, stop, save, budget, *moe = torch.cat([parallel.all_reduce_(agreed, self.d), *local]).tolist()
         t_comm = time.perf_counter() - tick
         out = {"loss": loss_total / self.d.world, "stop": stop > 0, "save": save > 0, "budget_exhausted": budget > 0,
                "time_data_s": t_data, "time_fwd_bwd_s": t_fwd_bwd, "time_comm_s": t_comm}
@@ -383,8 +385,8 @@ class Trainer:
         trouble is skipped, and the learning rate is lowered for a while."""
         self.saver.wait()
         trouble = self.escalation.first_recent_skip()
-        good = [c for c in ckpt.list_checkpoints(self.ckpt_dir) if ckpt.step_of(c) < trouble]
-        folder = ckpt.latest_valid_of(good, public_key=self.cfg.checkpoint.public_key)
+        folder = consensus.agreed_checkpoint(self.d, self.ckpt_dir, lambda *_: None, self.cfg.checkpoint.public_key,
+                                             before=trouble)
         logs = self.run_dir / "metrics.jsonl"
         if folder is None:
             raise KilnError(f"step {self.step}: {reason}, and no checkpoint from before step {trouble} to roll back to; "

@@ -30,7 +30,8 @@ EXIT_STALLED = 3
 
 
 class Watchdog:
-    def __init__(self, d: Dist, cfg: WatchdogConfig, run_dir: Path, log=print, startup_timeout_s: float | None = None) -> None:
+    def __init__(self, d: Dist, cfg: WatchdogConfig, run_dir: Path, log=print,
+                 startup_timeout_s: float | None = None) -> None:
         self.d, self.cfg, self.run_dir, self.log = d, cfg, Path(run_dir), log
         self.progress = 0  # bumped at every step, eval and save: any sign of life
         self.step = 0
