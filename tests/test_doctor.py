@@ -155,3 +155,31 @@ def test_allreduce_is_skipped_not_failed_with_one_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     [check] = check_allreduce(DoctorConfig())
     assert check.skipped and check.ok and "needs at least 2" in check.detail
+
+
+# --- the all-reduce probe across a torchrun group (nodes too) -----------------------------------
+
+def test_allreduce_probe_across_the_torchrun_group_on_two_gloo_processes(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "kiln", "doctor", "--allreduce", "--json", *FAST],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)  # rank 0 alone prints
+    [check] = report["checks"]
+    assert report["ok"] and check["name"] == "allreduce_group" and check["verdict"] == "ok"
+    assert check["detail"].startswith(f"gloo over 2 ranks on 1 host(s) ({os.uname().nodename}): ")
+    assert "GB/s at 4,096 bytes" in check["detail"] and "GB/s at 1,048,576 bytes" in check["detail"]
+
+
+def test_allreduce_probe_outside_torchrun_says_how_to_launch_it(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    assert kiln(["doctor", "--allreduce"]) != 0
+    err = capsys.readouterr().err
+    assert "torchrun --nnodes=N" in err and "-m kiln doctor --allreduce" in err

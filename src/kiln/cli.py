@@ -136,7 +136,7 @@ def cmd_train(args) -> int:
     from kiln.train.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)  # validated before any process group forms
-    d = init_distributed(cfg.parallel.startup_timeout_s)
+    d = init_distributed(cfg.parallel.startup_timeout_s, cfg.out / "run")
     try:
         summary = Trainer(cfg, d, log=_console().print if d.is_main else (lambda *_: None)).run()
         if d.is_main:
@@ -225,6 +225,10 @@ def cmd_doctor(args) -> int:
     from kiln.ops.doctor import run_doctor
 
     cfg = load_config(args.config, args.overrides) if (args.config or args.overrides) else None
+    if args.allreduce:
+        from kiln.ops.doctor import run_group_allreduce
+
+        return run_group_allreduce(cfg, as_json=args.json)
     return run_doctor(cfg, Path(args.out_dir) if args.out_dir else None, as_json=args.json,
                       against=Path(args.against) if args.against else None)
 
@@ -417,6 +421,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", help="the run's config: probes its shards, its dtype, and doctor.* thresholds")
     s.add_argument("--out-dir", default=None, help="where the run will write (checked for free space); default: the config's out_dir, else .")
     s.add_argument("--against", metavar="RUN_DIR", help="compare with the environment the run recorded (run/env.json)")
+    s.add_argument("--allreduce", action="store_true",
+                   help="under torchrun: probe all-reduce across every rank it started, across nodes too "
+                        "(torchrun --nnodes=2 --nproc_per_node=G --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT "
+                        "-m kiln doctor --allreduce, on each node)")
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     s.set_defaults(fn=cmd_doctor)
 

@@ -336,6 +336,11 @@ class TrainConfig(Section):
         default_factory=lambda: ["jsonl"], description="metrics.jsonl always; tensorboard -> run/tensorboard/ "
         "(kiln-lm[tensorboard]); wandb -> run/wandb/ (kiln-lm[wandb]; WANDB_MODE=offline keeps it local)")
     wandb_project: str = Field("kiln", description="the W&B project of train.loggers' wandb")
+    deterministic: bool = Field(False, description="deterministic kernels (torch, cuBLAS, inductor): a resume on "
+                                "the same GPU layout is bitwise exact on GPUs too, at some speed "
+                                "(docs/architecture.md)")
+    gc_every: int = Field(50, ge=0, description="Python's garbage collector is off in the loop and collects every N "
+                          "steps on every rank at once (no stragglers from collections at random times); 0 = left on")
     schedule: Literal["cosine", "wsd", "constant", "breathing"] = Field(
         "cosine", description="LR after warmup (kiln.train.schedule): cosine to the floor, warmup-stable-decay, constant, breathing")
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: the last fraction of max_steps that decays to the floor")
@@ -403,6 +408,16 @@ class WatchdogConfig(Section):
     stall_timeout_s: float = Field(300.0, gt=0, description="a rank whose step has not advanced this long is reported")
 
 
+class TelemetryConfig(Section):
+    enabled: bool = Field(True, description="hardware figures (NVML, the CUDA allocator) and per-rank step times at "
+                          "every train.log_every step, with alerts (kiln.train.telemetry)")
+    straggler_ratio: float = Field(1.3, gt=1, description="a rank whose compute time stays above this multiple "
+                                   "of the median rank's is a straggler")
+    straggler_windows: int = Field(2, ge=1, description="consecutive log windows a rank must stay slow to be reported")
+    jump_fraction: float = Field(0.3, gt=0, description="alert when tokens/s moves this far from its rolling median")
+    rolling_windows: int = Field(10, ge=2, description="log windows in the rolling median tokens/s is compared with")
+
+
 class BudgetConfig(Section):
     device_hours: float | None = Field(None, gt=0, description="stop cleanly (after a checkpoint) when this is spent")
     price_per_device_hour: float = Field(0.0, ge=0)
@@ -463,6 +478,7 @@ class Config(Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     guards: GuardConfig = Field(default_factory=GuardConfig)
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     doctor: DoctorConfig = Field(default_factory=DoctorConfig)
     preflight: PreflightConfig = Field(default_factory=PreflightConfig)

@@ -135,7 +135,15 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.n_heads)
+        gqa = self.kv_heads != self.n_heads
+        if gqa and q.dtype not in (torch.bfloat16, torch.float16):
+            # Flash attention serves enable_gqa only in half precision; in fp32 SDPA would fall back to the
+            # math kernel (O(seq^2) memory). Repeating the k/v heads keeps the efficient kernels; a GPU run
+            # confirms which kernel SDPA picks.
+            k = k.repeat_interleave(self.n_heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.n_heads // self.kv_heads, dim=1)
+            gqa = False
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -229,7 +237,8 @@ class Llama(nn.Module):
         """Router losses and counters of the last forward, summed over MoE layers (zeros for a dense model).
 
         aux_loss and z_loss are differentiable scalars to add to the LM loss with their coefficients;
-        dropped_tokens / routed_tokens count (token, expert) assignments lost to capacity / routed.
+        dropped_tokens / routed_tokens count (token, expert) assignments lost to capacity / routed; dropped_tokens
+        is a tensor on the model's device (reading it is a host sync: the trainer reads it once a step).
         """
         zero = torch.zeros((), device=self.output.weight.device)
         total: dict[str, torch.Tensor | int] = {"aux_loss": zero, "z_loss": zero, "dropped_tokens": 0,
@@ -239,6 +248,6 @@ class Llama(nn.Module):
                 continue
             for key in ("aux_loss", "z_loss"):
                 total[key] = total[key] + moe.stats[key]
-            total["dropped_tokens"] += int(moe.stats["dropped_tokens"])
+            total["dropped_tokens"] = total["dropped_tokens"] + moe.stats["dropped_tokens"]  # on the device: no sync
             total["routed_tokens"] += moe.stats["routed_tokens"]
         return total

@@ -275,6 +275,45 @@ def collect(cfg: Config | None, out_dir: Path, against: Path | None = None,
     return fp, checks, diffs
 
 
+def check_group_allreduce(d: DoctorConfig) -> tuple[Check, dict]:
+    """`kiln doctor --allreduce` under torchrun: all-reduce across every rank it started, on every node.
+
+        torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST0:29500 \\
+            -m kiln doctor --allreduce        # the same line on both nodes
+    """
+    from kiln.ops.probes import group_allreduce
+
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise KilnError("kiln doctor --allreduce probes the ranks torchrun starts: run it as `torchrun --nnodes=N "
+                        "--nproc_per_node=G --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT -m kiln doctor --allreduce` "
+                        "on every node (plain `kiln doctor` probes the local GPUs)")
+    g = group_allreduce([d.allreduce_small_bytes, d.allreduce_large_bytes], d.probe_seconds / 2)
+    small, large = g["results"][d.allreduce_small_bytes], g["results"][d.allreduce_large_bytes]
+    detail = (f"{g['backend']} over {g['world']} ranks on {len(g['hosts'])} host(s) ({', '.join(g['hosts'])}): "
+              f"{small['busbw_gbps']:.2f} GB/s at {d.allreduce_small_bytes:,} bytes, "
+              f"{large['busbw_gbps']:.2f} GB/s at {d.allreduce_large_bytes:,} bytes")
+    if g["wrong_ranks"]:
+        return Check("allreduce_group", False, detail + f"; the reduced values are WRONG on ranks {g['wrong_ranks']}",
+                     "a rank's interconnect corrupts data: drain its node and run nccl-tests to confirm"), g
+    if g["backend"] != "nccl":
+        return Check("allreduce_group", True, detail + " (gloo: bandwidth reported, not judged)"), g
+    ok = small["busbw_gbps"] >= d.min_allreduce_small_gbps
+    return Check("allreduce_group", ok, detail + f" (need {d.min_allreduce_small_gbps:g} GB/s for small messages)",
+                 "" if ok else "check the inter-node fabric (NCCL_IB_*, NCCL_SOCKET_IFNAME) and run nccl-tests "
+                               "all_reduce_perf across the same nodes to compare"), g
+
+
+def run_group_allreduce(cfg: Config | None = None, as_json: bool = False) -> int:
+    """Every rank measures; rank 0 prints. Every rank exits with the same status."""
+    check, _ = check_group_allreduce(cfg.doctor if cfg is not None else DoctorConfig())
+    if int(os.environ.get("RANK", "0")) == 0:
+        if as_json:
+            print(json.dumps({"checks": [check.as_dict()], "ok": check.ok}, indent=1))
+        else:
+            print_checks([check])
+    return 0 if check.ok else 1
+
+
 def run_doctor(cfg: Config | None = None, out_dir: Path | None = None, as_json: bool = False, against: Path | None = None) -> int:
     out_dir = Path(out_dir) if out_dir is not None else (cfg.out if cfg is not None else Path("."))
     fp, checks, diffs = collect(cfg, out_dir, against)

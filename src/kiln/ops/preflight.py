@@ -56,7 +56,9 @@ def smoke_config(cfg: Config, out: Path) -> Config:
     p = cfg.preflight
     data = cfg.model_dump(mode="json")
     data["out_dir"] = str(out)
-    data["train"] |= {"max_steps": p.steps, "eval_every": 0}
+    # The update-ratio measurement copies every parameter: the smoke run reaches one, so its peak counts it.
+    data["train"] |= {"max_steps": p.steps, "eval_every": 0,
+                      "update_ratio_every": min(cfg.train.update_ratio_every, p.steps)}
     data["checkpoint"] |= {"every": p.steps, "keep_last": 1}
     return build_config(data)
 
@@ -97,7 +99,9 @@ def judge(cfg: Config, steps: list[dict], loader_tps: float, model_state: dict, 
 
     from kiln.train.metrics import peak_memory_gb
 
-    peak = max((s["mem_peak_gb"] for s in steps if isinstance(s.get("mem_peak_gb"), (int, float))),
+    # Reserved, not only allocated: the allocator's cache and fragments are what runs out (telemetry, on GPUs).
+    peak = max((s[k] for s in steps for k in ("mem_peak_gb", "mem_reserved_peak_gb")
+                if isinstance(s.get(k), (int, float))),
                default=peak_memory_gb(torch.device("cuda" if torch.cuda.is_available() else "cpu")))
     total = _device_memory_gb()
     ok = peak / total <= p.max_memory_fraction

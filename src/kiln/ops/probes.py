@@ -71,6 +71,8 @@ def _collective_loop(fn, seconds: float, device: torch.device) -> tuple[int, flo
     t0 = time.perf_counter()
     for _ in range(3):
         fn()
+    if device.type == "cuda":  # NCCL returns before the reduction is done: time the work, not the launches
+        torch.cuda.synchronize()
     per_call = (time.perf_counter() - t0) / 3
     n = torch.tensor([max(3, int(seconds / max(per_call, 1e-9)))], device=device)
     dist.broadcast(n, src=0)
@@ -84,6 +86,19 @@ def _collective_loop(fn, seconds: float, device: torch.device) -> tuple[int, flo
     return int(n.item()), time.perf_counter() - t0
 
 
+def measure_allreduce(rank: int, world: int, device: torch.device, sizes: list[int], seconds: float) -> dict[int, dict]:
+    """Bus bandwidth and correctness of all-reduce at each size, over the initialised default group."""
+    results = {}
+    for size in sizes:
+        t = torch.full((size // 4,), float(rank + 1), device=device)
+        dist.all_reduce(t)  # also the correctness probe: every element must be 1 + 2 + ... + world
+        correct = bool((t == world * (world + 1) / 2).all())
+        iters, elapsed = _collective_loop(lambda: dist.all_reduce(t), seconds, device)
+        # Bus bandwidth as nccl-tests defines it: a ring moves 2(n-1)/n of the buffer per rank.
+        results[size] = {"busbw_gbps": 2 * (world - 1) / world * size * iters / elapsed / 1e9, "correct": correct}
+    return results
+
+
 def _allreduce_worker(rank: int, world: int, init_file: str, sizes: list[int], seconds: float, out_dir: str) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
@@ -92,18 +107,30 @@ def _allreduce_worker(rank: int, world: int, init_file: str, sizes: list[int], s
     torch.set_num_threads(1)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        results = {}
-        for size in sizes:
-            t = torch.full((size // 4,), float(rank + 1), device=device)
-            dist.all_reduce(t)  # also the correctness probe: every element must be 1 + 2 + ... + world
-            correct = bool((t == world * (world + 1) / 2).all())
-            iters, elapsed = _collective_loop(lambda: dist.all_reduce(t), seconds, device)
-            # Bus bandwidth as nccl-tests defines it: a ring moves 2(n-1)/n of the buffer per rank.
-            results[size] = {"busbw_gbps": 2 * (world - 1) / world * size * iters / elapsed / 1e9, "correct": correct}
+        results = measure_allreduce(rank, world, device, sizes, seconds)
         if rank == 0:
             import json
 
             Path(out_dir, "allreduce.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def group_allreduce(sizes: list[int], seconds: float, timeout_s: float = 600) -> dict:
+    """All-reduce over every rank of the torchrun group this process belongs to (several nodes too):
+    {"backend", "world", "hosts", "results"} with rank 0's measurement, the same on every rank."""
+    from kiln.train.consensus import broadcast, gather
+    from kiln.train.parallel import init_distributed
+
+    torch.set_num_threads(1)
+    d = init_distributed(timeout_s)
+    try:
+        hosts = sorted(set(gather(d, d.host)))
+        results = measure_allreduce(d.rank, d.world, d.device, sizes, seconds)
+        correct = gather(d, all(r["correct"] for r in results.values()))
+        summary = {"backend": dist.get_backend(), "world": d.world, "hosts": hosts, "results": results,
+                   "wrong_ranks": [r for r, ok in enumerate(correct) if not ok]}
+        return broadcast(d, summary)
     finally:
         dist.destroy_process_group()
 

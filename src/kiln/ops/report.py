@@ -486,6 +486,23 @@ def run_folder(path: Path) -> Path:
     if not (path / "metrics.jsonl").is_file() and (path / "run" / "metrics.jsonl").is_file():
         return path / "run"
     return path
+def hardware_section(records: Records) -> str:
+    """Telemetry (kiln.train.telemetry): the GPU's figures, the allocator's memory, the ranks' spread, and the
+    alerts; empty when the run recorded none (telemetry off)."""
+    plots = [("GPU utilisation, temperature and power", ["gpu_util_pct", "gpu_temp_c", "gpu_power_w"], "", False),
+             ("GPU clocks (MHz)", ["gpu_sm_clock_mhz", "gpu_mem_clock_mhz"], "MHz", False),
+             ("GPU memory (GiB): allocated, reserved, fragmentation (reserved - allocated)",
+              ["mem_allocated_gb", "mem_reserved_gb", "mem_fragmentation_gb", "gpu_mem_used_gb"], "GiB", False),
+             ("CUDA allocation retries", ["mem_alloc_retries"], "retries", False),
+             ("PCIe throughput (MB/s)", ["pcie_tx_mb_s", "pcie_rx_mb_s"], "MB/s", False),
+             ("Compute time per step across ranks (s): median rank and slowest",
+              ["rank_compute_median_s", "rank_compute_max_s"], "seconds", False)]
+    parts = [_figure_html(title, fig) for title, keys, ylabel, log in plots
+             if (fig := _lines(records, keys, ylabel, log)) is not None]
+    alerts = [r for r in records if r.get("event") == "alert"]
+    if alerts:
+        parts.append(f"<p>{len(alerts)} alert(s):</p>" + _table(alerts, ["step", "kind", "rank", "host", "message"]))
+    return "<h2>Hardware</h2>" + "".join(parts) if parts else ""
 
 
 def render(run_dir: Path) -> str:
@@ -514,6 +531,7 @@ def render(run_dir: Path) -> str:
     if not any(isinstance(r.get("mfu"), (int, float)) for r in records if r.get("event") == "step"):
         parts.append("<p>MFU is not plotted: the run's device has no peak FLOP/s in Kiln's table (a CPU, or an "
                      "unlisted GPU); set <code>train.peak_tflops</code> to report it.</p>")
+    parts.append(hardware_section(records))
     stats_file = run_dir.parent / "docs" / "stats.json"
     parts.append("<h2>Data</h2>")
     if stats_file.is_file():

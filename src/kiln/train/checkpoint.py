@@ -4,7 +4,7 @@ A checkpoint folder holds:
   model.safetensors   weights (no pickle, loads without running code); under FSDP2 the
                       full weights are gathered and written by rank 0, so any world size resumes
   optimizer.pt        AdamW state, read back with torch.load(weights_only=True)
-  rng.pt              RNG states of every rank (python, numpy, torch CPU and CUDA)
+  rng.pt              RNG states of every rank (python, numpy, torch CPU, the rank's own CUDA device)
   state.json          step, tokens seen, loader, guards, budget, schedule, counters
   config.yaml         the resolved config of the run
   tokenizer.json      the tokenizer, so the folder alone can evaluate and generate
@@ -45,26 +45,36 @@ def step_of(folder: Path) -> int:
 
 # --- RNG -------------------------------------------------------------------------------------
 
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states as tensors and plain lists, so they load with weights_only=True."""
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """This process's RNG states as tensors and plain lists, so they load with weights_only=True.
+
+    CUDA: only this rank's own device (`device`), not every visible one, so a resume where each process sees
+    fewer GPUs (a launcher that masks them) restores what it saved instead of failing on a missing index.
+    """
     py = random.getstate()
     np_state = np.random.get_state()
+    cuda = device is not None and device.type == "cuda"
     return {
         "python": [py[0], list(py[1]), py[2]],
         "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state(device) if cuda else None,
     }
 
 
-def restore_rng(state: dict[str, Any]) -> None:
+def restore_rng(state: dict[str, Any], device: torch.device | None = None) -> None:
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     np_state = state["numpy"]
     np.random.set_state((np_state[0], np_state[1].numpy().astype(np.uint32), *np_state[2:]))
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if device is None or device.type != "cuda" or cuda is None or (isinstance(cuda, list) and not cuda):
+        return
+    if isinstance(cuda, list):  # written before states were per device: every visible device's, by index
+        index = device.index or 0
+        cuda = cuda[index] if index < len(cuda) else cuda[0]
+    torch.cuda.set_rng_state(cuda, device)
 
 
 # --- signing ---------------------------------------------------------------------------------
@@ -102,13 +112,28 @@ def verify_signature(folder: Path, public_key_path: str) -> None:
 # --- saving ----------------------------------------------------------------------------------
 
 def snapshot(obj):
-    """A copy of every tensor in a (nested) state: what a background writer owns while training goes on."""
+    """A CPU copy of every tensor in a (nested) state: what a background writer owns while training goes on.
+
+    GPU tensors are copied into pinned host buffers with non-blocking copies and one synchronize at the end,
+    so the snapshot costs no GPU memory (a clone on the device would add 8 bytes per parameter for Adam's
+    moments for the whole write) and overlaps the copies. A GPU run confirms the stall it measures.
+    """
+    copies = _snapshot(obj)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return copies
+
+
+def _snapshot(obj):
     if isinstance(obj, torch.Tensor):
-        return obj.clone()
+        if obj.device.type == "cuda":
+            host = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=True)
+            return host.copy_(obj.detach(), non_blocking=True)
+        return obj.detach().clone()
     if isinstance(obj, dict):
-        return {k: snapshot(v) for k, v in obj.items()}
+        return {k: _snapshot(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [snapshot(v) for v in obj]
+        return [_snapshot(v) for v in obj]
     return obj
 
 
@@ -269,17 +294,22 @@ def check_loads(folder: Path) -> None:
                              f"{str(exc)[:160]})") from None
 
 
-def load_checkpoint(folder: Path, verify: bool = True) -> dict[str, Any]:
-    """Read a checkpoint back: weights via safetensors, the rest via weights_only torch.load or JSON."""
+# What a rank other than 0 reads on resume: rank 0 reads the weights and broadcasts them.
+SMALL_FILES = {"rng.pt", "state.json"}
+
+
+def load_checkpoint(folder: Path, verify: bool = True, weights: bool = True) -> dict[str, Any]:
+    """Read a checkpoint back: weights via safetensors, the rest via weights_only torch.load or JSON.
+    `weights=False` leaves the model and optimizer state empty (a rank that receives them by broadcast)."""
     folder = Path(folder)
     if verify:
-        verify_folder(folder)
+        verify_folder(folder, only=None if weights else SMALL_FILES)
     else:
         read_manifest(folder)
     try:
         return {
-            "model": load_file(str(folder / "model.safetensors")),
-            "optimizer": torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True),
+            "model": load_file(str(folder / "model.safetensors")) if weights else {},
+            "optimizer": torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True) if weights else {},
             "rng": torch.load(folder / "rng.pt", map_location="cpu", weights_only=True),
             "state": json.loads((folder / "state.json").read_text()),
         }

@@ -11,10 +11,13 @@ import socket
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from kiln.errors import KilnError
 
 
 @dataclass(frozen=True)
@@ -30,22 +33,59 @@ class Dist:
         return self.rank == 0
 
 
-def init_distributed(startup_timeout_s: float = 1800) -> Dist:
+def init_distributed(startup_timeout_s: float = 1800, trace_dir: Path | None = None) -> Dist:
     """Join the torchrun group when launched by torchrun, else run as a single process."""
+    if torch.cuda.is_available():
+        cuda_defaults(trace_dir)
     if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return Dist(device=torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        cuda = torch.cuda.is_available()
+        return Dist(device=torch.device("cuda", local_device_index(0)) if cuda else torch.device("cpu"))
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
-        torch.cuda.set_device(local)
-        device, backend = torch.device("cuda", local), "nccl"
+        device, backend = torch.device("cuda", local_device_index(local)), "nccl"
+        torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         # Long at start-up: loading data and compiling on some ranks can take minutes.
         timeout = timedelta(seconds=startup_timeout_s)
+        # device_id binds the NCCL communicator to this GPU at once (no guessing from the rank, no lazy
+        # set-up inside the first collective). A GPU run confirms the eager NCCL init on each layout.
         dist.init_process_group(backend, store=attempt_store(rank, world, timeout), rank=rank, world_size=world,
-                                timeout=timeout)
+                                timeout=timeout, device_id=device if device.type == "cuda" else None)
     return Dist(rank, world, local, device)
+
+
+def local_device_index(local_rank: int, visible: int | None = None) -> int:
+    """The CUDA device index this process uses: its LOCAL_RANK when it sees every GPU of the node, 0 when the
+    launcher (srun --gpus-per-task, Kubernetes) shows each process only its own GPU."""
+    visible = torch.cuda.device_count() if visible is None else visible
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        raise KilnError(f"LOCAL_RANK={local_rank} but this process sees {visible} GPUs (CUDA_VISIBLE_DEVICES="
+                        f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start one process per visible GPU, "
+                        "or show each process all of the node's GPUs or exactly one")
+    return local_rank
+
+
+# The NCCL flight recorder: the last collectives of each rank, dumped on a timeout next to the watchdog's
+# stacks, so a hang says which collective each rank was in. Set before the first communicator is made.
+FLIGHT_RECORDER_ENTRIES = "2000"
+
+
+def cuda_defaults(trace_dir: Path | None) -> None:
+    """Environment the CUDA caching allocator and NCCL read once, at first use; a user's own setting wins.
+
+    expandable_segments: the allocator grows segments instead of leaving fragments between fixed-size ones
+    (torchtitan's default); a GPU run confirms the reserved - allocated gap it saves.
+    """
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if trace_dir is not None:
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(Path(trace_dir) / "nccl-trace-rank"))
 
 
 def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
@@ -62,9 +102,18 @@ def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
 
 
 def set_step_timeout(d: Dist, seconds: float) -> None:
-    """After the first step a collective that takes this long means a hung rank, not a slow start."""
-    if d.world > 1:
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), dist.group.WORLD)
+    """After the first step a collective that takes this long means a hung rank, not a slow start.
+
+    Every group gets it (the device mesh's HSDP/FSDP subgroups too, not only WORLD), after a barrier so no
+    rank shortens the timeout while another is still in a long first collective. A GPU run confirms NCCL
+    takes the new timeout on each subgroup.
+    """
+    if d.world == 1:
+        return
+    dist.barrier()
+    timeout = timedelta(seconds=seconds)
+    for group in list(dist.distributed_c10d._world.pg_map):
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def parallel_mode(requested: str, d: Dist) -> str:
@@ -81,6 +130,11 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
     for i, block in enumerate(model.layers):
         model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    # An MoE block records its router numbers on the module in forward. Under checkpointing dynamo refuses
+    # that side effect (it would be replayed when the forward is recomputed in backward) and breaks the
+    # graph: the MoE blocks then ran eagerly. Recomputing gives the same numbers, so the replay may be skipped
+    # (torchtitan sets the same).
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 def apply_fsdp(model: nn.Module, d: Dist, mesh_shape: list[int] | None, param_dtype: torch.dtype | None,
@@ -101,13 +155,18 @@ def apply_fsdp(model: nn.Module, d: Dist, mesh_shape: list[int] | None, param_dt
         raise ValueError("train.fp32_modules with 'output' or 'embeddings' needs untied embeddings under FSDP2 "
                          "(one weight cannot sit in two shard groups of different dtypes); set "
                          "model.tie_embeddings: false, or use parallel.mode=ddp")
+    if not dist.is_initialized():  # FSDP2 on one device (no torchrun): a process group of one, in memory
+        dist.init_process_group("nccl" if d.device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
     shape = tuple(mesh_shape) if mesh_shape else (d.world,)
     if int(torch.tensor(shape).prod()) != d.world:
         raise ValueError(f"parallel.mesh={list(shape)} multiplies to {int(torch.tensor(shape).prod())}, not the {d.world} ranks")
     names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
     mesh = init_device_mesh(d.device.type, shape, mesh_dim_names=names)
     # Parameters are gathered in the compute dtype; gradients are reduced in fp32 so small updates survive.
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # Inputs are not cast: a block's activations are already in the compute dtype, and casting would turn the
+    # fp32 RoPE tables to bf16 in every block, which DDP under autocast does not do (torchtitan: the same).
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     if param_dtype is not None and param_dtype != torch.float32:
         for kind in fp32_kinds:
             keep = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
@@ -116,7 +175,9 @@ def apply_fsdp(model: nn.Module, d: Dist, mesh_shape: list[int] | None, param_dt
                 fully_shard(module, mesh=mesh, mp_policy=keep)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    # The root group (embeddings, final norm, head) is used again at once by backward: resharding it after
+    # forward would only gather it again. A GPU run confirms the memory/communication trade on the 1B model.
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
 
 
 def wrap_model(model: nn.Module, d: Dist, mode: str) -> nn.Module:
@@ -136,11 +197,14 @@ def gradient_sync(model: nn.Module, mode: str, enabled: bool):
         with model.no_sync():
             yield
     else:  # fsdp
-        model.set_requires_gradient_sync(False)
+        # FSDP2: gradients are reduce-scattered after every micro-batch, so each rank accumulates only its
+        # shard (skipping that sync would hold unsharded fp32 gradients, 4 bytes per parameter, on every
+        # rank). Under HSDP only the all-reduce across replicas waits for the last micro-batch.
+        model.set_requires_all_reduce(False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)
+            model.set_requires_all_reduce(True)
 
 
 def full_state_dict(model: nn.Module, mode: str) -> dict[str, torch.Tensor]:
@@ -160,16 +224,20 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, mode: st
     return optimizer.state_dict()
 
 
-def load_states(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str, model_sd: dict, optim_sd: dict) -> None:
-    if mode == "fsdp":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
-        opts = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(model, model_sd, options=opts)
-        set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
-    else:
+def load_states(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str, model_sd: dict, optim_sd: dict,
+                world: int = 1) -> None:
+    """Load full (unsharded) weights and optimizer state. With several ranks only rank 0 has read them (the
+    others pass empty dicts): rank 0 broadcasts, and each rank keeps its shard (FSDP2) or the whole (DDP),
+    so host memory holds one copy per node's rank 0, not one per rank."""
+    if world == 1 and mode != "fsdp":
         unwrap(model).load_state_dict(model_sd)
         optimizer.load_state_dict(optim_sd)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=world > 1)
+    set_model_state_dict(model, model_sd, options=opts)
+    set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -187,6 +255,13 @@ def all_reduce_sum(values: list[float], d: Dist) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=d.device)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def all_reduce_(t: torch.Tensor, d: Dist) -> torch.Tensor:
+    """Sum `t` over the ranks in place (no host sync); returns it."""
+    if d.world > 1:
+        dist.all_reduce(t)
+    return t
 
 
 def all_reduce_mean(value: float, d: Dist) -> float:

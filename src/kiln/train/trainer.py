@@ -9,6 +9,7 @@ and from there produces bitwise the losses of a run that was never interrupted.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from kiln.manifest import remove_stale_staging, sha256_file, write_atomic
 from kiln.model import Llama, ModelArgs, MoEArgs, RopeScaling
 from kiln.tokenizer import tokenizer_sha256
 from kiln.train import checkpoint as ckpt
-from kiln.train import parallel
+from kiln.train import consensus, parallel
 from kiln.train import resume as resume_checks
 from kiln.train.budget import Budget
 from kiln.train.clip import clip, group_norms, layer_groups
@@ -33,6 +34,7 @@ from kiln.train.console import TrainConsole, warnings_for
 from kiln.train.cpu_memory import keep_freed_memory
 from kiln.train.guards import Escalation, NonFiniteGuard, SpikeGuard
 from kiln.train.data import open_splits
+from kiln.train.determinism import layout, layout_warning, set_deterministic
 from kiln.train.loader import Loader
 from kiln.train.loggers import check_loggers, open_sinks
 from kiln.train.metrics import MetricsLog, mfu, peak_memory_gb, peak_tflops
@@ -40,6 +42,7 @@ from kiln.train.parallel import Dist, all_reduce_sum, init_distributed
 from kiln.train.precision import apply_precision_policy
 from kiln.train.schedule import build_schedule
 from kiln.train.signals import StopRequests
+from kiln.train.telemetry import Telemetry
 from kiln.train.watchdog import Watchdog
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -79,7 +82,8 @@ class Trainer:
     def __init__(self, cfg: Config, d: Dist | None = None, log=print) -> None:
         self.cfg, self.log = cfg, log
         t = cfg.train
-        self.d = d or init_distributed(cfg.parallel.startup_timeout_s)
+        set_deterministic(t.deterministic)  # before the first matmul: cuBLAS reads its setting once
+        self.d = d or init_distributed(cfg.parallel.startup_timeout_s, cfg.out / "run")
         check_loggers(t.loggers)  # a logger asked for and not installed: before any work
         if t.threads:
             torch.set_num_threads(t.threads)
@@ -137,9 +141,16 @@ class Trainer:
         if self.d.device.type == "cuda":
             # fp32 matmuls on tensor cores (TF32), which is what the peak table's fp32 figures assume.
             torch.set_float32_matmul_precision("high")
-        # foreach left to torch: multi-tensor kernels on GPUs, the per-tensor loop on CPUs, where
-        # foreach took 60 ms a step against 33 ms for a 5 M-parameter model (measured here).
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2))
+        # On GPUs the fused kernel (one launch for every tensor; torchtitan's default, DTensors included); on
+        # CPUs torch's per-tensor loop, where foreach took 60 ms a step against 33 ms for a 5 M-parameter model
+        # (measured here). A GPU run confirms fused on the FSDP2 1B model.
+        fused = True if self.d.device.type == "cuda" else None
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
+                                           fused=fused)
+        # Under FSDP2 an overflow lands in one rank's shard, yet every rank skips the step together: the
+        # gradients are DTensors, whose dispatch all-reduces the scaler's found_inf (torch 2.13,
+        # found_inf_reduce_handler), so torch.amp's scaler needs no sharded twin (which would reduce it
+        # twice). tests/test_gpu_path.py holds every rank to the same verdict on 2 gloo ranks.
         self.scaler = torch.amp.GradScaler(self.d.device.type, init_scale=2.0**16) if t.dtype == "fp16" else None
 
         self.non_finite = NonFiniteGuard()
@@ -150,15 +161,17 @@ class Trainer:
         self.budget = Budget(cfg.budget, self.d.world)
         self.saver = ckpt.Saver(cfg.checkpoint.async_save, log)
         self.requests = StopRequests()
-        self.watchdog = Watchdog(self.d, cfg.watchdog, self.run_dir, log)
+        self.watchdog = Watchdog(self.d, cfg.watchdog, self.run_dir, log, cfg.parallel.startup_timeout_s)
         self.peak, self.peak_source = peak_tflops(self.d.device, t.dtype, t.peak_tflops)
         self.tasks = DownstreamTasks(cfg.eval.tasks, cfg.eval.tasks_every, self.tokenizer_file, cfg.tokenizer.eos_token)
+        self.telemetry = Telemetry.create(self.d, cfg.telemetry, log)
         self.metrics: MetricsLog | None = None
         self.console: TrainConsole | None = None
         self.step, self.tokens_seen = 0, 0
         self.history: dict[str, Any] = {"val_loss": {}}
         # Settings a checkpoint cannot be resumed under when they change (train.max_steps may change).
         self.config_hash = cfg.section_hash("model", "pack", "tokenizer")
+        self.layout = layout(self.d, t.deterministic)
 
     # --- small helpers ----------------------------------------------------------------------
 
@@ -172,12 +185,13 @@ class Trainer:
     # --- checkpoints ------------------------------------------------------------------------
 
     def _load(self, folder: Path, resume: bool) -> dict[str, Any]:
-        data = ckpt.load_checkpoint(folder, verify=False)  # verified by latest_valid
+        # Verified by consensus.agreed_checkpoint; only rank 0 reads the weights, and broadcasts them.
+        data = ckpt.load_checkpoint(folder, verify=False, weights=self.d.is_main)
         state = data["state"]
         if state.get("config_hash") != self.config_hash:
             raise KilnError(f"{folder} was written with different model/pack/tokenizer settings; "
                             f"use a new out_dir, or delete {self.ckpt_dir} to start over")
-        parallel.load_states(self.wrapped, self.optimizer, self.mode, data["model"], data["optimizer"])
+        parallel.load_states(self.wrapped, self.optimizer, self.mode, data["model"], data["optimizer"], self.d.world)
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if resume:
@@ -188,7 +202,7 @@ class Trainer:
             self.budget.load_state_dict(state["budget"])
             self.history = state["history"]
             rngs = data["rng"]
-            ckpt.restore_rng(rngs[self.d.rank] if self.d.rank < len(rngs) else rngs[0])
+            ckpt.restore_rng(rngs[self.d.rank] if self.d.rank < len(rngs) else rngs[0], self.d.device)
         if "schedule" in state:  # on rollback too: the breathing phases rewind with the step
             self.schedule.load_state_dict(state["schedule"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
@@ -196,7 +210,9 @@ class Trainer:
 
     def resume(self) -> Path | None:
         quiet = self.log if self.d.is_main else (lambda *_: None)
-        folder = ckpt.latest_valid(self.ckpt_dir, log=quiet, public_key=self.cfg.checkpoint.public_key)
+        consensus.check_same_inputs(self.d, {"data": (self.data_fingerprint, self.cfg.out / "shards" / "manifest.json"),
+                                             "tokenizer": (self.tokenizer_sha, self.tokenizer_file)})
+        folder = consensus.agreed_checkpoint(self.d, self.ckpt_dir, quiet, self.cfg.checkpoint.public_key)
         if folder is None:
             if self.cfg.checkpoint.public_key and ckpt.list_checkpoints(self.ckpt_dir):
                 raise KilnError(f"{self.ckpt_dir}: no checkpoint carries a valid signature for checkpoint.public_key")
@@ -205,6 +221,8 @@ class Trainer:
         self._check_env(manifest.get("env", {}), folder)
         changes = resume_checks.check_resume_data(manifest, folder, self.data_fingerprint, self.tokenizer_sha,
                                                   self.cfg.train.resume_on_new_data, quiet)
+        if (warning := layout_warning(manifest.get("env", {}).get("layout"), self.layout)) and self.d.is_main:
+            self.log(f"warning: {folder}: {warning}")
         state = self._load(folder, resume=True)
         if changes:  # the old position means nothing on other shards: start the loader clean, and say so
             self.loader.load_state_dict({"seed": self.cfg.seed, "epoch": 0, "position": 0})
@@ -233,7 +251,7 @@ class Trainer:
         """Every rank takes part (FSDP2 gathers); rank 0 writes, in the background when async."""
         model_state = parallel.full_state_dict(self.wrapped, self.mode)
         optim_state = parallel.optimizer_state(self.wrapped, self.optimizer, self.mode)
-        rng = ckpt.rng_state()
+        rng = ckpt.rng_state(self.d.device)
         rngs = [rng]
         if self.d.world > 1:
             rngs = [None] * self.d.world
@@ -255,7 +273,8 @@ class Trainer:
                  "spikes": self.spikes.state_dict(), "escalation": self.escalation.state_dict(),
                  "budget": self.budget.state_dict(), "schedule": self.schedule.state_dict(),
                  "scaler": self.scaler.state_dict() if self.scaler else None, "data_resets": self.data_resets}
-        fields = {"config_hash": self.config_hash, "data_fingerprint": self.data_fingerprint, "env": env_fingerprint()}
+        fields = {"config_hash": self.config_hash, "data_fingerprint": self.data_fingerprint,
+                  "env": {**env_fingerprint(), "layout": self.layout}}
         vals = {int(s): v for s, v in self.history["val_loss"].items() if int(s) > 0}
         best = min(vals, key=vals.get) if (cfg.checkpoint.keep_best and vals) else None
         if self.saver.async_save:  # the snapshot must not change while the thread writes
@@ -312,24 +331,32 @@ class Trainer:
         micro_batches = self.loader.next_batch()
         t_data = time.perf_counter() - tick
         tick = time.perf_counter()
-        loss_sum = 0.0
-        moe_sums = {"aux_loss": 0.0, "z_loss": 0.0, "dropped_tokens": 0, "routed_tokens": 0}
+        # Sums stay on the device: one host sync a step (below), not one per micro-batch and MoE layer.
+        loss_sum: torch.Tensor | float = 0.0
+        moe_sums: dict[str, Any] = {"aux_loss": 0.0, "z_loss": 0.0, "dropped_tokens": 0, "routed_tokens": 0}
         for i, batch in enumerate(micro_batches):
             with parallel.gradient_sync(self.wrapped, self.mode, enabled=i == len(micro_batches) - 1):
                 loss = self.loss_fn(self.wrapped, batch.to(self.d.device, non_blocking=True), self.autocast, self.pad_id)
                 total = loss + self._router_loss(moe_sums) if self.moe else loss
                 scaled = total / len(micro_batches)
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            loss_sum += loss.item()
+            loss_sum = loss_sum + loss.detach()
         t_fwd_bwd = time.perf_counter() - tick
         tick = time.perf_counter()
-        flags = [float(self.requests.stop), float(self.requests.save)]
-        loss_total, stop, save = all_reduce_sum([loss_sum / len(micro_batches), *flags], self.d)
+        # The budget flag is every rank's verdict on the steps so far: one rank alone must never stop (it
+        # would enter save()'s collectives while the others start the next step's).
+        flags = [float(self.requests.stop), float(self.requests.save), float(self.budget.exhausted())]
+        dev = self.d.device
+        agreed = torch.tensor([0.0, *flags], dtype=torch.float64, device=dev)
+        agreed[0] = loss_sum / len(micro_batches)
+        local = [torch.as_tensor(v, dtype=torch.float64, device=dev).reshape(1) for v in moe_sums.values()
+                 if self.moe]
+        loss_total, stop, save, budget, *moe = torch.cat([parallel.all_reduce_(agreed, self.d), *local]).tolist()
         t_comm = time.perf_counter() - tick
-        out = {"loss": loss_total / self.d.world, "stop": stop > 0, "save": save > 0,
+        out = {"loss": loss_total / self.d.world, "stop": stop > 0, "save": save > 0, "budget_exhausted": budget > 0,
                "time_data_s": t_data, "time_fwd_bwd_s": t_fwd_bwd, "time_comm_s": t_comm}
         if self.moe:  # this rank's router numbers: the balance a rank sees is what its experts get
-            out.update({f"moe/{k}": v / len(micro_batches) if "loss" in k else v for k, v in moe_sums.items()})
+            out.update({f"moe/{k}": v / len(micro_batches) if "loss" in k else int(v) for k, v in zip(moe_sums, moe)})
         return out
 
     def _router_loss(self, sums: dict[str, float]) -> torch.Tensor:
@@ -337,7 +364,7 @@ class Trainer:
         m, stats = self.cfg.model.moe, self.model.moe_losses()
         for k in sums:
             value = stats[k]
-            sums[k] += float(value.detach()) if isinstance(value, torch.Tensor) else value
+            sums[k] = sums[k] + (value.detach() if isinstance(value, torch.Tensor) else value)
         return m.aux_loss_coef * stats["aux_loss"] + m.z_loss_coef * stats["z_loss"]
 
     def optimizer_step(self, lr: float, loss: float, measure_update: bool) -> dict[str, Any]:
@@ -366,10 +393,11 @@ class Trainer:
             if self.scaler.get_scale() != scale:
                 self.event({"event": "scale", "step": self.step + 1, "from": scale, "to": self.scaler.get_scale()})
         elif reason is None:
-            before = [p.detach().clone() for p in self.model.parameters()] if measure_update else None
+            before = [_local(p).clone() for p in self.model.parameters()] if measure_update else None
             self.optimizer.step()
             if before is not None:
-                out["update_to_weight"] = _update_ratio(before, list(self.model.parameters()))
+                out["update_to_weight"] = _update_ratio(before, [_local(p) for p in self.model.parameters()], self.d,
+                                                        sharded=self.mode == "fsdp")
         if reason is None:
             self.spikes.accept(loss, grad_norm)
         if self.schedule.measures_noise:  # the breathing schedule's gradient noise is grad_norm / param_norm
@@ -387,8 +415,8 @@ class Trainer:
         trouble is skipped, and the learning rate is lowered for a while."""
         self.saver.wait()
         trouble = self.escalation.first_recent_skip()
-        good = [c for c in ckpt.list_checkpoints(self.ckpt_dir) if ckpt.step_of(c) < trouble]
-        folder = ckpt.latest_valid_of(good, public_key=self.cfg.checkpoint.public_key)
+        folder = consensus.agreed_checkpoint(self.d, self.ckpt_dir, lambda *_: None, self.cfg.checkpoint.public_key,
+                                             before=trouble)
         logs = self.run_dir / "metrics.jsonl"
         if folder is None:
             raise KilnError(f"step {self.step}: {reason}, and no checkpoint from before step {trouble} to roll back to; "
@@ -447,6 +475,11 @@ class Trainer:
         tokens_per_step = t.batch_size * cfg.pack.seq_len
         self.model.train()
         stopped = None
+        # Python's collector off in the loop and run at the same steps on every rank: a collection at a
+        # random moment on one rank makes every other rank wait for it in the next collective.
+        gc_paused = bool(t.gc_every) and gc.isenabled()
+        if gc_paused:
+            gc.disable()
         try:
             while self.step < t.max_steps:
                 tick = time.perf_counter()
@@ -463,6 +496,10 @@ class Trainer:
                 dt = time.perf_counter() - tick
                 self.budget.spend(dt)
                 self.watchdog.beat(self.step)
+                if self.telemetry is not None:
+                    self.telemetry.observe(dt, measured["time_comm_s"])
+                if gc_paused and self.step % t.gc_every == 0:
+                    gc.collect(1)
                 reason = result["skip_reason"]
                 rollback = bool(reason) and self.escalation.record_skip(self.step, escalate=reason != "fp16_overflow")
                 self._record(measured, result, lr, dt, tokens_per_step)
@@ -483,6 +520,8 @@ class Trainer:
                     self.log(f"step {self.step}: stopping cleanly ({stopped}); the same command resumes")
                     break
         finally:
+            if gc_paused:
+                gc.enable()
             self.saver.wait()
             self.loader.close()
             self.watchdog.stop()
@@ -502,7 +541,7 @@ class Trainer:
             self.log(f"budget: {fraction:.0%} of budget.device_hours spent ({self.budget.device_hours:.3f} h, cost {self.budget.cost:.2f})")
         if measured["stop"]:
             return "SIGTERM"
-        if self.budget.exhausted():
+        if measured["budget_exhausted"]:  # any rank's (train_step): every rank stops at the same step
             return "budget exhausted"
         return None
 
@@ -520,7 +559,16 @@ class Trainer:
                   "device_hours": self.budget.device_hours, "cost_so_far": self.budget.cost,
                   "cost_per_1k_steps": self.budget.cost / self.step * 1000}
         record.pop("skip_reason")
+        log_step = self.step % self.cfg.train.log_every == 0 or self.step == self.cfg.train.max_steps
+        alerts = []
+        if self.telemetry is not None and log_step:  # every rank: the ranks' figures meet in one all-gather
+            fields, alerts = self.telemetry.sample(self.step, tokens)
+            record.update(fields)
         self.event(record)
+        for alert in alerts:
+            self.event(alert)
+            if self.d.is_main:
+                self.log(f"warning: step {self.step}: {alert['message']}")
         if result["skip_reason"]:  # with the data position, so `kiln shards inspect` can show the batch
             self.event({"event": "skip", "step": self.step, "reason": result["skip_reason"], "loss": measured["loss"],
                         "grad_norm": result["grad_norm"], "data_position": self.loader.state.position,
@@ -538,10 +586,27 @@ class Trainer:
                 "params": sum(p.numel() for p in self.model.parameters())}
 
 
-def _update_ratio(before: list[torch.Tensor], after: list[torch.Tensor]) -> float:
-    """||Δw|| / ||w|| over all parameters: how far one step moved the weights."""
-    num = sum(float(parallel.local_tensor(torch.linalg.vector_norm(a.detach() - b))) ** 2 for a, b in zip(after, before))
-    den = sum(float(parallel.local_tensor(torch.linalg.vector_norm(b))) ** 2 for b in before)
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (its shard of an FSDP2 DTensor), detached."""
+    p = p.detach()
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def _update_ratio(before: list[torch.Tensor], after: list[torch.Tensor], d: Dist, sharded: bool) -> float:
+    """||Δw|| / ||w|| over all parameters: how far one step moved the weights.
+
+    Squares are summed on the device over this rank's parts; sharded, one all-reduce adds the shards (under
+    HSDP each shard is counted once per replica, in both sums alike, so the ratio is the same). One host sync.
+    """
+    zero = torch.zeros((), dtype=torch.float64, device=d.device)
+    num, den = zero, zero
+    for a, b in zip(after, before):
+        num = num + torch.linalg.vector_norm(a - b, dtype=torch.float64) ** 2
+        den = den + torch.linalg.vector_norm(b, dtype=torch.float64) ** 2
+    sums = torch.stack([num, den])
+    if sharded:
+        parallel.all_reduce_(sums, d)
+    num, den = sums.tolist()
     return (num / max(den, 1e-30)) ** 0.5
 
 

@@ -30,10 +30,16 @@ EXIT_STALLED = 3
 
 
 class Watchdog:
-    def __init__(self, d: Dist, cfg: WatchdogConfig, run_dir: Path, log=print) -> None:
+    def __init__(self, d: Dist, cfg: WatchdogConfig, run_dir: Path, log=print,
+                 startup_timeout_s: float | None = None) -> None:
         self.d, self.cfg, self.run_dir, self.log = d, cfg, Path(run_dir), log
         self.progress = 0  # bumped at every step, eval and save: any sign of life
         self.step = 0
+        # Until a rank completes its first step in this process it may be compiling (torch.compile of the
+        # whole model) or setting up NCCL on many ranks: judged against startup_timeout_s until then, like
+        # the collectives (parallel.startup_timeout_s). A GPU run confirms the first compiled step's length.
+        self.startup_timeout_s = max(startup_timeout_s or 0.0, cfg.stall_timeout_s)
+        self.first_step: int | None = None  # the step this process started from (set by start)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -41,7 +47,16 @@ class Watchdog:
         self.step = step
         self.progress += 1
 
+    @property
+    def warm(self) -> bool:
+        """This rank has completed a step since it started."""
+        return self.first_step is not None and self.step > self.first_step
+
+    def timeout_for(self, beat: dict) -> float:
+        return self.cfg.stall_timeout_s if beat.get("warm") else self.startup_timeout_s
+
     def start(self) -> "Watchdog":
+        self.first_step = self.step
         if self.cfg.enabled:
             self._thread = threading.Thread(target=self._run, name="kiln-watchdog", daemon=True)
             self._thread.start()
@@ -76,7 +91,7 @@ class Watchdog:
             tick += 1
             now = time.monotonic()
             beats[self.d.rank] = {"progress": self.progress, "step": self.step, "host": self.d.host,
-                                  "pid": os.getpid(), "tick": tick}
+                                  "pid": os.getpid(), "tick": tick, "warm": self.warm}
             try:
                 if store is not None:
                     store.set(f"hb/{self.d.rank}", json.dumps(beats[self.d.rank]))
@@ -91,7 +106,8 @@ class Watchdog:
                 for seen, value in ((progress, beat["progress"]), (ticks, beat["tick"])):
                     if r not in seen or seen[r][0] != value:
                         seen[r] = (value, now)
-            stalled = [r for r in range(self.d.world) if now - progress.get(r, (0, t0))[1] > self.cfg.stall_timeout_s]
+            stalled = [r for r in range(self.d.world)
+                       if now - progress.get(r, (0, t0))[1] > self.timeout_for(beats.get(r, {}))]
             if stalled:
                 self._report(stalled, beats, ticks, now, store)
 
@@ -104,7 +120,7 @@ class Watchdog:
         report = {"rank": culprit, "host": beat["host"], "pid": beat["pid"], "step": beat["step"],
                   "heartbeat_stopped": culprit in silent, "reported_by": self.d.rank}
         self.log(f"watchdog: rank {culprit} on host {beat['host']} (pid {beat['pid']}) has not advanced past step "
-                 f"{beat['step']} for over {self.cfg.stall_timeout_s:.0f} s"
+                 f"{beat['step']} for over {self.timeout_for(beat):.0f} s"
                  f"{' and its heartbeat stopped (stopped or dead: it cannot dump its stacks)' if culprit in silent else ''}; "
                  f"dumping stacks and exiting so torchrun can restart the group")
         if store is not None:
