@@ -666,3 +666,22 @@ def test_under_torchrun_a_held_run_lock_stops_every_rank(workdir, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and f"pid {os.getpid()}" in out and "rank 0 could not lock the run folder" in out
     assert not (workdir / "run" / "checkpoints").exists()
+
+
+# --- follow-ups: import's lock, pack's workers, Parquet's limit, a new vocabulary, report --out -----------------
+
+def test_import_into_a_run_folder_a_training_holds_is_refused_naming_the_holder(workdir, tmp_path):
+    from kiln.lock import OutputLock
+    from kiln.ops.export import export_hf, import_hf
+
+    train(workdir, max_steps=5)
+    export_hf(workdir / "run" / "checkpoints" / "step-00000005", tmp_path / "hf")
+    out = tmp_path / "fresh"
+    for name in ("tokenizer", "shards"):
+        shutil.copytree(workdir / name, out / name)
+    cfg = tiny_config(out, train={"max_steps": 5})
+    with OutputLock(out / "run", "`kiln train`"):  # what a training on this out_dir holds
+        with pytest.raises(KilnError, match=rf"being written by `kiln train`: pid {os.getpid()} "):
+            import_hf(tmp_path / "hf", cfg)
+    assert not (out / "run" / "checkpoints").exists()
+    assert import_hf(tmp_path / "hf", cfg) == out / "run" / "checkpoints" / "step-00000000"  # once it has ended
