@@ -685,3 +685,43 @@ def test_import_into_a_run_folder_a_training_holds_is_refused_naming_the_holder(
             import_hf(tmp_path / "hf", cfg)
     assert not (out / "run" / "checkpoints").exists()
     assert import_hf(tmp_path / "hf", cfg) == out / "run" / "checkpoints" / "step-00000000"  # once it has ended
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except FileNotFoundError:
+        return ""
+
+
+def test_sigterm_to_kiln_pack_ends_its_encoding_workers(prepared, tmp_path):
+    docs = list(read_docs(prepared.out / "docs"))
+    folder = tmp_path / "docs"
+    with staging_dir(folder) as tmp:  # enough text that the encoding is still going when both workers are up
+        writer = PartWriter(tmp, 2000)
+        copies = max(1, (24 << 20) // sum(len(d["text"]) for d in docs))
+        for k in range(copies):
+            for d in docs:
+                writer.add({**d, "id": f"{d['id']}-{k}"})
+        writer.flush()
+        write_manifest(tmp, stage="data", documents=copies * len(docs))
+    proc = subprocess.Popen([sys.executable, "-m", "kiln", "pack", str(folder), "--tokenizer",
+                             str(prepared.out / "tokenizer"), "--out", str(tmp_path / "shards"), "pack.workers=2"],
+                            env=ENV, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.time() + 90
+    while len([pid for pid in _children(proc.pid) if "spawn_main" in _cmdline(pid)]) < 2:
+        assert proc.poll() is None and time.time() < deadline, "the encoding workers never started"
+        time.sleep(0.02)
+    children = _children(proc.pid)  # the two workers and multiprocessing's resource tracker
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=30)  # an orphaned worker would hold the pipes open
+    finally:
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 130 and b"interrupted" in err, err.decode()[-2000:]
+    time.sleep(0.2)
+    assert [pid for pid in children if _alive(pid)] == []
+    assert not (tmp_path / "shards").exists()
