@@ -725,3 +725,20 @@ def test_sigterm_to_kiln_pack_ends_its_encoding_workers(prepared, tmp_path):
     time.sleep(0.2)
     assert [pid for pid in children if _alive(pid)] == []
     assert not (tmp_path / "shards").exists()
+
+
+def test_a_parquet_row_over_max_record_bytes_is_a_rejection_and_the_rest_goes_on(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from kiln.data.sources import read_parquet
+
+    src = tmp_path / "in.parquet"
+    big = "é" * (600 << 10)  # 1.2 MB of UTF-8 in 600 K characters: the limit counts bytes
+    pq.write_table(pa.table({"id": ["a", "big", "c", "d"], "text": [english(1), big, None, english(2)]}), src)
+    docs = list(read_parquet(str(src), ReadReport(), ("text", "id", "url"), None, 1 << 20))
+    assert [d.rejection.reason if d.rejection else d.id for d in docs] == ["a", "too_large", "missing_text", "d"]
+    assert docs[1].rejection.signals == {"row": 1, "bytes": len(big.encode()), "limit": 1 << 20}
+    assert docs[3].text == english(2) and docs[3].offset == 3
+    stats = run_data([str(src)], tmp_path / "docs", cfg(min_chars=100, max_record_bytes=1 << 20))
+    assert stats["rejected_by_reason"]["read/too_large"] == 1 and stats["documents"]["kept"] == 2
