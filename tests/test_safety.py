@@ -742,3 +742,22 @@ def test_a_parquet_row_over_max_record_bytes_is_a_rejection_and_the_rest_goes_on
     assert docs[3].text == english(2) and docs[3].offset == 3
     stats = run_data([str(src)], tmp_path / "docs", cfg(min_chars=100, max_record_bytes=1 << 20))
     assert stats["rejected_by_reason"]["read/too_large"] == 1 and stats["documents"]["kept"] == 2
+
+
+def test_resume_on_new_data_onto_another_vocabulary_size_is_one_line_naming_both(prepared, workdir, tmp_path, capsys):
+    from kiln.tokenizer import train_tokenizer
+
+    train(workdir, max_steps=5)
+    other = tmp_path / "tok512"
+    train_tokenizer(read_docs(prepared.out / "docs"), other, tiny_config(tmp_path, tokenizer={"vocab_size": 512}).tokenizer,
+                    prepared.seed)
+    shutil.rmtree(workdir / "tokenizer")
+    shutil.copytree(other, workdir / "tokenizer")
+    shutil.rmtree(workdir / "shards")
+    repack(prepared, workdir, skip=0)
+    config = tmp_path / "c.yaml"
+    config.write_text(tiny_config(workdir, train={"max_steps": 10, "resume_on_new_data": True}).to_yaml())
+    assert kiln(["train", str(config)]) == 2
+    err = err_of(capsys)
+    assert "Traceback" not in err and "size mismatch" not in err
+    assert "vocabulary of 1024 tokens" in err and "has 512" in err and "new out_dir" in err and "old tokenizer" in err
