@@ -761,3 +761,24 @@ def test_resume_on_new_data_onto_another_vocabulary_size_is_one_line_naming_both
     err = err_of(capsys)
     assert "Traceback" not in err and "size mismatch" not in err
     assert "vocabulary of 1024 tokens" in err and "has 512" in err and "new out_dir" in err and "old tokenizer" in err
+
+
+def test_report_out_replaces_only_a_kiln_report(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    write_jsonl(tmp_path / "run" / "metrics.jsonl", [{"event": "step", "step": s, "loss": 5.0 - s, "lr": 1e-3}
+                                                     for s in (1, 2)])  # what `kiln train` writes, in brief
+    run = str(tmp_path / "run")
+    notes = tmp_path / "notes.html"
+    notes.write_text("<html><body>my notes</body></html>")
+    assert kiln(["report", run, "--out", str(notes)]) == 2
+    err = err_of(capsys)
+    assert f"{notes} exists and is not a Kiln report" in err and len(err.strip().splitlines()) == 1
+    assert notes.read_text() == "<html><body>my notes</body></html>"
+    (tmp_path / "folder").mkdir()
+    assert kiln(["report", run, "--out", str(tmp_path / "folder")]) == 2 and "not a Kiln report" in err_of(capsys)
+    report = tmp_path / "report.html"
+    assert kiln(["report", run, "--out", str(report)]) == 0
+    first = report.read_text()
+    assert first.startswith("<!-- written by kiln report -->\n<!DOCTYPE html>")
+    assert kiln(["report", run, "--out", str(report)]) == 0  # its own report: replaced
+    assert report.read_text().startswith("<!-- written by kiln report -->") and not no_leftovers(tmp_path)
