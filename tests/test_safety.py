@@ -744,6 +744,7 @@ def test_a_parquet_row_over_max_record_bytes_is_a_rejection_and_the_rest_goes_on
     assert stats["rejected_by_reason"]["read/too_large"] == 1 and stats["documents"]["kept"] == 2
 
 
+@pytest.mark.slow  # ~15 s: a tokenizer trained, the shards repacked, two trainings
 def test_resume_on_new_data_onto_another_vocabulary_size_is_one_line_naming_both(prepared, workdir, tmp_path, capsys):
     from kiln.tokenizer import train_tokenizer
 
