@@ -680,9 +680,9 @@ def test_import_into_a_run_folder_a_training_holds_is_refused_naming_the_holder(
     for name in ("tokenizer", "shards"):
         shutil.copytree(workdir / name, out / name)
     cfg = tiny_config(out, train={"max_steps": 5})
-    with OutputLock(out / "run", "`kiln train`"):  # what a training on this out_dir holds
-        with pytest.raises(KilnError, match=rf"being written by `kiln train`: pid {os.getpid()} "):
-            import_hf(tmp_path / "hf", cfg)
+    holder = rf"being written by `kiln train`: pid {os.getpid()} "
+    with OutputLock(out / "run", "`kiln train`"), pytest.raises(KilnError, match=holder):  # a training's lock
+        import_hf(tmp_path / "hf", cfg)
     assert not (out / "run" / "checkpoints").exists()
     assert import_hf(tmp_path / "hf", cfg) == out / "run" / "checkpoints" / "step-00000000"  # once it has ended
 
@@ -750,8 +750,8 @@ def test_resume_on_new_data_onto_another_vocabulary_size_is_one_line_naming_both
 
     train(workdir, max_steps=5)
     other = tmp_path / "tok512"
-    train_tokenizer(read_docs(prepared.out / "docs"), other, tiny_config(tmp_path, tokenizer={"vocab_size": 512}).tokenizer,
-                    prepared.seed)
+    tok512 = tiny_config(tmp_path, tokenizer={"vocab_size": 512}).tokenizer
+    train_tokenizer(read_docs(prepared.out / "docs"), other, tok512, prepared.seed)
     shutil.rmtree(workdir / "tokenizer")
     shutil.copytree(other, workdir / "tokenizer")
     shutil.rmtree(workdir / "shards")

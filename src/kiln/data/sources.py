@@ -257,8 +257,8 @@ def read_jsonl(source: str, report: ReadReport, fields: tuple[str, str, str],
 
 # --- Parquet --------------------------------------------------------------------------------
 
-def read_parquet(source: str, report: ReadReport, fields: tuple[str, str, str], storage_options: dict[str, Any] | None = None,
-                 max_record_bytes: int | None = None) -> Iterator[Document]:
+def read_parquet(source: str, report: ReadReport, fields: tuple[str, str, str],
+                 storage_options: dict[str, Any] | None = None, max_record_bytes: int | None = None) -> Iterator[Document]:
     """Rows as Documents; a row whose text is over `max_record_bytes` (UTF-8) is a `read/too_large` rejection."""
     import pyarrow.parquet as pq
 

@@ -247,7 +247,8 @@ def import_hf(hf_dir: Path, cfg: Config) -> Path:
         try:
             trainer.model.load_state_dict(weights)
         except RuntimeError as exc:
-            raise KilnError(f"{hf_dir / 'model.safetensors'} does not fit the config's model: {str(exc)[:300]}") from None
+            raise KilnError(f"{hf_dir / 'model.safetensors'} does not fit the config's model: "
+                            f"{str(exc)[:300]}") from None
         trainer.save("import")
         trainer.saver.wait()
     return step_dir(trainer.ckpt_dir, 0)
