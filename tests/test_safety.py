@@ -666,3 +666,120 @@ def test_under_torchrun_a_held_run_lock_stops_every_rank(workdir, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and f"pid {os.getpid()}" in out and "rank 0 could not lock the run folder" in out
     assert not (workdir / "run" / "checkpoints").exists()
+
+
+# --- follow-ups: import's lock, pack's workers, Parquet's limit, a new vocabulary, report --out -----------------
+
+def test_import_into_a_run_folder_a_training_holds_is_refused_naming_the_holder(workdir, tmp_path):
+    from kiln.lock import OutputLock
+    from kiln.ops.export import export_hf, import_hf
+
+    train(workdir, max_steps=5)
+    export_hf(workdir / "run" / "checkpoints" / "step-00000005", tmp_path / "hf")
+    out = tmp_path / "fresh"
+    for name in ("tokenizer", "shards"):
+        shutil.copytree(workdir / name, out / name)
+    cfg = tiny_config(out, train={"max_steps": 5})
+    holder = rf"being written by `kiln train`: pid {os.getpid()} "
+    with OutputLock(out / "run", "`kiln train`"), pytest.raises(KilnError, match=holder):  # a training's lock
+        import_hf(tmp_path / "hf", cfg)
+    assert not (out / "run" / "checkpoints").exists()
+    assert import_hf(tmp_path / "hf", cfg) == out / "run" / "checkpoints" / "step-00000000"  # once it has ended
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except FileNotFoundError:
+        return ""
+
+
+def test_sigterm_to_kiln_pack_ends_its_encoding_workers(prepared, tmp_path):
+    docs = list(read_docs(prepared.out / "docs"))
+    folder = tmp_path / "docs"
+    with staging_dir(folder) as tmp:  # enough text that the encoding is still going when both workers are up
+        writer = PartWriter(tmp, 2000)
+        copies = max(1, (24 << 20) // sum(len(d["text"]) for d in docs))
+        for k in range(copies):
+            for d in docs:
+                writer.add({**d, "id": f"{d['id']}-{k}"})
+        writer.flush()
+        write_manifest(tmp, stage="data", documents=copies * len(docs))
+    proc = subprocess.Popen([sys.executable, "-m", "kiln", "pack", str(folder), "--tokenizer",
+                             str(prepared.out / "tokenizer"), "--out", str(tmp_path / "shards"), "pack.workers=2"],
+                            env=ENV, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.time() + 90
+    while len([pid for pid in _children(proc.pid) if "spawn_main" in _cmdline(pid)]) < 2:
+        assert proc.poll() is None and time.time() < deadline, "the encoding workers never started"
+        time.sleep(0.02)
+    children = _children(proc.pid)  # the two workers and multiprocessing's resource tracker
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=30)  # an orphaned worker would hold the pipes open
+    finally:
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 130 and b"interrupted" in err, err.decode()[-2000:]
+    time.sleep(0.2)
+    assert [pid for pid in children if _alive(pid)] == []
+    assert not (tmp_path / "shards").exists()
+
+
+def test_a_parquet_row_over_max_record_bytes_is_a_rejection_and_the_rest_goes_on(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from kiln.data.sources import read_parquet
+
+    src = tmp_path / "in.parquet"
+    big = "é" * (600 << 10)  # 1.2 MB of UTF-8 in 600 K characters: the limit counts bytes
+    pq.write_table(pa.table({"id": ["a", "big", "c", "d"], "text": [english(1), big, None, english(2)]}), src)
+    docs = list(read_parquet(str(src), ReadReport(), ("text", "id", "url"), None, 1 << 20))
+    assert [d.rejection.reason if d.rejection else d.id for d in docs] == ["a", "too_large", "missing_text", "d"]
+    assert docs[1].rejection.signals == {"row": 1, "bytes": len(big.encode()), "limit": 1 << 20}
+    assert docs[3].text == english(2) and docs[3].offset == 3
+    stats = run_data([str(src)], tmp_path / "docs", cfg(min_chars=100, max_record_bytes=1 << 20))
+    assert stats["rejected_by_reason"]["read/too_large"] == 1 and stats["documents"]["kept"] == 2
+
+
+@pytest.mark.slow  # ~15 s: a tokenizer trained, the shards repacked, two trainings
+def test_resume_on_new_data_onto_another_vocabulary_size_is_one_line_naming_both(prepared, workdir, tmp_path, capsys):
+    from kiln.tokenizer import train_tokenizer
+
+    train(workdir, max_steps=5)
+    other = tmp_path / "tok512"
+    tok512 = tiny_config(tmp_path, tokenizer={"vocab_size": 512}).tokenizer
+    train_tokenizer(read_docs(prepared.out / "docs"), other, tok512, prepared.seed)
+    shutil.rmtree(workdir / "tokenizer")
+    shutil.copytree(other, workdir / "tokenizer")
+    shutil.rmtree(workdir / "shards")
+    repack(prepared, workdir, skip=0)
+    config = tmp_path / "c.yaml"
+    config.write_text(tiny_config(workdir, train={"max_steps": 10, "resume_on_new_data": True}).to_yaml())
+    assert kiln(["train", str(config)]) == 2
+    err = err_of(capsys)
+    assert "Traceback" not in err and "size mismatch" not in err
+    assert "vocabulary of 1024 tokens" in err and "has 512" in err and "new out_dir" in err and "old tokenizer" in err
+
+
+def test_report_out_replaces_only_a_kiln_report(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    write_jsonl(tmp_path / "run" / "metrics.jsonl", [{"event": "step", "step": s, "loss": 5.0 - s, "lr": 1e-3}
+                                                     for s in (1, 2)])  # what `kiln train` writes, in brief
+    run = str(tmp_path / "run")
+    notes = tmp_path / "notes.html"
+    notes.write_text("<html><body>my notes</body></html>")
+    assert kiln(["report", run, "--out", str(notes)]) == 2
+    err = err_of(capsys)
+    assert f"{notes} exists and is not a Kiln report" in err and len(err.strip().splitlines()) == 1
+    assert notes.read_text() == "<html><body>my notes</body></html>"
+    (tmp_path / "folder").mkdir()
+    assert kiln(["report", run, "--out", str(tmp_path / "folder")]) == 2 and "not a Kiln report" in err_of(capsys)
+    report = tmp_path / "report.html"
+    assert kiln(["report", run, "--out", str(report)]) == 0
+    first = report.read_text()
+    assert first.startswith("<!-- written by kiln report -->\n<!DOCTYPE html>")
+    assert kiln(["report", run, "--out", str(report)]) == 0  # its own report: replaced
+    assert report.read_text().startswith("<!-- written by kiln report -->") and not no_leftovers(tmp_path)

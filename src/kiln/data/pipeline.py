@@ -127,7 +127,7 @@ def read_task(task: Task, cfg: DataConfig, report: ReadReport) -> Iterator[Docum
     if kind == "jsonl":
         return read_jsonl(task.source, report, fields, cfg.storage_options, cfg.max_record_bytes)
     if kind == "parquet":
-        return read_parquet(task.source, report, fields, cfg.storage_options)
+        return read_parquet(task.source, report, fields, cfg.storage_options, cfg.max_record_bytes)
     return read_warc(task.source, report, task.start, task.end, cfg.storage_options)
 
 

@@ -257,7 +257,9 @@ def read_jsonl(source: str, report: ReadReport, fields: tuple[str, str, str],
 
 # --- Parquet --------------------------------------------------------------------------------
 
-def read_parquet(source: str, report: ReadReport, fields: tuple[str, str, str], storage_options: dict[str, Any] | None = None) -> Iterator[Document]:
+def read_parquet(source: str, report: ReadReport, fields: tuple[str, str, str],
+                 storage_options: dict[str, Any] | None = None, max_record_bytes: int | None = None) -> Iterator[Document]:
+    """Rows as Documents; a row whose text is over `max_record_bytes` (UTF-8) is a `read/too_large` rejection."""
     import pyarrow.parquet as pq
 
     with open_input(source, storage_options) as f:
@@ -275,10 +277,25 @@ def read_parquet(source: str, report: ReadReport, fields: tuple[str, str, str], 
         row = 0
         try:
             for batch in pf.iter_batches(batch_size=1024, columns=columns):
-                for rec in batch.to_pylist():
-                    yield _record_doc(rec, source, row, 1, f"row{row}", fields)
+                for rec, size in zip(batch.to_pylist(), _text_bytes(batch, fields[0])):
+                    if max_record_bytes is not None and size > max_record_bytes:
+                        yield Document(id=f"{Path(source).name}:row{row}", source=source, offset=row, length=1).reject(
+                            "read", "too_large", row=row, bytes=size, limit=max_record_bytes)
+                    else:
+                        yield _record_doc(rec, source, row, 1, f"row{row}", fields)
                     row += 1
         except Exception:  # a damaged row group (ArrowInvalid, OSError): keep the rows before it, say where
             if raw.error is not None:
                 raise raw.error from None
             report.truncated_at = row
+
+
+def _text_bytes(batch, column: str) -> list[int]:
+    """Each row's text size in UTF-8 bytes, from Arrow's offsets (0 for a null or a non-string column)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    text = batch.column(column)
+    if not (pa.types.is_string(text.type) or pa.types.is_large_string(text.type)):
+        return [0] * len(text)
+    return pc.binary_length(text).fill_null(0).to_pylist()

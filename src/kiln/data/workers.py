@@ -2,8 +2,8 @@
 
 `ending_workers(pool)`: while the driver iterates a process pool, SIGTERM and SIGINT are noted by a handler
 (raising from inside the executor's own locks could deadlock it) and `check()` raises `Terminated` at the
-driver's next safe point, within `POLL_S`; whatever ends the iteration (a signal, an error, a consumer that
-stops early) terminates the pool's processes before returning. `worker_init` runs in each worker: it
+driver's next safe point, within `POLL_S` (`result(future)` waits that way); whatever ends the iteration
+(a signal, an error, a consumer that stops early) terminates the pool's processes before returning. `worker_init` runs in each worker: it
 asks Linux to send SIGTERM to the worker if the driver dies without cleaning up (SIGKILL), and leaves
 SIGINT (a terminal's Ctrl-C goes to the whole process group) to the driver.
 """
@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+from concurrent.futures import wait
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -34,6 +35,13 @@ class _Requests:
     def check(self) -> None:
         if self.signum is not None:
             raise Terminated(signal.Signals(self.signum).name)
+
+    def result(self, future):
+        """`future.result()`, checking for a signal every POLL_S while it waits."""
+        while not future.done():
+            wait([future], timeout=POLL_S)
+            self.check()
+        return future.result()
 
 
 def worker_init() -> None:

@@ -312,6 +312,7 @@ def import_hf(hf_dir: Path, cfg: Config) -> Path:
     must exist and be the folder's tokenizer. The checkpoint is written by the Trainer itself, so it carries
     exactly the state (config hash, loader, guards, environment) a resume expects.
     """
+    from kiln.lock import OutputLock
     from kiln.train.checkpoint import list_checkpoints, step_dir
     from kiln.train.trainer import Trainer
 
@@ -341,12 +342,14 @@ def import_hf(hf_dir: Path, cfg: Config) -> Path:
     if cfg.model.tie_embeddings:
         weights.setdefault("output.weight", weights["tok_embeddings.weight"])
     trainer = Trainer(cfg, log=lambda *_: None)
-    if list_checkpoints(trainer.ckpt_dir):
-        raise KilnError(f"{trainer.ckpt_dir} already holds checkpoints; import into a new run (another out_dir)")
-    try:
-        trainer.model.load_state_dict(weights)
-    except RuntimeError as exc:
-        raise KilnError(f"{hf_dir / 'model.safetensors'} does not fit the config's model: {str(exc)[:300]}") from None
-    trainer.save("import")
-    trainer.saver.wait()
+    with OutputLock(trainer.run_dir, "`kiln import --hf`"):  # the lock `kiln train` takes: no run writes meanwhile
+        if list_checkpoints(trainer.ckpt_dir):
+            raise KilnError(f"{trainer.ckpt_dir} already holds checkpoints; import into a new run (another out_dir)")
+        try:
+            trainer.model.load_state_dict(weights)
+        except RuntimeError as exc:
+            raise KilnError(f"{hf_dir / 'model.safetensors'} does not fit the config's model: "
+                            f"{str(exc)[:300]}") from None
+        trainer.save("import")
+        trainer.saver.wait()
     return step_dir(trainer.ckpt_dir, 0)

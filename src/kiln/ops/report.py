@@ -562,9 +562,23 @@ def render(run_dir: Path) -> str:
             f"<style>{CSS}</style></head><body>{''.join(parts)}</body></html>\n")
 
 
+REPORT_MARKER = "<!-- written by kiln report -->\n"  # what lets a later `kiln report` replace this file
+
+
+def check_replaceable_report(out: Path) -> None:
+    """`out` is free or a report Kiln wrote (its marker, or the title reports had before it); else refuse."""
+    if not out.exists():
+        return
+    head = out.read_bytes()[:512] if out.is_file() else b""
+    if not (head.startswith(REPORT_MARKER.encode()) or b"<title>Kiln report</title>" in head):
+        raise KilnError(f"{out} exists and is not a Kiln report; kiln report replaces only a report it wrote: "
+                        f"choose another --out or move {out} away")
+
+
 def write_report(run_dir: Path, out: Path | None = None) -> Path:
     out = Path(out) if out is not None else run_folder(run_dir) / "report.html"
-    page = render(run_dir)
+    check_replaceable_report(out)
+    page = REPORT_MARKER + render(run_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, page)
     return out

@@ -4,7 +4,8 @@ Chunks of `batch` documents go to `encode_batch`; with several workers each
 chunk is encoded in a spawned process (a forked one would inherit the
 tokenizer's thread pool) and results are taken back in submission order, at
 most `2 × workers` chunks in flight, so the output is the same token stream,
-byte for byte, for any number of workers.
+byte for byte, for any number of workers. The workers end with the driver
+(SIGTERM, SIGINT, an error, a consumer that stops early): `kiln.data.workers`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from kiln.data.workers import ending_workers, worker_init
+
 _worker_tokenizer = None
 
 
 def _init_worker(tokenizer_file: str, threads: int) -> None:
     global _worker_tokenizer
+    worker_init()  # ends with the driver (see kiln.data.workers)
     # tokenizers sizes its thread pool on first use: set before the first encode so workers do not oversubscribe.
     os.environ["RAYON_NUM_THREADS"] = str(threads)  # rayon reads this name; RAYON_RS_NUM_THREADS is ignored
     from kiln.tokenizer import load_tokenizer
@@ -60,8 +64,8 @@ def encode_documents(docs: Iterable[dict], tokenizer_file: Path, batch: int, wor
         return
     threads = max(1, (os.cpu_count() or 1) // workers)
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
-                             initargs=(str(tokenizer_file), threads)) as pool:
-        yield from _split(_ordered(pool, chunks, dtype.str, eos, 2 * workers), progress)
+                             initargs=(str(tokenizer_file), threads)) as pool, ending_workers(pool) as signals:
+        yield from _split(_ordered(pool, signals, chunks, dtype.str, eos, 2 * workers), progress)
 
 
 def _chunks(docs: Iterable[dict], batch: int) -> Iterator[list[dict]]:
@@ -70,16 +74,16 @@ def _chunks(docs: Iterable[dict], batch: int) -> Iterator[list[dict]]:
         yield chunk
 
 
-def _ordered(pool: ProcessPoolExecutor, chunks: Iterator[list[dict]], dtype: str, eos: int, depth: int):
+def _ordered(pool: ProcessPoolExecutor, signals, chunks: Iterator[list[dict]], dtype: str, eos: int, depth: int):
     pending: deque = deque()
     for chunk in chunks:
         pending.append((chunk, pool.submit(_encode_in_worker, [d["text"] for d in chunk], dtype, eos)))
         if len(pending) >= depth:
             chunk, fut = pending.popleft()
-            yield chunk, fut.result()
+            yield chunk, signals.result(fut)
     while pending:
         chunk, fut = pending.popleft()
-        yield chunk, fut.result()
+        yield chunk, signals.result(fut)
 
 
 def _split(results, progress) -> Iterator[tuple[dict, np.ndarray]]:

@@ -9,6 +9,7 @@ checkpoint resumes only onto the data and tokenizer it was trained on.
 - `check_resume_data(...)`: the checkpoint's recorded data fingerprint and tokenizer sha256 must match
   the shards it resumes onto; otherwise a refusal that says which changed and what to do, unless
   `train.resume_on_new_data=true`, which resumes the weights with the loader at a clean position.
+- `check_vocab_size(...)`: a checkpoint's embeddings fit only its own vocabulary size (no override).
 - `resume_notes(...)`: lines a resumed run owes the user (batch size changed, max_steps already passed).
 """
 
@@ -91,6 +92,16 @@ def check_resume_data(manifest: dict[str, Any], folder: Path, fingerprint: str, 
     log(f"warning: resuming {folder} on new data ({what}); train.resume_on_new_data=true: "
         f"the loader starts at epoch 0, position 0")
     return changed
+
+
+def check_vocab_size(weights: dict[str, Any], vocab_size: int, folder: Path) -> None:
+    """The checkpoint's embedding rows must be the shards' vocabulary size: no override carries weights across."""
+    saved = next((int(t.shape[0]) for name, t in weights.items() if name.endswith("tok_embeddings.weight")), None)
+    if saved is not None and saved != vocab_size:
+        raise KilnError(f"{folder} was trained with a vocabulary of {saved} tokens, the shards' tokenizer has "
+                        f"{vocab_size}: its weights cannot continue on it (not even with train.resume_on_new_data); "
+                        f"start a fresh run (a new out_dir, or move {folder.parent.parent} away) or keep the old "
+                        f"tokenizer and repack with it")
 
 
 def resume_notes(folder: Path, cfg, step: int) -> list[str]:

@@ -191,6 +191,7 @@ class Trainer:
         if state.get("config_hash") != self.config_hash:
             raise KilnError(f"{folder} was written with different model/pack/tokenizer settings; "
                             f"use a new out_dir, or delete {self.ckpt_dir} to start over")
+        resume_checks.check_vocab_size(data["model"], self.model.tok_embeddings.num_embeddings, folder)
         parallel.load_states(self.wrapped, self.optimizer, self.mode, data["model"], data["optimizer"], self.d.world)
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
