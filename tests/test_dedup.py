@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kiln.config import DedupConfig
 from kiln.data.dedup import (LEDGER, ExactDedup, MinHashDedup, SimHashDedup, drop_near_duplicates, near_dedup,
                              near_duplicate_ledger, text_key, write_ledger)
-from kiln.data.dedup.clusters import UnionFind
+from kiln.data.dedup.clusters import UnionFind, cluster_links, ledger_rows
 from kiln.data.dedup.shingles import jaccard, shingle_hashes
 from kiln.data.document import Document
 
@@ -171,8 +171,6 @@ def test_exact_dedup_keeps_first():
 
 def test_union_find_keeps_smallest_root():
     uf = UnionFind()
-    for _ in range(5):
-        uf.add()
     uf.union(4, 2)
     uf.union(3, 4)
     uf.union(1, 3)
@@ -196,3 +194,85 @@ def test_shingles_and_jaccard_properties(words, n):
 def test_text_key_is_stable(text):
     assert text_key(text) == text_key("  " + text + "\n ")
     assert text_key(text) != text_key(text + " x")
+
+
+def chain_texts(seed: int = 4) -> dict[str, str]:
+    """A < B < C: A and B are each a near copy of C (Jaccard ~0.85) but not of each other (~0.72)."""
+    rng = random.Random(seed)
+    c = doc_words(rng, 300)
+    return {"A": " ".join(mutate(c, rng, 0.86)), "B": " ".join(mutate(c, rng, 0.86)), "C": " ".join(c)}
+
+
+@pytest.mark.parametrize("method", ["minhash", "simhash"])
+def test_chain_whose_middle_document_pairs_only_with_a_later_one(method):
+    # The ledger raised KeyError: B joined A's cluster through C, but only a document's first confirmed
+    # *earlier* match was recorded as its link, and B has none.
+    texts = chain_texts()
+    sim = {(x, y): jaccard(shingle_hashes(texts[x]), shingle_hashes(texts[y])) for x in texts for y in texts}
+    assert sim["A", "C"] >= 0.8 and sim["B", "C"] >= 0.8 and sim["A", "B"] < 0.8
+    if method == "simhash":  # the same chain, made by SimHash: a distance-2 pair on each side, 4 across
+        index = SimHashDedup(hamming=2)
+        index.prints = [0b0011, 0b1100, 0b0000]
+        index.ids = ["A", "B", "C"]
+    else:
+        index = MinHashDedup()
+        for k in ("A", "B", "C"):
+            index.add(k, texts[k])
+    rows = index.ledger()
+    assert [(r["survivor"], r["member"], r["linked_to"]) for r in rows] == [("A", "B", "C"), ("A", "C", "A")]
+    if method == "minhash":
+        assert rows[0]["similarity"] == round(sim["A", "B"], 4) and rows[0]["link_similarity"] == round(sim["B", "C"], 4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 40), edges=st.lists(st.tuples(st.integers(0, 39), st.integers(0, 39)), max_size=60))
+def test_every_removed_document_has_a_row_whose_links_reach_its_survivor(n, edges):
+    pairs = [(min(a, b), max(a, b), 0.5 + (a * 7 + b) % 50 / 100) for a, b in edges if a != b and max(a, b) < n]
+    uf, links = cluster_links(pairs)
+    rows = ledger_rows(uf, links, lambda r, i: 1.0)
+    components: dict[int, set[int]] = {}  # the truth, by a plain flood fill
+    for start in range(n):
+        if any(start in c for c in components.values()):
+            continue
+        seen, stack = {start}, [start]
+        while stack:
+            x = stack.pop()
+            for a, b, _ in pairs:
+                for u, v in ((a, b), (b, a)):
+                    if u == x and v not in seen:
+                        seen.add(v)
+                        stack.append(v)
+        components[start] = seen
+    removed = {i for c in components.values() for i in c if i != min(c)}
+    assert [r["member"] for r in rows] == sorted(removed)
+    confirmed = {(a, b): s for a, b, s in pairs} | {(b, a): s for a, b, s in pairs}
+    for r in rows:
+        comp = next(c for c in components.values() if r["member"] in c)
+        assert r["survivor"] == min(comp)
+        assert round(confirmed[r["member"], r["linked_to"]], 4) == r["link_similarity"]
+        node, steps = r["member"], 0
+        while node != r["survivor"]:  # the link graph reaches the survivor, without a cycle
+            node, steps = links[node][0], steps + 1
+            assert steps <= len(comp)
+    assert len({r["cluster"] for r in rows}) == sum(len(c) > 1 for c in components.values())
+    assert cluster_links(list(reversed(pairs)) + pairs)[1] == links  # order and repeats do not matter
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), copies=st.integers(2, 6))
+def test_minhash_chains_of_random_copies_have_complete_ledgers(seed, copies):
+    rng = random.Random(seed)
+    base = doc_words(rng, 120)
+    docs = [" ".join(mutate(base, rng, rng.uniform(0.75, 0.95))) for _ in range(copies)] + [" ".join(base)]
+    rng.shuffle(docs)
+    index = MinHashDedup()
+    for k, text in enumerate(docs):
+        index.add(str(k), text)
+    rows = index.ledger()
+    links = {r["member"]: r["linked_to"] for r in rows}
+    for r in rows:
+        assert int(r["survivor"]) < int(r["member"]) and r["link_similarity"] >= 0.8
+        node = r["member"]
+        for _ in range(len(docs)):
+            node = links.get(node, node)
+        assert node == r["survivor"]

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.data.dedup.clusters import UnionFind, ledger_rows, link_buckets
+from kiln.data.dedup.clusters import Pair, UnionFind, cluster_links, ledger_rows, link_buckets, name_rows
 from kiln.data.dedup.shingles import jaccard, shingle_hashes
 
 _CHUNK = 4096  # shingles per block of the (shingles x hash functions) matrix
@@ -78,18 +78,17 @@ class MinHashDedup:
         sim = jaccard(self._shingles(j), self._shingles(i))
         return sim if sim >= self.threshold else None
 
-    def run(self) -> tuple[UnionFind, dict[int, tuple[int, float]]]:
+    def run(self) -> list[Pair]:
+        """The confirmed pairs."""
         self._spill.flush()  # _shingles reads the file descriptor, under Python's buffer
-        uf = UnionFind()
-        for _ in self.ids:
-            uf.add()
-        links: dict[int, tuple[int, float]] = {}
-        self.pairs_checked = link_buckets(self._buckets(), uf, self._confirm, links)
-        return uf, links
+        pairs: list[Pair] = []
+        self.pairs_checked = link_buckets(self._buckets(), UnionFind(), self._confirm, pairs)
+        return pairs
 
     def ledger(self) -> list[dict[str, Any]]:
-        uf, links = self.run()
-        return ledger_rows(self.ids, uf, links, lambda r, i: jaccard(self._shingles(r), self._shingles(i)))
+        uf, links = cluster_links(self.run())
+        rows = ledger_rows(uf, links, lambda r, i: jaccard(self._shingles(r), self._shingles(i)))
+        return name_rows(rows, self.ids.__getitem__)
 
     def duplicates(self) -> dict[str, tuple[str, float]]:
         """{removed id: (survivor id, Jaccard similarity to the survivor)}."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.data.dedup.clusters import UnionFind, ledger_rows, link_buckets
+from kiln.data.dedup.clusters import Pair, UnionFind, cluster_links, ledger_rows, link_buckets, name_rows
 from kiln.data.dedup.shingles import shingle_hashes
 
 _BITS = np.arange(64, dtype=np.uint64)
@@ -53,22 +53,21 @@ class SimHashDedup:
     def distance(self, j: int, i: int) -> int:
         return (self.prints[j] ^ self.prints[i]).bit_count()
 
-    def run(self) -> tuple[UnionFind, dict[int, tuple[int, float]]]:
-        uf = UnionFind()
-        for _ in self.ids:
-            uf.add()
-        links: dict[int, tuple[int, float]] = {}
+    def run(self) -> list[Pair]:
+        """The confirmed pairs."""
+        pairs: list[Pair] = []
 
         def confirm(j: int, i: int) -> float | None:
             d = self.distance(j, i)
             return 1 - d / 64 if d <= self.hamming else None
 
-        self.pairs_checked = link_buckets(self._buckets(), uf, confirm, links)
-        return uf, links
+        self.pairs_checked = link_buckets(self._buckets(), UnionFind(), confirm, pairs)
+        return pairs
 
     def ledger(self) -> list[dict[str, Any]]:
-        uf, links = self.run()
-        return ledger_rows(self.ids, uf, links, lambda r, i: 1 - self.distance(r, i) / 64)
+        uf, links = cluster_links(self.run())
+        rows = ledger_rows(uf, links, lambda r, i: 1 - self.distance(r, i) / 64)
+        return name_rows(rows, self.ids.__getitem__)
 
     def duplicates(self) -> dict[str, tuple[str, float]]:
         return {row["member"]: (row["survivor"], row["similarity"]) for row in self.ledger()}
