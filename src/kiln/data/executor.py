@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from contextlib import contextmanager
 from itertools import islice
 from typing import Any, Callable, Iterator
 
@@ -40,11 +41,32 @@ def _pool(fn, tasks, workers) -> Iterator[Any]:
                 running.update(pool.submit(fn, t) for t in islice(pending, 1))
 
 
-def _ray(fn, tasks, workers, address) -> Iterator[Any]:
+@contextmanager
+def engine(executor: str, workers: int, ray_address: str | None = None) -> Iterator[None]:
+    """Keep one Ray session for several rounds of `run_tasks` (the data tasks, then the dedup stages);
+    the local pool needs nothing."""
+    if executor != "ray":
+        yield
+        return
+    ray = _import_ray()
+    started = _start_ray(ray, workers, ray_address)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _import_ray():
     try:
         import ray
     except ImportError:
         raise KilnError("data.executor=ray needs Ray; pip install 'kiln-lm[ray]' or use data.executor=local") from None
+    return ray
+
+
+def _start_ray(ray, workers: int, address: str | None) -> bool:
+    """Start (or join) Ray unless this process already has; True when it did."""
     started = not ray.is_initialized()
     if started:
         if address:
@@ -53,6 +75,12 @@ def _ray(fn, tasks, workers, address) -> Iterator[Any]:
             # A local Ray for this run: no dashboard, no token file (nothing leaves the machine).
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+    return started
+
+
+def _ray(fn, tasks, workers, address) -> Iterator[Any]:
+    ray = _import_ray()
+    started = _start_ray(ray, workers, address)
     try:
         remote = ray.remote(num_cpus=1, max_retries=2)(fn)
         pending = iter(tasks)

@@ -19,6 +19,7 @@ from collections import defaultdict, deque
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+import numpy as np
 import zstandard
 
 from kiln.manifest import write_atomic
@@ -52,6 +53,24 @@ class UnionFind:
     def members(self) -> list[int]:
         """Every document that was unioned with another, in document order."""
         return sorted(self.parent)
+
+
+def buckets_of(keys: np.ndarray, positions: np.ndarray) -> list[list[int]]:
+    """Groups of two or more documents with equal keys (one band's), each group in document order."""
+    order = np.lexsort((positions, keys))
+    keys, positions = keys[order], positions[order]
+    edges = np.flatnonzero(keys[1:] != keys[:-1]) + 1
+    starts, ends = np.concatenate([[0], edges]), np.concatenate([edges, [len(keys)]])
+    big = np.flatnonzero(ends - starts > 1)
+    return [positions[starts[g]:ends[g]].tolist() for g in big.tolist()]
+
+
+def confirm_band(keys: np.ndarray, positions: np.ndarray, confirm: Callable[[int, int], float | None],
+                 pairs: list[Pair]) -> int:
+    """Confirm the candidate pairs of one band's buckets, each bucket with a union-find of its own, so the
+    pairs found depend on the bucket alone (not on how a band is split into tasks or which worker runs
+    it); appends them to `pairs`, returns how many were checked."""
+    return sum(link_buckets([bucket], UnionFind(), confirm, pairs) for bucket in buckets_of(keys, positions))
 
 
 def link_buckets(buckets: Iterable[list[int]], uf: UnionFind, confirm: Callable[[int, int], float | None],

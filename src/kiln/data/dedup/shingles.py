@@ -15,7 +15,7 @@ import xxhash
 
 from kiln.data.gates.text import words
 
-_MULT = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplication by it is a bijection mod 2^64
+MULT = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplication by it is a bijection mod 2^64
 
 
 def tokens(text: str, mode: str = "auto") -> list[str]:
@@ -37,7 +37,7 @@ def shingle_hashes(text: str, n: int = 5, mode: str = "auto") -> np.ndarray:
     acc = h[: len(h) - n + 1].copy()
     with np.errstate(over="ignore"):
         for j in range(1, n):
-            acc = acc * _MULT + h[j: len(h) - n + 1 + j]
+            acc = acc * MULT + h[j: len(h) - n + 1 + j]
     return np.unique(acc)
 
 
