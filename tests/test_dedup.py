@@ -276,3 +276,55 @@ def test_minhash_chains_of_random_copies_have_complete_ledgers(seed, copies):
         for _ in range(len(docs)):
             node = links.get(node, node)
         assert node == r["survivor"]
+
+
+# --- the partitioned stages the data stage runs ------------------------------------------------------
+
+def staged(tmp_path, docs: list[tuple[str, str]], cfg: DedupConfig, tasks: int = 3, workers: int = 1):
+    """Run the dedup stages as the data stage does: `tasks` tasks' signatures in a work folder, then the stages."""
+    from kiln.data.dedup.stages import Signer, dedup_layout, run_stages
+    from kiln.manifest import write_atomic
+
+    work = tmp_path / f"work-{cfg.bucket_docs}-{workers}-{tasks}"
+    work.mkdir()
+    summaries = []
+    for t in range(tasks):
+        signer = Signer(cfg)
+        mine = docs[t * len(docs) // tasks:(t + 1) * len(docs) // tasks]
+        for doc_id, text in mine:
+            signer.add(doc_id, text)
+        for suffix, blob in signer.files().items():
+            write_atomic(work / f"task-{t:05d}.{suffix}", blob)
+        summaries.append({"index": t, "kept": len(mine)})
+    return run_stages(dedup_layout(work, summaries, cfg), workers)
+
+
+@pytest.mark.parametrize("method", ["minhash", "simhash"])
+def test_partitioned_stages_give_the_in_memory_ledger_for_any_split(tmp_path, corpus, method):
+    docs, must_go, _ = corpus
+    docs = docs + [("chain-" + k, t) for k, t in chain_texts(9).items()]
+    index = near_dedup(DedupConfig(method=method))
+    for doc_id, text in docs:
+        index.add(doc_id, text)
+    want = index.ledger()
+    assert method == "simhash" or {r["member"] for r in want} >= {"chain-B", "chain-C"}
+    results = [staged(tmp_path, docs, DedupConfig(method=method, bucket_docs=b), tasks=t, workers=w)
+               for b, t, w in ((10**6, 1, 1), (97, 3, 1), (40, 5, 2))]  # 1 and 5 key ranges, 1 and 2 workers
+    for got in results:
+        assert got.ledger == want and got.exact == {}
+    assert results[1].tasks == -(-len(docs) // 97) * ((20 if method == "minhash" else 4) + 1)  # (bands + exact) x ranges
+
+
+def test_exact_stage_finds_what_the_streaming_exact_dedup_finds(tmp_path):
+    rng = random.Random(5)
+    texts = [" ".join(doc_words(rng, 40)) for _ in range(30)]
+    docs = [(f"d{i}", t) for i, t in enumerate(texts)]
+    docs += [(f"copy{k}", "  " + texts[k].upper().replace(" ", " \n ")) for k in (3, 3, 7, 29)]
+    rng.shuffle(docs)
+    stream = [Document(id=k, source="s", offset=0, length=0, text=t) for k, t in docs]
+    want = {d.id: d.rejection.signals["duplicate_of"] for d in ExactDedup()(iter(stream)) if d.rejection}
+    assert len(want) == 4
+    for bucket_docs in (1000, 3):
+        got = staged(tmp_path, docs, DedupConfig(method="none", bucket_docs=bucket_docs), tasks=4)
+        assert {docs[q][0]: v["duplicate_of"] for q, v in got.exact.items()} == want
+        assert got.ledger == [] and got.tasks == -(-len(docs) // bucket_docs)

@@ -276,6 +276,7 @@ def run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None 
                                "merge": round(time.perf_counter() - t0 - t_process - t_dedup, 3)}
         stats["tasks"] = len(tasks)
         stats["tasks_resumed"] = len(tasks) - len(todo)
+        stats["dedup_tasks"] = verdicts.tasks  # how many key ranges: data.dedup.bucket_docs, not the output
         write_atomic(tmp / "stats.json", json.dumps(stats, indent=1, ensure_ascii=False))
         write_manifest(tmp, stage="data", fingerprint=fp, inputs=files, documents=stats["documents"]["kept"],
                        source_weights=stats["source_weights"])

@@ -289,7 +289,7 @@ class Verdicts:
     def stats(self) -> dict[str, Any]:
         sizes = Counter(Counter(row["cluster"] for row in self.ledger).values())
         return {"exact_removed": len(self.exact), "near_removed": len(self.near), "pairs_confirmed": self.pairs_confirmed,
-                "cluster_sizes": {str(k + 1): v for k, v in sorted(sizes.items())}, "stage_tasks": self.tasks,
+                "cluster_sizes": {str(k + 1): v for k, v in sorted(sizes.items())},
                 "removed_against_index": sum("duplicate_in" in v for v in self.exact.values())
                 + sum("survivor_run" in v for v in self.near.values())}
 
