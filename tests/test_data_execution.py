@@ -245,3 +245,41 @@ def test_real_crawl_accounts_for_every_record(tmp_path):
     assert d["kept"] > 0 and sum(stats["rejected_by_reason"].values()) == d["rejected"]
     assert {r["lang"] for r in kept} == {"en"}
     assert all(r["reason"] and r["stage"] for r in dropped)
+
+
+def test_dedup_index_dedups_the_next_dump_against_the_last(tmp_path):
+    from kiln.errors import ConfigError
+
+    inputs, _ = planted_jsonl(tmp_path)
+    rng = random.Random(12)
+    first_dump = [json.loads(line) for line in Path(inputs[0]).read_text().splitlines()]
+    nxt = tmp_path / "next.jsonl"  # the next dump: copies of the last one's pages, and new pages
+    recs = [{"id": "again-exact", "text": first_dump[1]["text"]},
+            {"id": "again-near", "text": edited(first_dump[2]["text"], rng, 0.85)},
+            {"id": "new-1", "text": english(500, 14)}, {"id": "new-1-copy", "text": edited(english(500, 14), rng, 0.9)}]
+    nxt.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    index = tmp_path / "index"
+    last = run_data([inputs[0]], tmp_path / "last" / "docs", cfg(dedup={"index": str(index)}))
+    assert json.loads((index / "index.json").read_text())["runs"][0]["documents"] == last["documents"]["kept"]
+
+    stats = run_data([str(nxt)], tmp_path / "next" / "docs", cfg(dedup={"index": str(index)}))
+    out = {r["id"]: r for r in rejects(tmp_path / "next" / "docs")}
+    assert sorted(out) == ["again-exact", "again-near", "new-1-copy"]
+    assert out["again-exact"]["signals"] == {"duplicate_of": first_dump[1]["id"], "duplicate_in": "run-00000"}
+    assert (out["again-near"]["signals"]["duplicate_of"], out["again-near"]["signals"]["duplicate_in"]) == (
+        first_dump[2]["id"], "run-00000")
+    assert out["new-1-copy"]["signals"]["duplicate_of"] == "new-1" and "duplicate_in" not in out["new-1-copy"]["signals"]
+    ledger = list(read_part(tmp_path / "next" / "docs" / "dedup_ledger.jsonl.zst"))
+    assert [(r["member"], r["survivor"], r.get("survivor_run"), r["position"]) for r in ledger] == [
+        ("again-near", first_dump[2]["id"], "run-00000", 0), ("new-1-copy", "new-1", None, 2)]  # exact copies not counted
+    assert stats["dedup"]["removed_against_index"] == 2
+    runs = json.loads((index / "index.json").read_text())["runs"]
+    assert [r["name"] for r in runs] == ["run-00000", "run-00001"] and runs[1]["documents"] == 1
+
+    # the last dump again: its own entry is found, so it is neither added twice nor deduplicated against itself
+    again = tmp_path / "again" / "docs"
+    run_data([inputs[0]], again, cfg(dedup={"index": str(index)}))
+    assert_same_output(tmp_path / "last" / "docs", again)
+    assert len(json.loads((index / "index.json").read_text())["runs"]) == 2
+    with pytest.raises(ConfigError, match="data.dedup.index: .* was built with"):
+        run_data([str(nxt)], tmp_path / "other" / "docs", cfg(dedup={"index": str(index), "bands": 10}))

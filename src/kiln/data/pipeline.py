@@ -28,6 +28,7 @@ import zstandard
 
 from kiln.config import DataConfig
 from kiln.data.dedup import LEDGER, write_ledger
+from kiln.data.dedup.index import add_run, runs_before
 from kiln.data.dedup.stages import Signer, Verdicts, dedup_layout, run_stages
 from kiln.data.gates.distribution import SourceProfiles
 from kiln.data.document import Document, ReadReport
@@ -51,7 +52,15 @@ def expand_inputs(patterns: list[str], storage_options: dict[str, Any] | None = 
 
 
 def fingerprint(files: list[str], cfg: DataConfig) -> str:
-    """What the output depends on: each input's identity (path, size, version) and the data settings."""
+    """What the output depends on: each input's identity (path, size, version), the data settings and the
+    data.dedup.index runs it is deduplicated against."""
+    base = index_key(files, cfg)
+    runs = [run["key"] for run in runs_before(cfg.dedup, base)]
+    return hashlib.sha256(json.dumps([base, runs]).encode()).hexdigest()[:16] if runs else base
+
+
+def index_key(files: list[str], cfg: DataConfig) -> str:
+    """The fingerprint without the index: the name of this run's entry in data.dedup.index."""
     settings = cfg.model_dump(mode="json", exclude={**dict.fromkeys(EXECUTION_KEYS, True), "dedup": {"bucket_docs"}})
     ident = [input_identity(str(f), cfg.storage_options) for f in files]
     return hashlib.sha256(json.dumps([ident, settings], sort_keys=True).encode()).hexdigest()[:16]
@@ -266,7 +275,7 @@ def run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None 
                 on_done(_commit(work, result))
         t_process = time.perf_counter() - t0
         summaries = [json.loads((work / f"{t.name}.done.json").read_text()) for t in tasks]
-        layout = dedup_layout(work, summaries, cfg.dedup)
+        layout = dedup_layout(work, summaries, cfg.dedup, index_key(files, cfg))
         verdicts = run_stages(layout, workers, cfg.executor, cfg.ray_address)
     t_dedup = time.perf_counter() - t0 - t_process
 
@@ -280,6 +289,8 @@ def run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None 
         write_atomic(tmp / "stats.json", json.dumps(stats, indent=1, ensure_ascii=False))
         write_manifest(tmp, stage="data", fingerprint=fp, inputs=files, documents=stats["documents"]["kept"],
                        source_weights=stats["source_weights"])
+        if cfg.dedup.index:  # before the docs folder is committed: a crash in between re-runs onto the same index
+            add_run(cfg.dedup, index_key(files, cfg), str(out), layout, verdicts.removed())
     for stale in out.parent.glob(f".{out.name}-work-*"):  # this run's, and any from older plans of this folder
         shutil.rmtree(stale, ignore_errors=True)
     return stats

@@ -286,6 +286,10 @@ class Verdicts:
     seconds: float = 0.0
     tasks: int = 0
 
+    def removed(self) -> np.ndarray:
+        """Every removed document's number, sorted."""
+        return np.array(sorted(self.exact.keys() | self.near.keys()), dtype=np.uint64)
+
     def stats(self) -> dict[str, Any]:
         sizes = Counter(Counter(row["cluster"] for row in self.ledger).values())
         return {"exact_removed": len(self.exact), "near_removed": len(self.near), "pairs_confirmed": self.pairs_confirmed,
@@ -323,12 +327,13 @@ def verdicts(layout: Layout) -> Verdicts:
 
 # --- the driver -----------------------------------------------------------------------------------
 
-def dedup_layout(work: Path, summaries: list[dict[str, Any]], cfg: DedupConfig) -> Layout:
-    """The layout of this run's tasks (after those of data.dedup.index), saved in the work folder."""
+def dedup_layout(work: Path, summaries: list[dict[str, Any]], cfg: DedupConfig, key: str = "") -> Layout:
+    """The layout of this run's tasks (after those of data.dedup.index, for the run whose index key is
+    `key`), saved in the work folder."""
     from kiln.data.dedup.index import index_parts
 
     own = [Part(str(work), f"task-{s['index']:05d}", int(s["kept"])) for s in summaries]
-    layout = Layout(index_parts(cfg) + own, cfg, work)
+    layout = Layout(index_parts(cfg, key) + own, cfg, work)
     layout.save()
     return layout
 
