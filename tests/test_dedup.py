@@ -328,3 +328,24 @@ def test_exact_stage_finds_what_the_streaming_exact_dedup_finds(tmp_path):
         got = staged(tmp_path, docs, DedupConfig(method="none", bucket_docs=bucket_docs), tasks=4)
         assert {docs[q][0]: v["duplicate_of"] for q, v in got.exact.items()} == want
         assert got.ledger == [] and got.tasks == -(-len(docs) // bucket_docs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from(list("ab Z\t\n\u00a0\u3000é東京のカ😀.") + ["\u2028", "\x1c"]), max_size=40))
+def test_tokens_fast_path_equals_the_word_split(text):
+    from kiln.data.dedup.shingles import tokens
+    from kiln.data.gates.text import words
+
+    assert tokens(text) == words(text.lower())  # the whitespace split is taken only when it gives the same
+
+
+def test_token_hash_cache_is_bounded_and_changes_nothing(monkeypatch):
+    from kiln.data.dedup import shingles
+
+    text = " ".join(f"w{i}" for i in range(500))
+    want = shingle_hashes(text)
+    monkeypatch.setattr(shingles, "TOKEN_CACHE", 64)
+    shingles._TOKEN_HASHES.clear()
+    assert np.array_equal(shingle_hashes(text), want) and len(shingles._TOKEN_HASHES) <= 500
+    shingle_hashes("a b c")
+    assert len(shingles._TOKEN_HASHES) <= 64

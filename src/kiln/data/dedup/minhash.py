@@ -33,13 +33,17 @@ class MinHasher:
         self.b = rng.integers(0, 2**63, size=k, dtype=np.uint64)
 
     def signature(self, shingles: np.ndarray) -> np.ndarray:
-        sig = np.full(len(self.a), np.iinfo(np.uint32).max, dtype=np.uint32)
-        with np.errstate(over="ignore"):
-            for start in range(0, len(shingles), _CHUNK):
-                x = shingles[start:start + _CHUNK, None]
-                block = ((x * self.a + self.b) >> np.uint64(32)).astype(np.uint32)
-                np.minimum(sig, block.min(axis=0), out=sig)
-        return sig
+        """The bands x rows minima, in blocks of shingles computed in one buffer. The shift by 32 is
+        monotone, so it is taken once on the minima rather than on every product."""
+        sig = np.full(len(self.a), np.iinfo(np.uint64).max, dtype=np.uint64)
+        buf = np.empty((min(len(shingles), _CHUNK), len(self.a)), dtype=np.uint64)
+        for start in range(0, len(shingles), _CHUNK):
+            x = shingles[start:start + _CHUNK, None]
+            out = buf[:len(x)]
+            np.multiply(x, self.a, out=out)
+            np.add(out, self.b, out=out)
+            np.minimum(sig, out.min(axis=0), out=sig)
+        return (sig >> np.uint64(32)).astype(np.uint32)
 
     def band_keys(self, signatures: np.ndarray) -> np.ndarray:
         """(documents, bands) uint64: equal keys for equal bands (a 64-bit hash: a collision only adds a
