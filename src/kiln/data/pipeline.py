@@ -277,10 +277,11 @@ def run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None 
         summaries = [json.loads((work / f"{t.name}.done.json").read_text()) for t in tasks]
         layout = dedup_layout(work, summaries, cfg.dedup, index_key(files, cfg))
         verdicts = run_stages(layout, workers, cfg.executor, cfg.ray_address)
+        profiles = source_profiles(work, summaries, layout, verdicts, cfg, workers)
     t_dedup = time.perf_counter() - t0 - t_process
 
     with staging_dir(out) as tmp:
-        stats = _merge(work, summaries, tmp, cfg, verdicts, layout.indexed)
+        stats = _merge(work, summaries, tmp, cfg, verdicts, layout.indexed, profiles)
         stats["timings_s"] |= {"process": round(t_process, 3), "dedup_stages": round(t_dedup, 3),
                                "merge": round(time.perf_counter() - t0 - t_process - t_dedup, 3)}
         stats["tasks"] = len(tasks)
@@ -324,6 +325,48 @@ def apply_verdicts(docs: Iterator[Document], verdicts: Verdicts, first: int) -> 
         yield doc
 
 
+def profile_task(args: tuple[str, int, list[int], DataConfig]) -> tuple[int, dict[str, Any]]:
+    """After dedup, on a worker: the distribution profile (per-source token frequency sums) of one data
+    task's kept documents, those dedup removed left out (`removed`: their numbers within the task)."""
+    work, index, removed, cfg = args
+    profiles, gone, local = SourceProfiles(cfg.distribution.top_tokens, cfg.distribution.max_z), set(removed), 0
+    for rec in read_part(Path(work) / f"task-{index:05d}.jsonl.zst"):
+        if "reason" in rec:  # a rejection
+            continue
+        if local not in gone:
+            profiles.add(rec["source"], rec.get("text") or "")
+        local += 1
+    return index, {"docs": profiles.docs, "sum_f": profiles.sum_f, "sum_f2": profiles.sum_f2}
+
+
+def source_profiles(work: Path, summaries: list[dict[str, Any]], layout, verdicts: Verdicts, cfg: DataConfig,
+                    workers: int) -> SourceProfiles:
+    """The corpus's distribution profile: one `profile_task` per data task on the engine, added up in task
+    order (so the sums are the same for any number of workers). Memory: the profile, and the parts that
+    arrived ahead of their turn."""
+    removed = verdicts.removed()
+    jobs = []
+    for k, part in enumerate(layout.parts):
+        if part.run is None:
+            start = int(layout.starts[k])
+            inside = removed[(removed >= start) & (removed < start + part.count)]
+            jobs.append((str(work), int(part.name.split("-")[1]), (inside - start).astype(int).tolist(), cfg))
+    total = SourceProfiles(cfg.distribution.top_tokens, cfg.distribution.max_z)
+    waiting: dict[int, dict[str, Any]] = {}
+    order = iter([s["index"] for s in summaries])
+    turn = next(order, None)
+    for index, part in run_tasks(profile_task, jobs, workers, cfg.executor, cfg.ray_address):
+        waiting[index] = part
+        while turn is not None and turn in waiting:
+            part = waiting.pop(turn)
+            total.docs.update(part["docs"])
+            for src in part["docs"]:
+                total.sum_f[src].update(part["sum_f"][src])
+                total.sum_f2[src].update(part["sum_f2"][src])
+            turn = next(order, None)
+    return total
+
+
 def _documents(work: Path, summaries: list[dict[str, Any]]) -> Iterator[Document]:
     for s in summaries:
         for rec in read_part(work / f"task-{s['index']:05d}.jsonl.zst"):
@@ -331,14 +374,13 @@ def _documents(work: Path, summaries: list[dict[str, Any]]) -> Iterator[Document
 
 
 def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConfig, verdicts: Verdicts,
-           first: int) -> dict[str, Any]:
+           first: int, profiles: SourceProfiles) -> dict[str, Any]:
     kept_w, rej_w = PartWriter(out, cfg.docs_per_part), PartWriter(out / "rejects", cfg.docs_per_part)
     timer = StepTimer()
     docs = timer.wrap("tasks", _documents(work, summaries))
     if cfg.dedup.method != "none":
         write_ledger(out / LEDGER, verdicts.ledger)
     docs = timer.wrap("dedup", apply_verdicts(docs, verdicts, first))
-    profiles = SourceProfiles(cfg.distribution.top_tokens, cfg.distribution.max_z)
     edits: Counter[str] = Counter()
 
     reasons: Counter[str] = Counter()
@@ -351,7 +393,6 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
         counts["read"] += 1
         if doc.rejection is None:
             kept_w.add(doc.kept_record())
-            profiles.add(doc.source, doc.text or "")
             edits.update(doc.edits)
             kept += 1
             chars += len(doc.text or "")
