@@ -15,7 +15,9 @@ precision = planted copies removed / documents dedup removed. Recall is also giv
 `kiln run CONFIG --until pack` runs in a fresh process for N and 4N documents (2 workers), and for N
 with 1 worker. Peak RSS: the run's own ru_maxrss (the driver) and the largest of its waited-for
 children (pool workers of the data and dedup stages, pack's encoders). The tokenizer samples
-`tokenizer.max_docs` = min(20,000, N / 2) documents at both sizes (its memory is bounded by that, by design).
+`tokenizer.max_docs` = min(20,000, N / 2) documents at both sizes (its memory is bounded by that, by design),
+and pack writes shards of 4,096 samples of 1,025 tokens (pack holds one shard's tokens: N already fills
+several, so both sizes reach that bound).
 
     N=50000 python -m benchmarks data_scale          # N >= 50,000 for the issue's figures; smaller to try it
 """
@@ -34,8 +36,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 N = int(os.environ.get("N", "50000"))
-FILE_DOCS = 5000
+FILE_DOCS = max(500, min(5000, N // 10))  # 5,000 documents a file (a task) from N = 50,000 on
 TOKENIZER_DOCS = min(20_000, N // 2)  # the same sample size at N and 4N
+SHARD_SAMPLES = max(64, min(4096, N // 12))  # pack buffers one shard: N's corpus already fills several
 STOP = "the be to of and that have with a in is it for on as was at by this from".split()
 SYLLABLES = [c + v for c in "bcdfghklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ea", "ou")]
 
@@ -146,7 +149,7 @@ def run(corpus: Path, out: Path, workers: int) -> dict:
         "out_dir": str(out), "seed": 1,
         "data": {"inputs": [str(corpus / "*.jsonl")], "workers": workers},
         "tokenizer": {"vocab_size": 4096, "max_docs": TOKENIZER_DOCS},
-        "pack": {"seq_len": 1024, "workers": workers}}))
+        "pack": {"seq_len": 1024, "samples_per_shard": SHARD_SAMPLES, "workers": workers}}))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run([sys.executable, "-c", _CHILD, str(config)], capture_output=True, text=True, env=env, cwd=ROOT)
     if done.returncode:

@@ -1,8 +1,9 @@
 """Run independent tasks on a local process pool or on Ray, handing each result back as it finishes.
 
 A task function is pure: it takes its arguments and returns its result; the caller
-commits results (the driver owns the work folder), so a Ray cluster needs no shared
-filesystem and a killed worker leaves nothing half-written.
+commits results (the driver owns the work folder), so a killed worker leaves nothing
+half-written. The data tasks need no shared filesystem on a Ray cluster; the dedup stage
+tasks read the work folder the driver wrote (kiln.data.dedup.stages).
 """
 
 from __future__ import annotations
