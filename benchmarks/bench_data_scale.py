@@ -157,6 +157,7 @@ def run(corpus: Path, out: Path, workers: int) -> dict:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     stats = json.loads((out / "docs" / "stats.json").read_text())
     result["manifest_bytes"] = (out / "shards" / "manifest.json").stat().st_size
+    result["data_s"] = sum(stats["timings_s"][k] for k in ("process", "dedup_stages", "profiles", "merge"))
     result["stats"] = stats
     return result
 
@@ -197,7 +198,8 @@ def main() -> None:
             rows[label] = r
             t = r["stats"]["timings_s"]
             print(f"{label:>12}: {n:,} docs, {workers} worker(s): {r['wall_s']:.1f} s (data {t['process']:.1f} + dedup "
-                  f"stages {t.get('dedup_stages', 0):.1f} + merge {t['merge']:.1f}, then tokenizer and pack), "
+                  f"stages {t['dedup_stages']:.1f} + profiles {t['profiles']:.1f} + merge {t['merge']:.1f}, then "
+                  f"tokenizer and pack {r['wall_s'] - r['data_s']:.1f}), "
                   f"driver {r['driver_rss_mb']:.0f} MB, workers {r['worker_rss_mb']:.0f} MB, manifest "
                   f"{r['manifest_bytes']:,} B, recall {r['recall']:.4f} (0.80-0.92: {r['recall_0.80_0.92']:.4f}), "
                   f"precision {r['precision']:.4f} [{r['planted']} planted, {r['removed']} removed; corpus built in "

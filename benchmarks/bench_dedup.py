@@ -33,6 +33,7 @@ from kiln.config import DedupConfig
 
 DOCS = int(os.environ.get("DOCS", "100000"))
 RUNS = int(os.environ.get("RUNS", "3"))
+PEER_RUNS = int(os.environ.get("PEER_RUNS", str(RUNS)))  # datatrove takes minutes a run at 100,000 documents
 
 PEER = r'''
 import json, sys, time
@@ -109,7 +110,7 @@ def main() -> None:
         if not _datatrove.python():
             print("datatrove  skipped: set DATATROVE_PYTHON to a python with datatrove 0.10.1")
             return
-        peer = [_datatrove.run(PEER, {"folder": str(folder)}) for _ in range(RUNS)]
+        peer = [_datatrove.run(PEER, {"folder": str(folder)}) for _ in range(PEER_RUNS)]
     peer_rate = statistics.median(DOCS / r["seconds"] for r in peer)
     recall, precision = quality(set(peer[0]["removed"]), truth)
     print(f"datatrove minhash (4 stages) median {peer_rate:8.1f} docs/s per core  recall {recall:.4f}  precision "

@@ -349,3 +349,50 @@ def test_token_hash_cache_is_bounded_and_changes_nothing(monkeypatch):
     assert np.array_equal(shingle_hashes(text), want) and len(shingles._TOKEN_HASHES) <= 500
     shingle_hashes("a b c")
     assert len(shingles._TOKEN_HASHES) <= 64
+
+
+def s_curve(s: float, bands: int, rows: int) -> float:
+    """P(a pair of Jaccard s shares at least one whole band) = 1 - (1 - s^rows)^bands."""
+    return 1 - (1 - s ** rows) ** bands
+
+
+def test_default_bands_and_rows_catch_jaccard_0_8_to_0_92_copies_and_confirmation_keeps_precision():
+    cfg = DedupConfig()
+    # the S-curve of the defaults: >= 0.997 from Jaccard 0.8 up, so a miss rate <= 0.3% at the bottom of the range;
+    # below the threshold candidates still appear (0.92 at 0.7, 0.27 at 0.5) and exact Jaccard turns them away
+    assert s_curve(0.8, cfg.bands, cfg.rows) >= 0.997 and s_curve(0.92, cfg.bands, cfg.rows) > 0.999999
+    assert s_curve(0.5, cfg.bands, cfg.rows) < 0.3 and cfg.bands * cfg.rows == 120 and cfg.threshold == 0.8
+    rng = random.Random(21)
+    index, truth, decoys = MinHashDedup(), {}, set()
+    edits = ("replace", "insert", "delete", "move")
+    for k in range(240):
+        base = doc_words(rng, rng.randint(120, 400))
+        index.add(f"o{k}", " ".join(base))
+        copy, target = list(base), rng.uniform(0.8, 0.92)
+        kind = edits[k % 4]
+        while jaccard(shingle_hashes(" ".join(base)), shingle_hashes(" ".join(copy))) > target + 0.01:
+            at = rng.randrange(len(copy))
+            if kind == "replace":
+                copy[at] = rng.choice(VOCAB) + "q"
+            elif kind == "insert":
+                copy.insert(at, rng.choice(VOCAB) + "q")
+            elif kind == "delete":
+                del copy[at]
+            else:  # a run of words moved elsewhere (a paragraph that changed place)
+                run = copy[at:at + 6]
+                del copy[at:at + 6]
+                copy[rng.randrange(len(copy)):0] = run
+        sim = jaccard(shingle_hashes(" ".join(base)), shingle_hashes(" ".join(copy)))
+        if sim >= 0.8:
+            truth[f"c{k}"] = (f"o{k}", sim)
+            index.add(f"c{k}", " ".join(copy))
+        decoy = base[: len(base) // 2] + doc_words(rng, len(base) - len(base) // 2)  # related, not a copy (~1/3)
+        index.add(f"d{k}", " ".join(decoy))
+        decoys.add(f"d{k}")
+    removed = index.duplicates()
+    in_range = {k for k, (_, s) in truth.items() if s <= 0.92}
+    assert len(in_range) >= 200
+    recall = len(in_range & removed.keys()) / len(in_range)
+    assert recall >= 0.97, recall
+    assert not decoys & removed.keys() and removed.keys() <= truth.keys()  # precision 1.0: nothing else goes
+    assert all(removed[k][0] == truth[k][0] for k in removed)

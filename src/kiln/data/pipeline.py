@@ -277,13 +277,15 @@ def run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None 
         summaries = [json.loads((work / f"{t.name}.done.json").read_text()) for t in tasks]
         layout = dedup_layout(work, summaries, cfg.dedup, index_key(files, cfg))
         verdicts = run_stages(layout, workers, cfg.executor, cfg.ray_address)
+        t_dedup = time.perf_counter() - t0 - t_process
         profiles = source_profiles(work, summaries, layout, verdicts, cfg, workers)
-    t_dedup = time.perf_counter() - t0 - t_process
+    t_profiles = time.perf_counter() - t0 - t_process - t_dedup
 
     with staging_dir(out) as tmp:
         stats = _merge(work, summaries, tmp, cfg, verdicts, layout.indexed, profiles)
         stats["timings_s"] |= {"process": round(t_process, 3), "dedup_stages": round(t_dedup, 3),
-                               "merge": round(time.perf_counter() - t0 - t_process - t_dedup, 3)}
+                               "profiles": round(t_profiles, 3),
+                               "merge": round(time.perf_counter() - t0 - t_process - t_dedup - t_profiles, 3)}
         stats["tasks"] = len(tasks)
         stats["tasks_resumed"] = len(tasks) - len(todo)
         stats["dedup_tasks"] = verdicts.tasks  # how many key ranges: data.dedup.bucket_docs, not the output
