@@ -396,3 +396,23 @@ def test_default_bands_and_rows_catch_jaccard_0_8_to_0_92_copies_and_confirmatio
     assert recall >= 0.97, recall
     assert not decoys & removed.keys() and removed.keys() <= truth.keys()  # precision 1.0: nothing else goes
     assert all(removed[k][0] == truth[k][0] for k in removed)
+
+
+def test_a_rerun_of_the_stages_redoes_only_missing_results(tmp_path, corpus, monkeypatch):
+    from kiln.data.dedup import stages
+
+    docs = corpus[0][:200]
+    cfg = DedupConfig(bucket_docs=60)
+    first = staged(tmp_path, docs, cfg, tasks=2)
+    work = tmp_path / "work-60-1-2"
+    results = sorted((work / "dedup").glob("*-*.npy"))
+    assert len(results) == first.tasks == 4 * 21
+    results[7].unlink()  # as if the run was killed before this result was written
+    (work / "dedup" / "exact-00002.npy").unlink()
+    ran = []
+    from kiln.data import executor
+
+    monkeypatch.setattr(executor, "run_tasks", lambda fn, jobs, *a: ran.extend(jobs) or [fn(j) for j in jobs])
+    again = stages.run_stages(stages.Layout.load(work), 1)
+    assert sorted(j[1:] for j in ran) == sorted([(2, 4), tuple(int(x) for x in results[7].stem.split("-")[1:]) + (4,)])
+    assert again.ledger == first.ledger and again.exact == first.exact
