@@ -33,7 +33,7 @@ import io
 import json
 import math
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -126,14 +126,14 @@ class Layout:
     """The parts in canonical order and each one's first document number; random access to a document's
     shingles, fingerprint and id (files memory-mapped, a bounded number held open at a time)."""
 
-    OPEN = 64
+    OPEN = 256  # files held open (memory maps, each an open file): least recently used closed first
 
     def __init__(self, parts: list[Part], cfg: DedupConfig, work: Path) -> None:
         self.parts, self.cfg, self.work = parts, cfg, Path(work)
         self.starts = np.concatenate([[0], np.cumsum([p.count for p in parts], dtype=np.int64)]).astype(np.int64)
         first_own = next((k for k, p in enumerate(parts) if p.run is None), len(parts))
         self.indexed = int(self.starts[first_own])  # documents before this run's: the index's
-        self._open: dict[tuple[int, str], Any] = {}
+        self._open: OrderedDict[tuple[int, str], Any] = OrderedDict()
 
     @property
     def total(self) -> int:
@@ -154,9 +154,11 @@ class Layout:
 
     def array(self, k: int, kind: str) -> Any:
         key = (k, kind)
-        if key not in self._open:
+        if key in self._open:
+            self._open.move_to_end(key)
+        else:
             if len(self._open) >= self.OPEN:
-                self._open.clear()
+                self._open.popitem(last=False)
             part = self.parts[k]
             path = Path(part.folder) / f"{part.name}.{kind}"
             self._open[key] = json.loads(path.read_text()) if kind.endswith(".json") else np.load(path, mmap_mode="r")
