@@ -483,8 +483,8 @@ def test_resume_redoes_only_unfinished_files(tmp_path, three_inputs, monkeypatch
     work.mkdir(parents=True)
     pipeline._commit(work, first)
     assert sorted(p.name for p in work.iterdir()) == [  # the outcome and the dedup signatures, the marker last
-        f"task-00000.{kind}" for kind in ("bands.npy", "done.json", "exact.npy", "ids.json", "jsonl.zst", "shingles.npy",
-                                          "spans.npy")]
+        f"task-00000.{kind}" for kind in ("bands.npy", "done.json", "exact.npy", "ids.json", "jsonl.zst",
+                                          "shingles.npy", "spans.npy")]
 
     ran = []
     real = pipeline.run_task

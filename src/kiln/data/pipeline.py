@@ -437,8 +437,8 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
         "source_weights": profiles.report(),
         "parts": kept_w.parts,
         "dedup": verdicts.stats(),
-        "timings_s": {"steps": {**{k: round(steps[k], 3) for k in STEPS},
-                                "dedup": round(timer.own().get("dedup", 0.0) + verdicts.seconds + steps["signatures"], 3)}},
+        "timings_s": {"steps": {**{k: round(steps[k], 3) for k in STEPS}, "dedup": round(
+            timer.own().get("dedup", 0.0) + verdicts.seconds + steps["signatures"], 3)}},
     }
 
 

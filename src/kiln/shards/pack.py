@@ -80,7 +80,8 @@ class SplitWriter:
         name = f"{self.split}/{len(self.files):05d}.bin"
         header = ShardHeader(self.header.token_bytes, self.header.vocab_size, self.header.sample_len, n, self.header.tokenizer_sha256)
         write_shard(self.folder.parent / name, head, header, np.array(index, dtype=IDX_ENTRY))
-        write_rows(self.folder.parent / side_file(name), (self.pending[doc] for doc in dict.fromkeys(e[2] for e in index)))
+        in_shard = dict.fromkeys(doc for _, _, doc in index)  # each document once, in order of appearance
+        write_rows(self.folder.parent / side_file(name), (self.pending[doc] for doc in in_shard))
         for _, length, doc in index:
             self.unwritten[doc] -= length
             if not self.unwritten[doc]:

@@ -12,8 +12,9 @@ keeps a size independent of the document count, and nothing on the training path
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import zstandard
 

@@ -97,7 +97,8 @@ class MinHashDedup:
         if self.signatures:
             keys = self.hasher.band_keys(np.stack(self.signatures))
             positions = np.arange(len(self.ids), dtype=np.uint64)
-            self.pairs_checked = sum(confirm_band(keys[:, b], positions, self._confirm, pairs) for b in range(self.bands))
+            self.pairs_checked = sum(confirm_band(keys[:, b], positions, self._confirm, pairs)
+                                     for b in range(self.bands))
         return pairs
 
     def ledger(self) -> list[dict[str, Any]]:

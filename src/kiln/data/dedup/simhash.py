@@ -67,7 +67,8 @@ class SimHashDedup:
         if self.prints:
             keys = block_keys(np.array(self.prints, dtype=np.uint64), self.hamming)
             positions = np.arange(len(self.ids), dtype=np.uint64)
-            self.pairs_checked = sum(confirm_band(keys[:, b], positions, confirm, pairs) for b in range(keys.shape[1]))
+            self.pairs_checked = sum(confirm_band(keys[:, b], positions, confirm, pairs)
+                                     for b in range(keys.shape[1]))
         return pairs
 
     def ledger(self) -> list[dict[str, Any]]:

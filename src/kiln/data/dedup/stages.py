@@ -34,14 +34,21 @@ import json
 import math
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
 from kiln.config import DedupConfig
-from kiln.data.dedup.clusters import Pair, cluster_links, confirm_band, ledger_rows, name_rows
+from kiln.data.dedup.clusters import (
+    Pair,
+    cluster_links,
+    confirm_band,
+    ledger_rows,
+    name_rows,
+)
 from kiln.data.dedup.exact import text_key
 from kiln.data.dedup.minhash import MinHasher
 from kiln.data.dedup.shingles import jaccard, shingle_hashes
@@ -148,7 +155,7 @@ class Layout:
                                                          "parts": [p.__dict__ for p in self.parts]}))
 
     @classmethod
-    def load(cls, work: str | Path) -> "Layout":
+    def load(cls, work: str | Path) -> Layout:
         data = json.loads((Path(work) / STAGE_DIR / "layout.json").read_text())
         return cls([Part(**p) for p in data["parts"]], DedupConfig(**data["cfg"]), Path(work))
 
@@ -294,7 +301,8 @@ class Verdicts:
 
     def stats(self) -> dict[str, Any]:
         sizes = Counter(Counter(row["cluster"] for row in self.ledger).values())
-        return {"exact_removed": len(self.exact), "near_removed": len(self.near), "pairs_confirmed": self.pairs_confirmed,
+        return {"exact_removed": len(self.exact), "near_removed": len(self.near),
+                "pairs_confirmed": self.pairs_confirmed,
                 "cluster_sizes": {str(k + 1): v for k, v in sorted(sizes.items())},
                 "removed_against_index": sum("duplicate_in" in v for v in self.exact.values())
                 + sum("survivor_run" in v for v in self.near.values())}
@@ -324,7 +332,7 @@ def verdicts(layout: Layout) -> Verdicts:
             out["survivor_run"] = run
         ledger.append(out)
         near[q] = out
-    return Verdicts(exact, near, ledger, len(set((j, i) for j, i, _ in pairs)))
+    return Verdicts(exact, near, ledger, len({(j, i) for j, i, _ in pairs}))
 
 
 # --- the driver -----------------------------------------------------------------------------------
