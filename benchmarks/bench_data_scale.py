@@ -47,6 +47,10 @@ SHARD_SAMPLES = max(64, min(4096, N // 12))  # pack buffers one shard: N's corpu
 GATES = {} if os.environ.get("GATES") == "on" else {
     "quality": {k: {"enabled": False} for k in ("gopher_quality", "gopher_repetition", "c4", "fineweb", "noise",
                                                 "residue", "pii")}}
+# The distribution gate's profile is sources x vocabulary in the driver (one source per input file here, so 4x
+# at 4N): DISTRIBUTION=off leaves it out to measure the rest.
+if os.environ.get("DISTRIBUTION") == "off":
+    GATES["distribution"] = {"enabled": False}
 STOP = ["the", "be", "to", "of", "and", "that", "have", "with", "a", "in", "is", "it", "for", "on", "as", "was", "at", "by", "this", "from"]
 SYLLABLES = [c + v for c in "bcdfghklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ea", "ou")]
 

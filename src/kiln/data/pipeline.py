@@ -346,6 +346,9 @@ def source_profiles(work: Path, summaries: list[dict[str, Any]], layout, verdict
     """The corpus's distribution profile: one `profile_task` per data task on the engine, added up in task
     order (so the sums are the same for any number of workers). Memory: the profile, and the parts that
     arrived ahead of their turn."""
+    total = SourceProfiles(cfg.distribution.top_tokens, cfg.distribution.max_z)
+    if not cfg.distribution.enabled:  # data.distribution.enabled=false: no weights, no profile
+        return total
     removed = verdicts.removed()
     jobs = []
     for k, part in enumerate(layout.parts):
@@ -353,7 +356,6 @@ def source_profiles(work: Path, summaries: list[dict[str, Any]], layout, verdict
             start = int(layout.starts[k])
             inside = removed[(removed >= start) & (removed < start + part.count)]
             jobs.append((str(work), int(part.name.split("-")[1]), (inside - start).astype(int).tolist(), cfg))
-    total = SourceProfiles(cfg.distribution.top_tokens, cfg.distribution.max_z)
     waiting: dict[int, dict[str, Any]] = {}
     order = iter([s["index"] for s in summaries])
     turn = next(order, None)
