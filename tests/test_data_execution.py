@@ -285,3 +285,11 @@ def test_dedup_index_dedups_the_next_dump_against_the_last(tmp_path):
     assert len(json.loads((index / "index.json").read_text())["runs"]) == 2
     with pytest.raises(ConfigError, match="data.dedup.index: .* was built with"):
         run_data([str(nxt)], tmp_path / "other" / "docs", cfg(dedup={"index": str(index), "bands": 10}))
+
+
+def test_distribution_profile_off_when_disabled(tmp_path):
+    inputs, _ = planted_jsonl(tmp_path)
+    on = run_data(inputs, tmp_path / "on" / "docs", cfg())
+    off = run_data(inputs, tmp_path / "off" / "docs", cfg(distribution={"enabled": False}))
+    assert sorted(on["source_weights"]) == sorted(inputs) and off["source_weights"] == {}
+    assert on["documents"] == off["documents"]
