@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -23,7 +24,7 @@ import pytest
 from conftest import write_warc
 from kiln.config import DataConfig
 from kiln.data.executor import run_tasks
-from kiln.data.pipeline import plan_tasks, read_docs, run_data
+from kiln.data.pipeline import plan_tasks, read_docs, read_part, run_data
 from kiln.errors import KilnError
 from kiln.data.read import find_member
 from test_data import BASIC_GATES_ONLY, assert_same_output, english, members, page, rejects
@@ -99,6 +100,68 @@ def test_a_task_error_reaches_the_driver_as_its_own_message(tmp_path, monkeypatc
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert type(info.value) is KilnError and str(info.value) == f"input {tmp_path / 'missing.warc.gz'} does not exist or is not a file"
+
+
+def edited(text: str, rng: random.Random, target: float) -> str:
+    """`text` with words replaced at random until its 5-gram Jaccard with the original is about `target`."""
+    from kiln.data.dedup.shingles import jaccard, shingle_hashes
+
+    words, base = text.split(), shingle_hashes(text)
+    while jaccard(base, shingle_hashes(" ".join(words))) > target + 0.02:
+        words[rng.randrange(len(words))] = rng.choice(["kiln", "ember", "glaze", "slip", "cone"])
+    return " ".join(words)
+
+
+def planted_jsonl(folder: Path) -> tuple[list[str], dict[str, str]]:
+    """Three JSONL files: distinct pages, near copies in later files, exact copies, and a chain A < B < C whose
+    middle document pairs only with the later one. Returns the paths and {id: the id that must survive it}."""
+    rng = random.Random(11)
+    pages = {f"p{i}": english(i, 14) for i in range(36)}
+    files: list[list[dict]] = [[], [], []]
+    for i, (k, text) in enumerate(pages.items()):
+        files[i % 3].append({"id": k, "text": text})
+    truth = {}
+    for i in range(0, 12, 2):
+        files[2].append({"id": f"near{i}", "text": edited(pages[f"p{i}"], rng, 0.85)})
+        truth[f"near{i}"] = f"p{i}"
+    files[1].append({"id": "exact3", "text": pages["p3"].upper()})
+    truth["exact3"] = "p3"
+    c = english(99, 14)
+    files[0].append({"id": "A", "text": edited(c, rng, 0.86)})
+    files[1].append({"id": "B", "text": edited(c, rng, 0.86)})
+    files[2].append({"id": "C", "text": c})
+    truth |= {"B": "A", "C": "A"}
+    paths = []
+    for n, recs in enumerate(files):
+        path = folder / f"part{n}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        paths.append(str(path))
+    return paths, truth
+
+
+def test_dedup_stages_identical_on_pool_and_ray_for_any_worker_count(tmp_path, monkeypatch):
+    inputs, truth = planted_jsonl(tmp_path)
+    ray_tmp = tempfile.mkdtemp(prefix="kiln-ray-")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
+    outs = {}
+    try:
+        for executor, workers, bucket_docs in (("local", 1, 10**6), ("local", 2, 7), ("ray", 2, 7)):
+            out = tmp_path / f"{executor}-{workers}" / "docs"
+            stats = run_data(inputs, out, cfg(executor=executor, dedup={"bucket_docs": bucket_docs}), workers=workers)
+            outs[executor, workers] = out
+            assert stats["documents"]["read"] == 46 and stats["dedup_tasks"] == 21 * -(-46 // min(bucket_docs, 46))
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    first = outs["local", 1]
+    for out in outs.values():
+        assert_same_output(first, out)
+    removed = {r["id"]: r for r in rejects(first) if r["stage"] == "dedup"}
+    assert {k: r["signals"]["duplicate_of"] for k, r in removed.items()} == truth
+    assert removed["exact3"]["reason"] == "exact_duplicate"
+    ledger = {r["member"]: r for r in read_part(first / "dedup_ledger.jsonl.zst")}
+    assert (ledger["B"]["survivor"], ledger["B"]["linked_to"], ledger["C"]["linked_to"]) == ("A", "C", "A")
+    assert stats["dedup"]["near_removed"] == 8 and stats["dedup"]["exact_removed"] == 1
 
 
 def test_stats_per_source_stage_and_step(tmp_path, sample_warc):
@@ -182,3 +245,51 @@ def test_real_crawl_accounts_for_every_record(tmp_path):
     assert d["kept"] > 0 and sum(stats["rejected_by_reason"].values()) == d["rejected"]
     assert {r["lang"] for r in kept} == {"en"}
     assert all(r["reason"] and r["stage"] for r in dropped)
+
+
+def test_dedup_index_dedups_the_next_dump_against_the_last(tmp_path):
+    from kiln.errors import ConfigError
+
+    inputs, _ = planted_jsonl(tmp_path)
+    rng = random.Random(12)
+    first_dump = [json.loads(line) for line in Path(inputs[0]).read_text().splitlines()]
+    nxt = tmp_path / "next.jsonl"  # the next dump: copies of the last one's pages, and new pages
+    recs = [{"id": "again-exact", "text": first_dump[1]["text"]},
+            {"id": "again-near", "text": edited(first_dump[2]["text"], rng, 0.85)},
+            {"id": "new-1", "text": english(500, 14)}, {"id": "new-1-copy", "text": edited(english(500, 14), rng, 0.9)}]
+    nxt.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    index = tmp_path / "index"
+    last = run_data([inputs[0]], tmp_path / "last" / "docs", cfg(dedup={"index": str(index)}))
+    assert json.loads((index / "index.json").read_text())["runs"][0]["documents"] == last["documents"]["kept"]
+
+    stats = run_data([str(nxt)], tmp_path / "next" / "docs", cfg(dedup={"index": str(index)}))
+    out = {r["id"]: r for r in rejects(tmp_path / "next" / "docs")}
+    assert sorted(out) == ["again-exact", "again-near", "new-1-copy"]
+    assert out["again-exact"]["signals"] == {"duplicate_of": first_dump[1]["id"], "duplicate_in": "run-00000"}
+    assert (out["again-near"]["signals"]["duplicate_of"], out["again-near"]["signals"]["duplicate_in"]) == (
+        first_dump[2]["id"], "run-00000")
+    copy = out["new-1-copy"]["signals"]
+    assert copy["duplicate_of"] == "new-1" and "duplicate_in" not in copy
+    ledger = list(read_part(tmp_path / "next" / "docs" / "dedup_ledger.jsonl.zst"))
+    assert [(r["member"], r["survivor"], r.get("survivor_run"), r["position"]) for r in ledger] == [
+        ("again-near", first_dump[2]["id"], "run-00000", 0),
+        ("new-1-copy", "new-1", None, 2)]  # positions leave the exact copies out
+    assert stats["dedup"]["removed_against_index"] == 2
+    runs = json.loads((index / "index.json").read_text())["runs"]
+    assert [r["name"] for r in runs] == ["run-00000", "run-00001"] and runs[1]["documents"] == 1
+
+    # the last dump again: its own entry is found, so it is neither added twice nor deduplicated against itself
+    again = tmp_path / "again" / "docs"
+    run_data([inputs[0]], again, cfg(dedup={"index": str(index)}))
+    assert_same_output(tmp_path / "last" / "docs", again)
+    assert len(json.loads((index / "index.json").read_text())["runs"]) == 2
+    with pytest.raises(ConfigError, match="data.dedup.index: .* was built with"):
+        run_data([str(nxt)], tmp_path / "other" / "docs", cfg(dedup={"index": str(index), "bands": 10}))
+
+
+def test_distribution_profile_off_when_disabled(tmp_path):
+    inputs, _ = planted_jsonl(tmp_path)
+    on = run_data(inputs, tmp_path / "on" / "docs", cfg())
+    off = run_data(inputs, tmp_path / "off" / "docs", cfg(distribution={"enabled": False}))
+    assert sorted(on["source_weights"]) == sorted(inputs) and off["source_weights"] == {}
+    assert on["documents"] == off["documents"]

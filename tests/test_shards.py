@@ -56,6 +56,7 @@ from kiln.shards.format import (
     IDX_ENTRY, IDX_HEADER, ShardSet, read_header, read_index, read_tokens, verify_shards,
 )
 from kiln.shards.pack import pack, split_of
+from kiln.shards.provenance import documents as provenance_rows
 from kiln.tokenizer import eos_id, load_tokenizer, tokenizer_sha256
 
 
@@ -102,6 +103,12 @@ def manifest(shards) -> dict:
 
 
 @pytest.fixture(scope="module")
+def rows(shards, manifest) -> list[dict]:
+    """Every document's provenance row, from the per-shard side files."""
+    return provenance_rows(shards, manifest)
+
+
+@pytest.fixture(scope="module")
 def encoded(prepared):
     """The docs folder's documents and their tokens (+ EOS), encoded here, independently of pack()."""
     docs = list(read_docs(prepared.out / "docs"))
@@ -125,8 +132,35 @@ def test_verify_shards_passes_on_prepared(shards, manifest):
     assert m == manifest
     names = set(m["files"])
     listed = {f for s in m["splits"].values() for f in s["files"]}
-    assert listed and names == listed | {f[:-4] + ".idx" for f in listed}
+    assert listed and names == listed | {f[:-4] + ".idx" for f in listed} | {f[:-4] + ".docs.jsonl.zst" for f in listed}
     assert len(m["splits"]["train"]["files"]) >= 2  # the flip test below covers several shards
+
+
+def test_manifest_size_does_not_grow_with_the_document_count(prepared, tmp_path):
+    cfg = PackConfig(seq_len=63, val_fraction=0.1, samples_per_shard=10_000)  # one shard per split either way
+    sizes, docs = {}, {}
+    for n in (50, 1000):
+        corpus = [{"id": f"d{i}", "text": "kiln " * (6000 // n), "source": "s.jsonl", "offset": i, "length": 9}
+                  for i in range(n)]
+        m = pack(corpus, prepared.out / "tokenizer", tmp_path / str(n), cfg)
+        sizes[n], docs[n] = len((tmp_path / str(n) / "manifest.json").read_bytes()), m["documents"]
+        dropped = m["splits"]["train"]["dropped_tail_tokens"] + m["splits"]["val"]["dropped_tail_tokens"]
+        assert n - dropped <= len(provenance_rows(tmp_path / str(n), m)) <= n  # a row for every document with tokens
+    assert docs == {50: 50, 1000: 1000} and abs(sizes[1000] - sizes[50]) < 100, sizes
+
+
+def test_training_path_never_reads_the_provenance(shards, copy, manifest):
+    for name in manifest["files"]:  # unreadable side files: sampling does not notice, verification does
+        if name.endswith(".docs.jsonl.zst"):
+            (copy / name).write_bytes(b"not zstd")
+    for split in ("train", "val"):
+        damaged, intact = ShardSet(copy, split), ShardSet(shards, split)
+        got, want = (np.zeros((len(intact), intact.sample_len), dtype=np.int64) for _ in range(2))
+        damaged.gather(np.arange(len(damaged)), got)
+        intact.gather(np.arange(len(intact)), want)
+        assert len(damaged) == len(intact) > 0 and np.array_equal(got, want)
+    with pytest.raises(IntegrityError, match="docs.jsonl.zst"):
+        verify_shards(copy)
 
 
 def test_one_flipped_byte_in_each_listed_file_is_caught(shards, manifest, tmp_path):
@@ -262,7 +296,7 @@ def test_shardset_rejects_another_tokenizer(shards, prepared, manifest):
 
 # --- counts and samples -------------------------------------------------------------------------------
 
-def test_manifest_counts_equal_shard_headers(shards, manifest, prepared):
+def test_manifest_counts_equal_shard_headers(shards, manifest, prepared, rows):
     L = manifest["sample_len"]
     assert L == prepared.pack.seq_len + 1 == manifest["seq_len"] + 1
     assert manifest["dtype"] == "uint16" and manifest["eos_id"] == 1
@@ -276,7 +310,7 @@ def test_manifest_counts_equal_shard_headers(shards, manifest, prepared):
         assert all(h.tokenizer_sha256 == manifest["tokenizer_sha256"] and h.vocab_size == manifest["vocab_size"]
                    for h in headers)
         assert 0 <= info["dropped_tail_tokens"] < L
-        assert info["documents"] == sum(d["split"] == split for d in manifest["documents"])
+        assert info["documents"] == sum(d["split"] == split for d in rows)
         packed += total
         dropped += info["dropped_tail_tokens"]
     assert manifest["packing_efficiency"] == round(packed / (packed + dropped), 6)
@@ -297,14 +331,14 @@ def test_every_sample_has_sample_len_tokens_and_tiles_the_stream(shards, manifes
 
 # --- splits ----------------------------------------------------------------------------------------
 
-def test_train_val_disjoint_and_follow_split_of(manifest, encoded, prepared):
+def test_train_val_disjoint_and_follow_split_of(manifest, encoded, prepared, rows):
     docs, _, _ = encoded
-    assert [d["id"] for d in manifest["documents"]] == [d["id"] for d in docs]
-    train = {d["id"] for d in manifest["documents"] if d["split"] == "train"}
-    val = {d["id"] for d in manifest["documents"] if d["split"] == "val"}
+    assert [d["id"] for d in rows] == [d["id"] for d in docs]
+    train = {d["id"] for d in rows if d["split"] == "train"}
+    val = {d["id"] for d in rows if d["split"] == "val"}
     assert train and val and not train & val
-    assert len(train) + len(val) == len(manifest["documents"])
-    for d in manifest["documents"]:
+    assert len(train) + len(val) == len(rows)
+    for d in rows:
         assert d["split"] == split_of(d["id"], prepared.pack.val_fraction)
 
 
@@ -328,21 +362,21 @@ def test_repacking_a_superset_keeps_existing_documents_in_their_split(prepared, 
     cfg = PackConfig(seq_len=15, val_fraction=0.3, samples_per_shard=4, batch_docs=7)
     small = pack(docs[:60], prepared.out / "tokenizer", tmp_path / "a", cfg)
     big = pack(docs, prepared.out / "tokenizer", tmp_path / "b", cfg)
-    before = {d["id"]: d["split"] for d in small["documents"]}
-    after = {d["id"]: d["split"] for d in big["documents"]}
+    before = {d["id"]: d["split"] for d in provenance_rows(tmp_path / "a", small)}
+    after = {d["id"]: d["split"] for d in provenance_rows(tmp_path / "b", big)}
     assert {k: after[k] for k in before} == before
     assert set(before.values()) == {"train", "val"}
 
 
 # --- packing reproduces the stream ---------------------------------------------------------------------
 
-def test_documents_plus_eos_reproduce_each_split_stream(shards, manifest, encoded):
+def test_documents_plus_eos_reproduce_each_split_stream(shards, manifest, encoded, rows):
     docs, _, ids = encoded
-    for d, m, t in zip(docs, manifest["documents"], ids):
+    for d, m, t in zip(docs, rows, ids):
         assert m["tokens"] == len(t) and t[-1] == manifest["eos_id"]
         assert (m["id"], m["url"], m["source"], m["offset"], m["length"]) == (d["id"], d["url"], d["source"], d["offset"], d["length"])
     for split in ("train", "val"):
-        expected = np.concatenate([t for t, m in zip(ids, manifest["documents"]) if m["split"] == split])
+        expected = np.concatenate([t for t, m in zip(ids, rows) if m["split"] == split])
         got = stream(shards, manifest["splits"][split]["files"])
         info = manifest["splits"][split]
         assert len(got) == info["tokens"]
@@ -350,7 +384,7 @@ def test_documents_plus_eos_reproduce_each_split_stream(shards, manifest, encode
         assert np.array_equal(got, expected[:len(got)])
 
 
-def test_index_entries_give_each_documents_range_and_ordinal(shards, manifest, encoded):
+def test_index_entries_give_each_documents_range_and_ordinal(shards, manifest, encoded, rows):
     _, _, ids = encoded
     for split in ("train", "val"):
         files = manifest["splits"][split]["files"]
@@ -364,11 +398,11 @@ def test_index_entries_give_each_documents_range_and_ordinal(shards, manifest, e
         entries = global_entries(shards, files)
         seen: dict[int, list[np.ndarray]] = defaultdict(list)
         for gstart, length, doc, _, _ in entries:
-            assert manifest["documents"][doc]["split"] == split
+            assert rows[doc]["split"] == split
             seen[doc].append(s[gstart:gstart + length])
         order = [doc for _, _, doc, _, _ in entries]
         assert order == sorted(order)  # documents appear in manifest order
-        members = [i for i, m in enumerate(manifest["documents"]) if m["split"] == split]
+        members = [i for i, m in enumerate(rows) if m["split"] == split]
         pos = 0
         for i in members:  # each document's pieces are exactly its tokens, cut only by the dropped tail
             n = len(ids[i])
@@ -403,7 +437,7 @@ def warc_headers(record: bytes) -> dict[str, str]:
     return dict(line.split(": ", 1) for line in lines[1:])
 
 
-def test_token_position_traces_back_to_the_warc_record(shards, manifest, encoded):
+def test_token_position_traces_back_to_the_warc_record(shards, manifest, encoded, rows):
     docs, tok, ids = encoded
     files = manifest["splits"]["train"]["files"]
     s = stream(shards, files)
@@ -418,7 +452,7 @@ def test_token_position_traces_back_to_the_warc_record(shards, manifest, encoded
         # the entry as stored in that shard's .idx covers the position within that shard
         idx = read_index((shards / files[shard]).with_suffix(".idx"))
         assert any(e["start"] == local and e["length"] == length and e["doc"] == doc for e in idx)
-        meta = manifest["documents"][doc]
+        meta = rows[doc]
         record = read_member(meta["source"], meta["offset"], meta["length"])
         h = warc_headers(record)
         assert h["WARC-Type"] == "response"
@@ -432,10 +466,10 @@ def test_token_position_traces_back_to_the_warc_record(shards, manifest, encoded
         assert len(piece) > 0 and piece in docs[doc]["text"]
 
 
-def test_provenance_of_a_val_document(shards, manifest):
+def test_provenance_of_a_val_document(shards, manifest, rows):
     files = manifest["splits"]["val"]["files"]
     gstart, length, doc, _, _ = global_entries(shards, files)[0]
-    meta = manifest["documents"][doc]
+    meta = rows[doc]
     assert meta["split"] == "val"
     h = warc_headers(read_member(meta["source"], meta["offset"], meta["length"]))
     assert h["WARC-Target-URI"] == meta["url"]
@@ -490,7 +524,9 @@ def test_small_pack_splits_entries_across_shard_boundaries(prepared, tmp_path):
         pos += len(t)
     assert straddling >= 3
     assert len(pieces[len(docs) - 2]) >= 3  # the long document spans at least three shards
-    assert m["documents"][-1]["tokens"] == 1
+    by_id = {r["id"]: r for r in provenance_rows(out, m)}
+    assert ("empty" in by_id) == (covered > 0)  # a row where its one token (EOS) landed; none in the dropped tail
+    assert by_id["long"]["tokens"] == len(ids[-2]) and by_id.get("empty", {"tokens": 1})["tokens"] == 1
 
 
 # --- best-fit packing ------------------------------------------------------------------------------------
@@ -528,7 +564,7 @@ def test_best_fit_splits_fewer_documents_than_concat(best_fit, encoded):
     assert m["mode"] == "best_fit"
     concat = 0
     for split in ("train", "val"):
-        members = [i for i, d in enumerate(m["documents"]) if d["split"] == split]
+        members = [i for i, d in enumerate(provenance_rows(folder, m)) if d["split"] == split]
         longer = sum(len(ids[i]) > L for i in members)
         assert m["splits"][split]["split_documents"] == longer  # only documents that cannot fit one sample
         assert m["splits"][split]["dropped_tail_tokens"] == 0
@@ -549,7 +585,7 @@ def test_best_fit_keeps_every_document_whole_in_order_and_counts_padding(best_fi
         s = stream(folder, files)
         pieces = doc_pieces(folder, files)
         covered = np.zeros(len(s), dtype=bool)
-        for i, d in enumerate(m["documents"]):
+        for i, d in enumerate(provenance_rows(folder, m)):
             if d["split"] != split:
                 continue
             ps = pieces[i]
@@ -593,7 +629,7 @@ def test_two_encoding_processes_give_byte_identical_shards(prepared, encoded, tm
         cfg = BEST_FIT.model_copy(update={"seq_len": 1023, "batch_docs": 4, "workers": workers})
         made[workers] = pack(docs, prepared.out / "tokenizer", tmp_path / f"w{workers}", cfg, progress=workers == 2)
     assert made[1]["files"] == made[2]["files"]
-    assert made[1]["documents"] == made[2]["documents"]
+    assert provenance_rows(tmp_path / "w1", made[1]) == provenance_rows(tmp_path / "w2", made[2])
     assert len(made[1]["files"]) >= 4
     err = capsys.readouterr().err
     assert "pack: 40 documents" in err and "MB of text" in err
@@ -619,7 +655,7 @@ def test_encoding_workers_pin_the_tokenizer_threads_by_the_name_rayon_reads(prep
 
 # --- kiln shards inspect --------------------------------------------------------------------------------
 
-def test_cli_inspect_names_the_documents_of_a_sequence(shards, manifest, capsys):
+def test_cli_inspect_names_the_documents_of_a_sequence(shards, manifest, capsys, rows):
     files = manifest["splits"]["train"]["files"]
     L = manifest["sample_len"]
     entries = global_entries(shards, files)
@@ -635,7 +671,7 @@ def test_cli_inspect_names_the_documents_of_a_sequence(shards, manifest, capsys)
     if at < first_shard:
         assert out.splitlines()[0].endswith(f"train/00000.bin tokens {at * L}..{(at + 1) * L}")
     for gstart, length, doc, _, _ in expected:
-        meta = manifest["documents"][doc]
+        meta = rows[doc]
         assert f"url {meta['url']}" in out
         assert f"source {meta['source']} offset {meta['offset']} length {meta['length']}" in out
         assert f"(id {meta['id']})" in out
@@ -687,3 +723,24 @@ def test_overlapping_index_entries_fail_verification(copy, manifest):
     with pytest.raises(IntegrityError, match="overlap") as info:
         verify_shards(copy)
     assert str(copy / name) in str(info.value)
+
+
+def test_pack_streams_its_documents(prepared, tmp_path):
+    """Python memory while packing 500 and 4,000 documents from a generator: about the same, not 8x."""
+    import tracemalloc
+
+    def corpus(n):
+        for i in range(n):
+            yield {"id": f"d{i}", "text": f"kiln shard {i} " * 8, "source": "s.jsonl", "offset": i, "length": 40}
+
+    cfg = PackConfig(seq_len=127, val_fraction=0.1, samples_per_shard=64)
+    peaks = {}
+    for n in (500, 4_000):
+        tracemalloc.start()
+        try:
+            m = pack(corpus(n), prepared.out / "tokenizer", tmp_path / str(n), cfg)
+            peaks[n] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert m["documents"] == n
+    assert peaks[4_000] < 1.5 * peaks[500], peaks

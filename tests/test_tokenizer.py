@@ -157,6 +157,22 @@ def test_sample_documents_is_a_seeded_reservoir():
     assert sample_documents([], 5, seed=1) == []
 
 
+def test_sample_memory_is_bounded_by_max_docs_not_the_corpus():
+    import tracemalloc
+
+    def corpus(n):  # 60 MB of text, made as it is read
+        for i in range(n):
+            yield {"id": f"d{i}", "text": f"{i} " + "x" * 2000}
+
+    tracemalloc.start()
+    try:
+        sample = sample_documents(corpus(30_000), 20, seed=3)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(sample) == 20 and peak < 1_000_000, peak  # ~20 documents' worth, not 60 MB
+
+
 def test_same_seed_gives_identical_sample_and_tokenizer_bytes(tmp_path):
     corpus = make_corpus(40, seed=5)
     cfg = TokenizerConfig(vocab_size=350, max_docs=15)

@@ -155,6 +155,10 @@ class DedupConfig(Section):
     rows: int = Field(6, ge=1, description="MinHash rows per band")
     seed: int = Field(1, description="MinHash permutations")
     hamming: int = Field(3, ge=0, le=15, description="SimHash: largest Hamming distance of a duplicate (SEEDS: 3)")
+    bucket_docs: int = Field(2_000_000, ge=1, description="keys per dedup bucket task (a key range of one band): "
+                                                          "bounds each task's memory (~50 MB per million)")
+    index: str | None = Field(None, description="a folder of earlier runs' signatures: this run is deduplicated "
+                                                "against them, then added (e.g. the next dump against the last)")
 
 
 class DataConfig(Section):

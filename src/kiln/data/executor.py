@@ -1,14 +1,16 @@
 """Run independent tasks on a local process pool or on Ray, handing each result back as it finishes.
 
 A task function is pure: it takes its arguments and returns its result; the caller
-commits results (the driver owns the work folder), so a Ray cluster needs no shared
-filesystem and a killed worker leaves nothing half-written.
+commits results (the driver owns the work folder), so a killed worker leaves nothing
+half-written. The data tasks need no shared filesystem on a Ray cluster; the dedup stage
+tasks read the work folder the driver wrote (kiln.data.dedup.stages).
 """
 
 from __future__ import annotations
 
 import os
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from contextlib import contextmanager
 from itertools import islice
 from typing import Any, Callable, Iterator
 
@@ -43,11 +45,32 @@ def _pool(fn, tasks, workers) -> Iterator[Any]:
                 running.update(pool.submit(fn, t) for t in islice(pending, 1))
 
 
-def _ray(fn, tasks, workers, address) -> Iterator[Any]:
+@contextmanager
+def engine(executor: str, workers: int, ray_address: str | None = None) -> Iterator[None]:
+    """Keep one Ray session for several rounds of `run_tasks` (the data tasks, then the dedup stages);
+    the local pool needs nothing."""
+    if executor != "ray":
+        yield
+        return
+    ray = _import_ray()
+    started = _start_ray(ray, workers, ray_address)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _import_ray():
     try:
         import ray
     except ImportError:
         raise KilnError("data.executor=ray needs Ray; pip install 'kiln-lm[ray]' or use data.executor=local") from None
+    return ray
+
+
+def _start_ray(ray, workers: int, address: str | None) -> bool:
+    """Start (or join) Ray unless this process already has; True when it did."""
     started = not ray.is_initialized()
     if started:
         if address:
@@ -56,6 +79,12 @@ def _ray(fn, tasks, workers, address) -> Iterator[Any]:
             # A local Ray for this run: no dashboard, no token file (nothing leaves the machine).
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+    return started
+
+
+def _ray(fn, tasks, workers, address) -> Iterator[Any]:
+    ray = _import_ray()
+    started = _start_ray(ray, workers, address)
     try:
         remote = ray.remote(num_cpus=1, max_retries=2)(fn)
         pending = iter(tasks)

@@ -28,10 +28,12 @@ from typing import Any, Callable, Iterable, Iterator
 import zstandard
 
 from kiln.config import DataConfig
-from kiln.data.dedup import LEDGER, ExactDedup, drop_near_duplicates, near_dedup, near_duplicate_ledger, write_ledger
+from kiln.data.dedup import LEDGER, write_ledger
+from kiln.data.dedup.index import add_run, runs_before
+from kiln.data.dedup.stages import Signer, Verdicts, dedup_layout, run_stages
 from kiln.data.gates.distribution import SourceProfiles
 from kiln.data.document import Document, ReadReport
-from kiln.data.executor import run_tasks
+from kiln.data.executor import engine, run_tasks
 from kiln.data.extract import extract
 from kiln.data.gates import apply_gates, default_gates
 from kiln.data.language import check_model, identify_language
@@ -43,6 +45,7 @@ from kiln.manifest import staging_dir, write_atomic, write_manifest, writes_fold
 
 # Settings that change how the work runs, never what it outputs (storage_options may hold secrets).
 EXECUTION_KEYS = {"inputs", "workers", "executor", "ray_address", "task_bytes", "storage_options"}
+WORK_LAYOUT = 2  # what a task writes to the work folder (2: its outcome and its dedup signatures)
 STEPS = ("read", "extract", "language", "gates")
 
 
@@ -51,8 +54,16 @@ def expand_inputs(patterns: list[str], storage_options: dict[str, Any] | None = 
 
 
 def fingerprint(files: list[str], cfg: DataConfig) -> str:
-    """What the output depends on: each input's identity (path, size, version) and the data settings."""
-    settings = cfg.model_dump(mode="json", exclude=EXECUTION_KEYS)
+    """What the output depends on: each input's identity (path, size, version), the data settings and the
+    data.dedup.index runs it is deduplicated against."""
+    base = index_key(files, cfg)
+    runs = [run["key"] for run in runs_before(cfg.dedup, base)]
+    return hashlib.sha256(json.dumps([base, runs]).encode()).hexdigest()[:16] if runs else base
+
+
+def index_key(files: list[str], cfg: DataConfig) -> str:
+    """The fingerprint without the index: the name of this run's entry in data.dedup.index."""
+    settings = cfg.model_dump(mode="json", exclude={**dict.fromkeys(EXECUTION_KEYS, True), "dedup": {"bucket_docs"}})
     ident = [input_identity(str(f), cfg.storage_options) for f in files]
     return hashlib.sha256(json.dumps([ident, settings], sort_keys=True).encode()).hexdigest()[:16]
 
@@ -88,7 +99,7 @@ def plan_tasks(files: list[str], cfg: DataConfig) -> list[Task]:
 def work_key(data_fingerprint: str, tasks: list[Task]) -> str:
     """Names the work folder: finished tasks are reused only for the same inputs, settings and plan."""
     plan = [(t.source, t.start, t.end) for t in tasks]
-    return hashlib.sha256(json.dumps([data_fingerprint, plan]).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps([data_fingerprint, plan, WORK_LAYOUT]).encode()).hexdigest()[:16]
 
 
 class StepTimer:
@@ -141,8 +152,9 @@ def process_task(task: Task, cfg: DataConfig, report: ReadReport, timer: StepTim
 READ_ATTEMPTS = 3
 
 
-def run_task(args: tuple[Task, DataConfig]) -> tuple[dict[str, Any], bytes]:
-    """One task, start to end, in a worker: (summary, zstd JSONL of every document's outcome).
+def run_task(args: tuple[Task, DataConfig]) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """One task, start to end, in a worker: (summary, {file suffix: bytes}): the zstd JSONL of every
+    document's outcome (`jsonl.zst`) and the kept documents' dedup signatures (`stages.Signer`).
 
     A storage error (OSError: a dropped connection, a throttled bucket, a failing disk) is not damage in
     the data: recording it as a cut would commit a short task as finished and lose the rest of the file for
@@ -163,32 +175,42 @@ def run_task(args: tuple[Task, DataConfig]) -> tuple[dict[str, Any], bytes]:
     raise AssertionError("unreachable")
 
 
-def _run_task_once(task: Task, cfg: DataConfig) -> tuple[dict[str, Any], bytes]:
+def _run_task_once(task: Task, cfg: DataConfig) -> tuple[dict[str, Any], dict[str, bytes]]:
     report, timer = ReadReport(), StepTimer()
+    signer = Signer(cfg.dedup)
     t0 = time.perf_counter()
     buf = io.BytesIO()
     error = None
     read = kept = 0
+    sign_s = 0.0
     with zstandard.ZstdCompressor(level=3).stream_writer(buf, closefd=False) as zw:
         try:
             for doc in process_task(task, cfg, report, timer):
                 read += 1
                 kept += doc.rejection is None
+                if doc.rejection is None:
+                    t_sign = time.perf_counter()
+                    signer.add(doc.id, doc.text or "")
+                    sign_s += time.perf_counter() - t_sign
                 rec = doc.kept_record() if doc.rejection is None else doc.reject_record()
                 zw.write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
         except KilnError as exc:
             error = str(exc)
+    t_sign = time.perf_counter()
+    files = {"jsonl.zst": buf.getvalue(), **signer.files()}
+    sign_s += time.perf_counter() - t_sign
     summary = {**asdict(task), "records_by_type": report.records_by_type, "truncated_at": report.truncated_at,
                "error": error, "documents": read, "kept": kept, "seconds": round(time.perf_counter() - t0, 3),
-               "steps_s": timer.own()}
-    return summary, buf.getvalue()
+               "steps_s": timer.own() | {"signatures": round(sign_s, 4)}}
+    return summary, files
 
 
-def _commit(work: Path, result: tuple[dict[str, Any], bytes]) -> dict[str, Any]:
-    """Outcome first, marker last: a marker vouches for an outcome file that is complete."""
-    summary, blob = result
+def _commit(work: Path, result: tuple[dict[str, Any], dict[str, bytes]]) -> dict[str, Any]:
+    """Outcome and signatures first, marker last: a marker vouches for files that are complete."""
+    summary, files = result
     name = f"task-{summary['index']:05d}"
-    write_atomic(work / f"{name}.jsonl.zst", blob)
+    for suffix, data in files.items():
+        write_atomic(work / f"{name}.{suffix}", data)
     write_atomic(work / f"{name}.done.json", json.dumps(summary))
     return summary
 
@@ -250,20 +272,31 @@ def run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None 
 
     todo = [t for t in tasks if not (work / f"{t.name}.done.json").exists()]
     workers = workers or cfg.workers
-    with _progress_sink(progress, tasks, todo) as on_done:
-        for result in run_tasks(run_task, [(t, cfg) for t in todo], workers, cfg.executor, cfg.ray_address):
-            on_done(_commit(work, result))
-    t_process = time.perf_counter() - t0
+    with engine(cfg.executor, workers, cfg.ray_address):
+        with _progress_sink(progress, tasks, todo) as on_done:
+            for result in run_tasks(run_task, [(t, cfg) for t in todo], workers, cfg.executor, cfg.ray_address):
+                on_done(_commit(work, result))
+        t_process = time.perf_counter() - t0
+        summaries = [json.loads((work / f"{t.name}.done.json").read_text()) for t in tasks]
+        layout = dedup_layout(work, summaries, cfg.dedup, index_key(files, cfg))
+        verdicts = run_stages(layout, workers, cfg.executor, cfg.ray_address)
+        t_dedup = time.perf_counter() - t0 - t_process
+        profiles = source_profiles(work, summaries, layout, verdicts, cfg, workers)
+    t_profiles = time.perf_counter() - t0 - t_process - t_dedup
 
-    summaries = [json.loads((work / f"{t.name}.done.json").read_text()) for t in tasks]
     with staging_dir(out) as tmp:
-        stats = _merge(work, summaries, tmp, cfg)
-        stats["timings_s"] |= {"process": round(t_process, 3), "merge": round(time.perf_counter() - t0 - t_process, 3)}
+        stats = _merge(work, summaries, tmp, cfg, verdicts, layout.indexed, profiles)
+        stats["timings_s"] |= {"process": round(t_process, 3), "dedup_stages": round(t_dedup, 3),
+                               "profiles": round(t_profiles, 3),
+                               "merge": round(time.perf_counter() - t0 - t_process - t_dedup - t_profiles, 3)}
         stats["tasks"] = len(tasks)
         stats["tasks_resumed"] = len(tasks) - len(todo)
+        stats["dedup_tasks"] = verdicts.tasks  # how many key ranges: data.dedup.bucket_docs, not the output
         write_atomic(tmp / "stats.json", json.dumps(stats, indent=1, ensure_ascii=False))
         write_manifest(tmp, stage="data", fingerprint=fp, inputs=files, documents=stats["documents"]["kept"],
                        source_weights=stats["source_weights"])
+        if cfg.dedup.index:  # before the docs folder is committed: a crash in between re-runs onto the same index
+            add_run(cfg.dedup, index_key(files, cfg), str(out), layout, verdicts.removed())
     for stale in out.parent.glob(f".{out.name}-work-*"):  # this run's, and any from older plans of this folder
         if re.fullmatch(rf"\.{re.escape(out.name)}-work-[0-9a-f]{{16}}", stale.name):  # work_key's name, ours
             shutil.rmtree(stale, ignore_errors=True)
@@ -282,19 +315,64 @@ def _progress_sink(progress, tasks: list[Task], todo: list[Task]):
     return nullcontext(lambda _summary: None)
 
 
-def global_steps(cfg: DataConfig, work: Path, summaries: list[dict[str, Any]],
-                 out: Path) -> list[Callable[[Iterator[Document]], Iterator[Document]]]:
-    """Steps that see every document of every task, in canonical order: exact, then near-duplicate dedup.
+def apply_verdicts(docs: Iterator[Document], verdicts: Verdicts, first: int) -> Iterator[Document]:
+    """Reject the duplicates the dedup stages found, by document number: the kept documents in canonical
+    order are numbered from `first` (the documents of a data.dedup.index come before them)."""
+    q = first
+    for doc in docs:
+        if doc.rejection is None:
+            if (hit := verdicts.exact.get(q)) is not None:
+                doc.reject("dedup", "exact_duplicate", **hit)
+            elif (row := verdicts.near.get(q)) is not None:
+                extra = {"duplicate_in": row["survivor_run"]} if "survivor_run" in row else {}
+                doc.reject("dedup", "near_duplicate", duplicate_of=row["survivor"], similarity=row["similarity"],
+                           cluster=row["cluster"], **extra)
+            q += 1
+        yield doc
 
-    Near-duplicate dedup needs the whole corpus before it can say who survives, so it indexes a
-    first pass over the task outputs, writes its ledger, then rejects the members in the main pass.
-    """
-    near = near_dedup(cfg.dedup, spill_dir=str(work))
-    if near is None:
-        return [ExactDedup()]
-    ledger = near_duplicate_ledger(near, ExactDedup()(_documents(work, summaries)))
-    write_ledger(out / LEDGER, ledger)
-    return [ExactDedup(), lambda docs: drop_near_duplicates(docs, ledger)]
+
+def profile_task(args: tuple[str, int, list[int], DataConfig]) -> tuple[int, dict[str, Any]]:
+    """After dedup, on a worker: the distribution profile (per-source token frequency sums) of one data
+    task's kept documents, those dedup removed left out (`removed`: their numbers within the task)."""
+    work, index, removed, cfg = args
+    profiles, gone, local = SourceProfiles(cfg.distribution.top_tokens, cfg.distribution.max_z), set(removed), 0
+    for rec in read_part(Path(work) / f"task-{index:05d}.jsonl.zst"):
+        if "reason" in rec:  # a rejection
+            continue
+        if local not in gone:
+            profiles.add(rec["source"], rec.get("text") or "")
+        local += 1
+    return index, {"docs": profiles.docs, "sum_f": profiles.sum_f, "sum_f2": profiles.sum_f2}
+
+
+def source_profiles(work: Path, summaries: list[dict[str, Any]], layout, verdicts: Verdicts, cfg: DataConfig,
+                    workers: int) -> SourceProfiles:
+    """The corpus's distribution profile: one `profile_task` per data task on the engine, added up in task
+    order (so the sums are the same for any number of workers). Memory: the profile, and the parts that
+    arrived ahead of their turn."""
+    total = SourceProfiles(cfg.distribution.top_tokens, cfg.distribution.max_z)
+    if not cfg.distribution.enabled:  # data.distribution.enabled=false: no weights, no profile
+        return total
+    removed = verdicts.removed()
+    jobs = []
+    for k, part in enumerate(layout.parts):
+        if part.run is None:
+            start = int(layout.starts[k])
+            inside = removed[(removed >= start) & (removed < start + part.count)]
+            jobs.append((str(work), int(part.name.split("-")[1]), (inside - start).astype(int).tolist(), cfg))
+    waiting: dict[int, dict[str, Any]] = {}
+    order = iter([s["index"] for s in summaries])
+    turn = next(order, None)
+    for index, part in run_tasks(profile_task, jobs, workers, cfg.executor, cfg.ray_address):
+        waiting[index] = part
+        while turn is not None and turn in waiting:
+            part = waiting.pop(turn)
+            total.docs.update(part["docs"])
+            for src in part["docs"]:
+                total.sum_f[src].update(part["sum_f"][src])
+                total.sum_f2[src].update(part["sum_f2"][src])
+            turn = next(order, None)
+    return total
 
 
 def _documents(work: Path, summaries: list[dict[str, Any]]) -> Iterator[Document]:
@@ -303,16 +381,14 @@ def _documents(work: Path, summaries: list[dict[str, Any]]) -> Iterator[Document
             yield Document.from_record(rec)
 
 
-def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConfig) -> dict[str, Any]:
+def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConfig, verdicts: Verdicts,
+           first: int, profiles: SourceProfiles) -> dict[str, Any]:
     kept_w, rej_w = PartWriter(out, cfg.docs_per_part), PartWriter(out / "rejects", cfg.docs_per_part)
     timer = StepTimer()
     docs = timer.wrap("tasks", _documents(work, summaries))
-    t_index = time.perf_counter()
-    for step in global_steps(cfg, work, summaries, out):
-        docs = step(docs)
-    t_index = time.perf_counter() - t_index
-    docs = timer.wrap("dedup", docs)
-    profiles = SourceProfiles(cfg.distribution.top_tokens, cfg.distribution.max_z)
+    if cfg.dedup.method != "none":
+        write_ledger(out / LEDGER, verdicts.ledger)
+    docs = timer.wrap("dedup", apply_verdicts(docs, verdicts, first))
     edits: Counter[str] = Counter()
 
     reasons: Counter[str] = Counter()
@@ -327,7 +403,6 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
         counts["read"] += 1
         if doc.rejection is None:
             kept_w.add(doc.kept_record())
-            profiles.add(doc.source, doc.text or "")
             edits.update(doc.edits)
             kept += 1
             chars += len(doc.text or "")
@@ -370,7 +445,9 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
         # per-source sampling weights: a source whose top tokens drift is down-weighted, never dropped
         "source_weights": profiles.report(),
         "parts": kept_w.parts,
-        "timings_s": {"steps": {**{k: round(steps[k], 3) for k in STEPS}, "dedup": round(timer.own().get("dedup", 0.0) + t_index, 3)}},
+        "dedup": verdicts.stats(),
+        "timings_s": {"steps": {**{k: round(steps[k], 3) for k in STEPS}, "dedup": round(
+            timer.own().get("dedup", 0.0) + verdicts.seconds + steps["signatures"], 3)}},
     }
 
 

@@ -49,7 +49,7 @@ def write_slice(shards: Path, out: Path, counts: dict[str, int]) -> None:
                         ShardHeader(first.token_bytes, first.vocab_size, first.sample_len, len(tokens), first.tokenizer_sha256),
                         np.empty(0, dtype=IDX_ENTRY))
             fields["splits"][split] = {"files": [f"{split}/00000.bin"], "tokens": len(tokens), "samples": len(rows)}
-        write_manifest(tmp, **fields, documents=[], preflight_slice_of=str(shards))
+        write_manifest(tmp, **fields, documents=0, preflight_slice_of=str(shards))
 
 
 def smoke_config(cfg: Config, out: Path) -> Config:

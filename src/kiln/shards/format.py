@@ -5,7 +5,7 @@
               then `token count` little-endian uint16/uint32 tokens.
 `NNNNN.idx`:  magic "KILNIDX\\0", version u32, reserved u32, entry count u64,
               then entries (start u64, length u32, doc u32): a document's token
-              range in the shard and its position in the manifest's `documents`.
+              range in the shard and its number (its row in `NNNNN.docs.jsonl.zst`, provenance.py).
 
 A reader checks the header against what it expects (dtype, vocabulary,
 tokenizer hash), which is the common silent failure of headerless formats.
@@ -112,8 +112,10 @@ def read_index(path: Path) -> np.ndarray:
 def verify_shards(folder: Path) -> dict:
     """Sizes, sha256, headers and index consistency; raise IntegrityError naming the first bad file."""
     folder = Path(folder)
+    from kiln.shards.provenance import side_file
+
     manifest = verify_folder(folder)
-    n_docs = len(manifest["documents"])
+    n_docs = int(manifest["documents"])
     for split, info in manifest["splits"].items():
         total = 0
         for name in info["files"]:
@@ -128,6 +130,9 @@ def verify_shards(folder: Path) -> dict:
                 raise IntegrityError(f"{path.with_suffix('.idx')}: an entry points past the shard's tokens or the document list")
             if (index["length"] == 0).any() or (index["start"][1:] < ends[:-1]).any():
                 raise IntegrityError(f"{path.with_suffix('.idx')}: entries are empty, overlap or are out of order")
+            if len(index) and side_file(name).as_posix() not in manifest["files"]:
+                raise IntegrityError(f"{folder / side_file(name)}: the shard's provenance is not in manifest.json; "
+                                     "re-run `kiln pack`")
             total += header.num_tokens
         if total != info["tokens"]:
             raise IntegrityError(f"{folder}/{split}: shards hold {total} tokens, manifest.json says {info['tokens']}")

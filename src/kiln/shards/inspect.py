@@ -10,6 +10,7 @@ import numpy as np
 
 from kiln.errors import KilnError
 from kiln.shards.format import ShardSet, read_index
+from kiln.shards.provenance import read_rows, side_file
 from kiln.tokenizer import load_tokenizer, tokenizer_sha256
 
 
@@ -30,7 +31,7 @@ def sample_provenance(folder: Path, split: str, index: int) -> dict[str, Any]:
     for name in ss.names[:shard]:
         for e in read_index((Path(folder) / name).with_suffix(".idx")):
             before[int(e["doc"])] += int(e["length"])
-    documents = ss.manifest["documents"]
+    documents = read_rows(Path(folder) / side_file(ss.names[shard]))  # this shard's rows only
     pieces = []
     for e in read_index((Path(folder) / ss.names[shard]).with_suffix(".idx")):
         e_start, e_end, doc = int(e["start"]), int(e["start"] + e["length"]), int(e["doc"])

@@ -4,7 +4,13 @@ Each split is one token stream: the packer (`pack.mode`, see packing.py) turns
 documents, each followed by EOS, into samples of `seq_len + 1` tokens (inputs
 and shifted targets); the writer cuts the stream into shards of
 `samples_per_shard` samples. A concat tail shorter than one sample is dropped
-and counted.
+and counted. Each shard's document provenance goes into its side file
+(provenance.py), not the manifest.
+
+Memory: documents stream through (the docs parts are read one at a time); a split
+holds the tokens of the shard it is filling, the packer's window, and the
+provenance rows of the documents whose tokens are not all written yet. Nothing
+grows with the corpus except per-source token counts (one number per input file).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from kiln.manifest import staging_dir, write_manifest, writes_folder
 from kiln.shards.encode import encode_documents
 from kiln.shards.format import FORMAT_VERSION, IDX_ENTRY, ShardHeader, token_dtype, write_shard
 from kiln.shards.packing import Entry, Packer, make_packer
+from kiln.shards.provenance import SUFFIX as PROVENANCE, side_file, write_rows
 from kiln.tokenizer import TOKENIZER_FILE, eos_id, load_tokenizer, pad_id, special_names, tokenizer_sha256
 
 SPLITS = ("train", "val")
@@ -44,9 +51,13 @@ class SplitWriter:
         self.buffered = 0
         self.files: list[str] = []
         self.total_tokens = self.documents = 0
+        self.pending: dict[int, dict[str, Any]] = {}  # provenance of documents with tokens still to write
+        self.unwritten: dict[int, int] = {}
 
-    def add(self, ids: np.ndarray, doc: int) -> None:
+    def add(self, ids: np.ndarray, doc: int, provenance: dict[str, Any] | None = None) -> None:
         self.documents += 1
+        self.pending[doc] = {"doc": doc, **(provenance or {}), "tokens": len(ids)}
+        self.unwritten[doc] = len(ids)
         for chunk, entries in self.packer.add(ids, doc):
             self._append(chunk, entries)
 
@@ -70,6 +81,12 @@ class SplitWriter:
         name = f"{self.split}/{len(self.files):05d}.bin"
         header = ShardHeader(self.header.token_bytes, self.header.vocab_size, self.header.sample_len, n, self.header.tokenizer_sha256)
         write_shard(self.folder.parent / name, head, header, np.array(index, dtype=IDX_ENTRY))
+        in_shard = dict.fromkeys(doc for _, _, doc in index)  # each document once, in order of appearance
+        write_rows(self.folder.parent / side_file(name), (self.pending[doc] for doc in in_shard))
+        for _, length, doc in index:
+            self.unwritten[doc] -= length
+            if not self.unwritten[doc]:
+                del self.unwritten[doc], self.pending[doc]
         self.files.append(name)
         self.total_tokens += n
         self.tokens, self.entries, self.buffered = ([rest] if len(rest) else []), carry, len(rest)
@@ -94,14 +111,13 @@ def packing_efficiency(splits: dict[str, dict[str, Any]]) -> float:
     return round((tokens - waste) / max(tokens + dropped, 1), 6)
 
 
-def data_weight(documents: list[dict[str, Any]], source_weights: dict[str, dict] | None) -> float:
+def data_weight(train_tokens: dict[str | None, int], source_weights: dict[str, dict] | None) -> float:
     """The data stage's sampling weight for these shards: its per-source weights averaged over the
-    training tokens (1.0 when the data stage gave none)."""
-    train = [d for d in documents if d["split"] == "train"]
-    tokens = sum(d["tokens"] for d in train)
+    training tokens ({source: tokens}; 1.0 when the data stage gave none)."""
+    tokens = sum(train_tokens.values())
     if not source_weights or not tokens:
         return 1.0
-    return sum(d["tokens"] * source_weights.get(d["source"], {}).get("weight", 1.0) for d in train) / tokens
+    return sum(n * source_weights.get(src, {}).get("weight", 1.0) for src, n in train_tokens.items()) / tokens
 
 
 @writes_folder("pack", out="out", inputs=("docs", "tokenizer_dir"))
@@ -122,18 +138,20 @@ def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, 
     tokenizer_dir = Path(tokenizer_dir)
     tokenizer_file = tokenizer_dir / TOKENIZER_FILE if tokenizer_dir.is_dir() else tokenizer_dir
     header = ShardHeader(dtype.itemsize, vocab, cfg.seq_len + 1, 0, tokenizer_sha256(tokenizer_dir))
-    documents: list[dict[str, Any]] = []
+    train_tokens: dict[str | None, int] = {}
     with staging_dir(out) as tmp, PackProgress(progress) as advance:
         writers = {s: SplitWriter(tmp, s, header, cfg.samples_per_shard, make_packer(cfg, pad)) for s in SPLITS}
         text_bytes, tokens_by_lang = {s: 0 for s in SPLITS}, Counter()  # for bytes/token and the report
-        for doc, ids in encode_documents(docs, tokenizer_file, cfg.batch_docs, cfg.workers, dtype, eos, advance):
+        encoded = encode_documents(docs, tokenizer_file, cfg.batch_docs, cfg.workers, dtype, eos, advance)
+        for number, (doc, ids) in enumerate(encoded):
             split = split_of(doc["id"], cfg.val_fraction)
-            writers[split].add(ids, len(documents))
             text_bytes[split] += len(doc["text"].encode("utf-8", "replace"))
             tokens_by_lang[doc.get("lang") or "unknown"] += len(ids)
-            documents.append({"id": doc["id"], "split": split, "source": doc.get("source"),
-                              "offset": doc.get("offset"), "length": doc.get("length"), "url": doc.get("url"),
-                              "tokens": len(ids)})
+            writers[split].add(ids, number, {"id": doc["id"], "split": split, "source": doc.get("source"),
+                                             "offset": doc.get("offset"), "length": doc.get("length"),
+                                             "url": doc.get("url")})
+            if split == "train":
+                train_tokens[doc.get("source")] = train_tokens.get(doc.get("source"), 0) + len(ids)
         splits = {s: w.close() for s, w in writers.items()}
         if splits["train"]["samples"] == 0:
             raise KilnError(f"too few tokens to fill one training sample of {cfg.seq_len + 1}; lower pack.seq_len or add data")
@@ -141,8 +159,9 @@ def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, 
             tmp, stage="pack", fingerprint=fingerprint, format_version=FORMAT_VERSION, dtype=dtype.name,
             vocab_size=vocab, eos_id=eos, pad_id=pad, tokenizer_sha256=header.tokenizer_sha256, seq_len=cfg.seq_len,
             sample_len=cfg.seq_len + 1, mode=cfg.mode, splits=splits, packing_efficiency=packing_efficiency(splits),
-            data_weight=round(data_weight(documents, source_weights), 6),
-            split_documents=sum(s["split_documents"] for s in splits.values()), documents=documents,
+            data_weight=round(data_weight(train_tokens, source_weights), 6),
+            split_documents=sum(s["split_documents"] for s in splits.values()),
+            documents=sum(s["documents"] for s in splits.values()), provenance=f"{{split}}/NNNNN{PROVENANCE}",
             tokens_by_lang=dict(tokens_by_lang.most_common()), text_bytes=text_bytes,
         )
     return manifest

@@ -25,7 +25,10 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 def sample_documents(docs: Iterable[dict], max_docs: int, seed: int) -> list[dict]:
-    """Reservoir sample of at most `max_docs` documents, seeded: the same corpus gives the same sample."""
+    """Reservoir sample of at most `max_docs` documents, seeded: the same corpus gives the same sample.
+
+    One streaming pass over `docs` (the docs folder is read part by part); memory holds the sample,
+    at most `max_docs` documents, never the corpus."""
     rng = random.Random(seed)
     sample: list[dict] = []
     for i, doc in enumerate(docs):

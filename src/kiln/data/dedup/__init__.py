@@ -38,13 +38,10 @@ def near_duplicate_ledger(index: "MinHashDedup | SimHashDedup", docs: Iterable[D
     """Index the kept documents of `docs` and return the ledger, naming documents by id and each member
     by its `position` among the kept documents. The index is keyed by position, not id: ids taken from
     a JSONL/Parquet field can repeat across files, and two documents must never share a verdict."""
-    ids = []
     for doc in docs:
         if doc.rejection is None:
-            index.add(str(len(ids)), doc.text or "")
-            ids.append(doc.id)
-    return [row | {"position": int(row["member"])} | {k: ids[int(row[k])] for k in ("survivor", "member", "linked_to")}
-            for row in index.ledger()]
+            index.add(doc.id, doc.text or "")
+    return index.ledger()
 
 
 def drop_near_duplicates(docs: Iterator[Document], ledger: list[dict[str, Any]]) -> Iterator[Document]:

@@ -16,20 +16,54 @@ from typing import Any
 
 import numpy as np
 
-from kiln.data.dedup.clusters import UnionFind, ledger_rows, link_buckets
-from kiln.data.dedup.shingles import jaccard, shingle_hashes
+from kiln.data.dedup.clusters import Pair, cluster_links, confirm_band, ledger_rows, name_rows
+from kiln.data.dedup.shingles import MULT, jaccard, shingle_hashes
 
 _CHUNK = 4096  # shingles per block of the (shingles x hash functions) matrix
 
 
-class MinHashDedup:
-    def __init__(self, bands: int = 20, rows: int = 6, threshold: float = 0.8, ngram: int = 5,
-                 tokens: str = "auto", seed: int = 1, spill_dir: str | None = None) -> None:
-        self.bands, self.rows, self.threshold, self.ngram, self.tokens = bands, rows, threshold, ngram, tokens
+class MinHasher:
+    """The bands x rows hash functions of a seed, and band keys: one uint64 per band, a hash of its rows."""
+
+    def __init__(self, bands: int = 20, rows: int = 6, seed: int = 1) -> None:
+        self.bands, self.rows = bands, rows
         rng = np.random.default_rng(seed)
         k = bands * rows
         self.a = rng.integers(1, 2**63, size=k, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
         self.b = rng.integers(0, 2**63, size=k, dtype=np.uint64)
+
+    def signature(self, shingles: np.ndarray) -> np.ndarray:
+        """The bands x rows minima, in blocks of shingles computed in one buffer. The shift by 32 is
+        monotone, so it is taken once on the minima rather than on every product."""
+        sig = np.full(len(self.a), np.iinfo(np.uint64).max, dtype=np.uint64)
+        buf = np.empty((min(len(shingles), _CHUNK), len(self.a)), dtype=np.uint64)
+        for start in range(0, len(shingles), _CHUNK):
+            x = shingles[start:start + _CHUNK, None]
+            out = buf[:len(x)]
+            np.multiply(x, self.a, out=out)
+            np.add(out, self.b, out=out)
+            np.minimum(sig, out.min(axis=0), out=sig)
+        return (sig >> np.uint64(32)).astype(np.uint32)
+
+    def band_keys(self, signatures: np.ndarray) -> np.ndarray:
+        """(documents, bands) uint64: equal keys for equal bands (a 64-bit hash: a collision only adds a
+        candidate, which the exact confirmation then rejects)."""
+        rows = signatures.reshape(len(signatures), self.bands, self.rows).astype(np.uint64)
+        key = np.full(rows.shape[:2], 0x2545F4914F6CDD1D, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            for r in range(self.rows):
+                key = (key ^ rows[:, :, r]) * MULT
+        return key
+
+
+class MinHashDedup:
+    """The in-memory index over a small corpus (tests, benchmarks): signatures in RAM, shingles spilled.
+    The data stage runs the same hashing partitioned on its workers (`kiln.data.dedup.stages`)."""
+
+    def __init__(self, bands: int = 20, rows: int = 6, threshold: float = 0.8, ngram: int = 5,
+                 tokens: str = "auto", seed: int = 1, spill_dir: str | None = None) -> None:
+        self.bands, self.rows, self.threshold, self.ngram, self.tokens = bands, rows, threshold, ngram, tokens
+        self.hasher = MinHasher(bands, rows, seed)
         self.ids: list[str] = []
         self.signatures: list[np.ndarray] = []
         self.spans: list[tuple[int, int]] = []  # (byte offset, shingle count) in the spill file
@@ -38,13 +72,7 @@ class MinHashDedup:
         self.pairs_checked = 0
 
     def signature(self, shingles: np.ndarray) -> np.ndarray:
-        sig = np.full(len(self.a), np.iinfo(np.uint32).max, dtype=np.uint32)
-        with np.errstate(over="ignore"):
-            for start in range(0, len(shingles), _CHUNK):
-                x = shingles[start:start + _CHUNK, None]
-                block = ((x * self.a + self.b) >> np.uint64(32)).astype(np.uint32)
-                np.minimum(sig, block.min(axis=0), out=sig)
-        return sig
+        return self.hasher.signature(shingles)
 
     def add(self, doc_id: str, text: str) -> None:
         shingles = shingle_hashes(text, self.ngram, self.tokens)
@@ -58,38 +86,25 @@ class MinHashDedup:
         offset, count = self.spans[i]
         return np.frombuffer(os.pread(self._spill.fileno(), count * 8, offset), dtype=np.uint64)
 
-    def _buckets(self) -> list[list[int]]:
-        """Groups of documents (each in canonical order) that agree on a whole band, band by band."""
-        if not self.signatures:
-            return []
-        sigs = np.stack(self.signatures).reshape(len(self.ids), self.bands, self.rows)
-        out = []
-        for band in range(self.bands):
-            keys = np.ascontiguousarray(sigs[:, band, :]).view(f"V{4 * self.rows}").ravel()
-            order = np.argsort(keys, kind="stable")
-            sorted_keys = keys[order]
-            edges = np.flatnonzero(sorted_keys[1:] != sorted_keys[:-1]) + 1
-            for group in np.split(order, edges):
-                if len(group) > 1:
-                    out.append(sorted(group.tolist()))
-        return out
-
     def _confirm(self, j: int, i: int) -> float | None:
         sim = jaccard(self._shingles(j), self._shingles(i))
         return sim if sim >= self.threshold else None
 
-    def run(self) -> tuple[UnionFind, dict[int, tuple[int, float]]]:
+    def run(self) -> list[Pair]:
+        """The confirmed pairs."""
         self._spill.flush()  # _shingles reads the file descriptor, under Python's buffer
-        uf = UnionFind()
-        for _ in self.ids:
-            uf.add()
-        links: dict[int, tuple[int, float]] = {}
-        self.pairs_checked = link_buckets(self._buckets(), uf, self._confirm, links)
-        return uf, links
+        pairs: list[Pair] = []
+        if self.signatures:
+            keys = self.hasher.band_keys(np.stack(self.signatures))
+            positions = np.arange(len(self.ids), dtype=np.uint64)
+            self.pairs_checked = sum(confirm_band(keys[:, b], positions, self._confirm, pairs)
+                                     for b in range(self.bands))
+        return pairs
 
     def ledger(self) -> list[dict[str, Any]]:
-        uf, links = self.run()
-        return ledger_rows(self.ids, uf, links, lambda r, i: jaccard(self._shingles(r), self._shingles(i)))
+        uf, links = cluster_links(self.run())
+        rows = ledger_rows(uf, links, lambda r, i: jaccard(self._shingles(r), self._shingles(i)))
+        return name_rows(rows, self.ids.__getitem__)
 
     def duplicates(self) -> dict[str, tuple[str, float]]:
         """{removed id: (survivor id, Jaccard similarity to the survivor)}."""

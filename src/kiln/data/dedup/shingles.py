@@ -15,16 +15,34 @@ import xxhash
 
 from kiln.data.gates.text import words
 
-_MULT = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplication by it is a bijection mod 2^64
+_FIRST_CJK = "\u3040"  # every Han/kana range `words` splits into characters starts at or above this
+
+MULT = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplication by it is a bijection mod 2^64
 
 
 def tokens(text: str, mode: str = "auto") -> list[str]:
     text = text.lower()
     if mode == "char":
         return re.findall(r"\S", text)
-    if mode == "word":
+    if mode == "word" or not text or max(text) < _FIRST_CJK:  # then `words` is the whitespace split
         return text.split()
     return words(text)
+
+
+_TOKEN_HASHES: dict[str, int] = {}
+TOKEN_CACHE = 100_000  # tokens whose hash a process keeps (~12 MB; at most one document more): text is Zipfian
+
+
+def token_hashes(toks: list[str]) -> np.ndarray:
+    """xxh3-64 of each token, through a bounded per-process cache (a pure function: the cache only saves time)."""
+    cache = _TOKEN_HASHES
+    new = [t for t in set(toks) if t not in cache]
+    if len(cache) + len(new) > TOKEN_CACHE:
+        cache.clear()
+        new = list(set(toks))
+    for t in new:
+        cache[t] = xxhash.xxh3_64_intdigest(t.encode("utf-8", "surrogatepass"))
+    return np.fromiter(map(cache.__getitem__, toks), dtype=np.uint64, count=len(toks))
 
 
 def shingle_hashes(text: str, n: int = 5, mode: str = "auto") -> np.ndarray:
@@ -32,12 +50,12 @@ def shingle_hashes(text: str, n: int = 5, mode: str = "auto") -> np.ndarray:
     toks = tokens(text, mode)
     if not toks:
         return np.empty(0, dtype=np.uint64)
-    h = np.fromiter((xxhash.xxh3_64_intdigest(t.encode("utf-8", "surrogatepass")) for t in toks), dtype=np.uint64, count=len(toks))
+    h = token_hashes(toks)
     n = min(n, len(h))
     acc = h[: len(h) - n + 1].copy()
     with np.errstate(over="ignore"):
         for j in range(1, n):
-            acc = acc * _MULT + h[j: len(h) - n + 1 + j]
+            acc = acc * MULT + h[j: len(h) - n + 1 + j]
     return np.unique(acc)
 
 

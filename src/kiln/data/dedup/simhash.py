@@ -10,11 +10,11 @@ each character is a token) this is the character-level SimHash.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from kiln.data.dedup.clusters import UnionFind, ledger_rows, link_buckets
+from kiln.data.dedup.clusters import Pair, cluster_links, confirm_band, ledger_rows, name_rows
 from kiln.data.dedup.shingles import shingle_hashes
 
 _BITS = np.arange(64, dtype=np.uint64)
@@ -25,6 +25,25 @@ def simhash(shingles: np.ndarray) -> int:
         return 0
     ones = ((shingles[:, None] >> _BITS) & np.uint64(1)).sum(axis=0, dtype=np.int64)
     return int(np.packbits((2 * ones > len(shingles))[::-1]).view(">u8")[0])
+
+
+def block_keys(prints: np.ndarray, hamming: int) -> np.ndarray:
+    """(documents, hamming + 1) uint64: each fingerprint cut into hamming + 1 blocks of bits (the bands)."""
+    blocks = hamming + 1
+    edges = [64 * b // blocks for b in range(blocks + 1)]
+    out = np.empty((len(prints), blocks), dtype=np.uint64)
+    for b, (lo, hi) in enumerate(zip(edges, edges[1:])):
+        mask = np.uint64((1 << (hi - lo)) - 1)
+        out[:, b] = (prints >> np.uint64(lo)) & mask
+    return out
+
+
+def hamming_confirm(hamming: int, fingerprint: Callable[[int], int]) -> Callable[[int, int], float | None]:
+    """A pair is a duplicate when its fingerprints differ in at most `hamming` bits; similarity 1 - d / 64."""
+    def confirm(j: int, i: int) -> float | None:
+        d = (fingerprint(j) ^ fingerprint(i)).bit_count()
+        return 1 - d / 64 if d <= hamming else None
+    return confirm
 
 
 class SimHashDedup:
@@ -38,37 +57,24 @@ class SimHashDedup:
         self.ids.append(doc_id)
         self.prints.append(simhash(shingle_hashes(text, self.ngram, self.tokens)))
 
-    def _buckets(self) -> list[list[int]]:
-        blocks = self.hamming + 1
-        edges = [64 * b // blocks for b in range(blocks + 1)]
-        out = []
-        for lo, hi in zip(edges, edges[1:]):
-            groups: dict[int, list[int]] = {}
-            mask = (1 << (hi - lo)) - 1
-            for i, fp in enumerate(self.prints):
-                groups.setdefault((fp >> lo) & mask, []).append(i)
-            out += [g for g in groups.values() if len(g) > 1]
-        return out
-
     def distance(self, j: int, i: int) -> int:
         return (self.prints[j] ^ self.prints[i]).bit_count()
 
-    def run(self) -> tuple[UnionFind, dict[int, tuple[int, float]]]:
-        uf = UnionFind()
-        for _ in self.ids:
-            uf.add()
-        links: dict[int, tuple[int, float]] = {}
-
-        def confirm(j: int, i: int) -> float | None:
-            d = self.distance(j, i)
-            return 1 - d / 64 if d <= self.hamming else None
-
-        self.pairs_checked = link_buckets(self._buckets(), uf, confirm, links)
-        return uf, links
+    def run(self) -> list[Pair]:
+        """The confirmed pairs."""
+        pairs: list[Pair] = []
+        confirm = hamming_confirm(self.hamming, self.prints.__getitem__)
+        if self.prints:
+            keys = block_keys(np.array(self.prints, dtype=np.uint64), self.hamming)
+            positions = np.arange(len(self.ids), dtype=np.uint64)
+            self.pairs_checked = sum(confirm_band(keys[:, b], positions, confirm, pairs)
+                                     for b in range(keys.shape[1]))
+        return pairs
 
     def ledger(self) -> list[dict[str, Any]]:
-        uf, links = self.run()
-        return ledger_rows(self.ids, uf, links, lambda r, i: 1 - self.distance(r, i) / 64)
+        uf, links = cluster_links(self.run())
+        rows = ledger_rows(uf, links, lambda r, i: 1 - self.distance(r, i) / 64)
+        return name_rows(rows, self.ids.__getitem__)
 
     def duplicates(self) -> dict[str, tuple[str, float]]:
         return {row["member"]: (row["survivor"], row["similarity"]) for row in self.ledger()}

@@ -1,0 +1,233 @@
+"""Data to shards at N and 4N documents: peak memory, manifest size, time and dedup quality; 1 vs 2 workers.
+
+A synthetic English-like JSONL corpus (5,000 documents a file, 150-400 words each, sentences that pass
+every default gate) with planted duplicates, each placed after its original in canonical order:
+- near copies (8% of the corpus): words of an earlier document replaced until the word 5-gram
+  Jaccard is about a target drawn from 0.78-0.97 (measured exactly and kept as the truth);
+- chains (1%): C, and A and B each a near copy of C (Jaccard ~0.86) but not of each other (~0.72),
+  in the order A < B < C, so B's only confirmed pair is with the later C; B and C must go;
+- exact copies (1%): the same text with changed spacing.
+Truth: a planted copy must go when its Jaccard to its original is >= 0.8 and both reached dedup (some
+synthetic pages fail language ID); copies below 0.8 are left out of both counts; every other
+document must stay. Recall = planted copies removed / planted copies;
+precision = planted copies removed / documents dedup removed. Recall is also given for Jaccard 0.80-0.92.
+
+`kiln run CONFIG --until pack` runs in a fresh process for N and 4N documents (2 workers), and for N
+with 1 worker. Peak RSS: the run's own ru_maxrss (the driver) and the largest of its waited-for
+children (pool workers of the data and dedup stages, pack's encoders). The tokenizer samples
+`tokenizer.max_docs` = min(20,000, N / 2) documents at both sizes (its memory is bounded by that, by design),
+and pack writes shards of 4,096 samples of 1,025 tokens (pack holds one shard's tokens: N already fills
+several, so both sizes reach that bound).
+
+The quality gates are off (GATES=on turns the defaults on); language ID, the basic gates (length,
+letters, repeated lines), exact and near-duplicate dedup run.
+
+    N=50000 python -m benchmarks data_scale          # N >= 50,000 for the issue's figures; smaller to try it
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+N = int(os.environ.get("N", "50000"))
+FILE_DOCS = max(500, min(5000, N // 10))  # 5,000 documents a file (a task) from N = 50,000 on
+TOKENIZER_DOCS = min(20_000, N // 2)  # the same sample size at N and 4N
+SHARD_SAMPLES = max(64, min(4096, N // 12))  # pack buffers one shard: N's corpus already fills several
+# Quality gates off unless GATES=on: what this measures grows with the corpus (dedup, manifest, pack), and on
+# a 2-core machine shared with other jobs the gates (the largest per-document cost) would stretch 4N past an hour.
+GATES = {} if os.environ.get("GATES") == "on" else {
+    "quality": {k: {"enabled": False} for k in ("gopher_quality", "gopher_repetition", "c4", "fineweb", "noise",
+                                                "residue", "pii")}}
+# The distribution gate's profile is sources x vocabulary in the driver (one source per input file here, so 4x
+# at 4N): DISTRIBUTION=off leaves it out to measure the rest.
+if os.environ.get("DISTRIBUTION") == "off":
+    GATES["distribution"] = {"enabled": False}
+STOP = ["the", "be", "to", "of", "and", "that", "have", "with", "a", "in", "is", "it", "for", "on", "as", "was", "at", "by", "this", "from"]
+SYLLABLES = [c + v for c in "bcdfghklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ea", "ou")]
+
+_CHILD = r"""
+import json, resource, sys, time
+from kiln.cli import main
+t0 = time.perf_counter()
+rc = main(["run", sys.argv[1], "--until", "pack"])
+print(json.dumps({"rc": rc, "wall_s": time.perf_counter() - t0,
+                  "driver_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "worker_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
+"""
+
+
+def vocabulary(rng: np.random.Generator, n: int = 3000) -> np.ndarray:
+    words = set()
+    while len(words) < n:
+        words.add("".join(rng.choice(SYLLABLES, size=rng.integers(1, 4))))
+    return np.array(sorted(words))
+
+
+class Corpus:
+    """The documents as word arrays, rendered into sentences of 8-20 words."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.vocab = vocabulary(self.rng)
+        self.stop = np.array(STOP)
+
+    def words(self, n: int) -> np.ndarray:
+        content = self.vocab[self.rng.integers(0, len(self.vocab), n)]
+        stops = self.stop[self.rng.integers(0, len(self.stop), n)]
+        return np.where(self.rng.random(n) < 0.3, stops, content)
+
+    def render(self, words: np.ndarray) -> str:
+        """Sentences of 8-20 words, four to a paragraph; the cuts depend on the length alone, so a copy with
+        words replaced keeps its original's sentence ends."""
+        out, i, rng = [], 0, np.random.default_rng(len(words))
+        while i < len(words):
+            k = int(rng.integers(8, 21))
+            sentence = " ".join(words[i:i + k].tolist())
+            out.append(sentence[:1].upper() + sentence[1:] + ".")
+            i += k
+        paragraphs = [" ".join(out[j:j + 4]) for j in range(0, len(out), 4)]
+        return "\n\n".join(paragraphs)
+
+    def edit(self, words: np.ndarray, target: float) -> np.ndarray:
+        """Replace about as many words as take the 5-gram Jaccard to `target` (each replacement changes up to
+        five shingles: J = (S - d) / (S + d) for d changed shingles)."""
+        d = len(words) * (1 - target) / (1 + target)
+        k = max(1, round(d / 5))
+        out = words.copy()
+        at = self.rng.choice(len(words), size=k, replace=False)
+        out[at] = self.vocab[self.rng.integers(0, len(self.vocab), k)]
+        return out
+
+
+def build(folder: Path, n: int, seed: int = 0) -> dict:
+    """Write the corpus as JSONL files; returns the truth: {"go": {id: (original, jaccard)}, "unplanned": [...]}."""
+    from kiln.data.dedup.shingles import jaccard, shingle_hashes
+
+    c = Corpus(seed)
+    rng = c.rng
+    n_near, n_chain, n_exact = int(0.08 * n), int(0.01 * n) // 3, int(0.01 * n)
+    n_orig = n - n_near - 3 * n_chain - n_exact
+    docs: list[tuple[float, str, str]] = []  # (canonical position, id, text)
+    originals = []
+    for i in range(n_orig):
+        w = c.words(int(rng.integers(150, 401)))
+        originals.append(w)
+        docs.append((float(i), f"d{i}", c.render(w)))
+    go, unplanned = {}, []
+
+    def sim(a: str, b: str) -> float:
+        return jaccard(shingle_hashes(a), shingle_hashes(b))
+
+    for k in range(n_near):
+        o = int(rng.integers(0, n_orig))
+        text = c.render(c.edit(originals[o], float(rng.uniform(0.78, 0.97))))
+        j = sim(docs[o][2], text)
+        (go.__setitem__(f"near{k}", (f"d{o}", j)) if j >= 0.8 else unplanned.append(f"near{k}"))
+        docs.append((float(rng.uniform(o + 1, n_orig)), f"near{k}", text))
+    for k in range(n_chain):
+        base = c.words(int(rng.integers(200, 401)))
+        a, b, cc = (c.render(c.edit(base, 0.86)), c.render(c.edit(base, 0.86)), c.render(base))
+        at = np.sort(rng.uniform(0, n_orig, 3))
+        docs += [(float(at[0]), f"chainA{k}", a), (float(at[1]), f"chainB{k}", b), (float(at[2]), f"chainC{k}", cc)]
+        if sim(a, cc) >= 0.8 and sim(b, cc) >= 0.8:
+            go[f"chainB{k}"], go[f"chainC{k}"] = (f"chainA{k}", sim(a, b)), (f"chainA{k}", sim(a, cc))
+        else:
+            unplanned += [f"chainB{k}", f"chainC{k}"]
+    for k in range(n_exact):
+        o = int(rng.integers(0, n_orig))
+        docs.append((float(rng.uniform(o + 1, n_orig)), f"exact{k}", docs[o][2].replace(" ", "  ", 5)))
+        go[f"exact{k}"] = (f"d{o}", 1.0)
+    docs.sort(key=lambda d: d[0])
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in range(0, len(docs), FILE_DOCS):
+        with open(folder / f"part-{f // FILE_DOCS:05d}.jsonl", "w") as out:
+            for _, doc_id, text in docs[f:f + FILE_DOCS]:
+                out.write(json.dumps({"id": doc_id, "text": text, "url": f"https://bench.example/{doc_id}"}) + "\n")
+    return {"go": go, "unplanned": unplanned}
+
+
+def run(corpus: Path, out: Path, workers: int) -> dict:
+    config = out.parent / f"{out.name}.yaml"
+    config.write_text(json.dumps({  # JSON is YAML
+        "out_dir": str(out), "seed": 1,
+        "data": {"inputs": [str(corpus / "*.jsonl")], "workers": workers, **GATES},
+        "tokenizer": {"vocab_size": 4096, "max_docs": TOKENIZER_DOCS},
+        "pack": {"seq_len": 1024, "samples_per_shard": SHARD_SAMPLES, "workers": workers}}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(config)], capture_output=True, text=True, env=env, check=False,
+                          cwd=ROOT)
+    if done.returncode:
+        raise RuntimeError(f"kiln run failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    stats = json.loads((out / "docs" / "stats.json").read_text())
+    result["manifest_bytes"] = (out / "shards" / "manifest.json").stat().st_size
+    result["data_s"] = sum(stats["timings_s"][k] for k in ("process", "dedup_stages", "profiles", "merge"))
+    result["stats"] = stats
+    return result
+
+
+def score(out: Path, truth: dict) -> dict:
+    from kiln.data.pipeline import read_part
+
+    removed, filtered = set(), set()  # by dedup; by an earlier stage (language ID, gates)
+    for part in sorted((out / "docs" / "rejects").glob("part-*.jsonl.zst")):
+        for r in read_part(part):
+            (removed if r["stage"] == "dedup" else filtered).add(r["id"])
+
+    def reached_dedup(k: str, original: str) -> bool:  # a chain needs all three of its documents
+        chain = [f"chain{x}{k[6:]}" for x in "ABC"] if k.startswith("chain") else [k, original]
+        return not filtered.intersection(chain)
+
+    go = {k: v for k, v in truth["go"].items() if reached_dedup(k, v[0])}
+    unplanned = set(truth["unplanned"]) | (truth["go"].keys() - go.keys())
+    hit = removed & go.keys()
+    judged = removed - unplanned
+    band = {k for k, (_, j) in go.items() if 0.8 <= j <= 0.92}
+    return {"recall": len(hit) / len(go), "precision": len(hit) / max(len(judged), 1),
+            "recall_0.80_0.92": len(hit & band) / max(len(band), 1), "planted": len(go), "removed": len(removed)}
+
+
+def main() -> None:
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-scale-") as tmp:
+        tmp = Path(tmp)
+        for label, n, workers in (("N", N, 2), ("4N", 4 * N, 2), ("N, 1 worker", N, 1)):
+            corpus = tmp / f"corpus-{n}"
+            t0 = time.perf_counter()
+            truth = build(corpus, n) if not corpus.exists() else json.loads((tmp / f"truth-{n}.json").read_text())
+            (tmp / f"truth-{n}.json").write_text(json.dumps(truth))
+            built = time.perf_counter() - t0
+            out = tmp / f"out-{n}-{workers}"
+            r = run(corpus, out, workers) | score(out, truth)
+            rows[label] = r
+            t = r["stats"]["timings_s"]
+            print(f"{label:>12}: {n:,} docs, {workers} worker(s): {r['wall_s']:.1f} s (data {t['process']:.1f} + dedup "
+                  f"stages {t['dedup_stages']:.1f} + profiles {t['profiles']:.1f} + merge {t['merge']:.1f}, then "
+                  f"tokenizer and pack {r['wall_s'] - r['data_s']:.1f}), "
+                  f"driver {r['driver_rss_mb']:.0f} MB, workers {r['worker_rss_mb']:.0f} MB, manifest "
+                  f"{r['manifest_bytes']:,} B, recall {r['recall']:.4f} (0.80-0.92: {r['recall_0.80_0.92']:.4f}), "
+                  f"precision {r['precision']:.4f} [{r['planted']} planted, {r['removed']} removed; corpus built in "
+                  f"{built:.0f} s]", flush=True)
+            import shutil
+
+            shutil.rmtree(out, ignore_errors=True)
+    one, four, single = rows["N"], rows["4N"], rows["N, 1 worker"]
+    rss = max(four["driver_rss_mb"], four["worker_rss_mb"]) / max(one["driver_rss_mb"], one["worker_rss_mb"])
+    ratio = {k: four[k] / one[k] for k in ("driver_rss_mb", "worker_rss_mb", "manifest_bytes", "wall_s")}
+    print(f"4N / N: largest process RSS {rss:.2f}x (target <= 1.25), driver {ratio['driver_rss_mb']:.2f}x, "
+          f"workers {ratio['worker_rss_mb']:.2f}x; manifest {ratio['manifest_bytes']:.2f}x (<= 1.25); "
+          f"time {ratio['wall_s']:.2f}x (<= 4.6)")
+    print(f"1 -> 2 workers at N: {single['wall_s'] / one['wall_s']:.2f}x speed-up end to end (target >= 1.7)")
+
+
+if __name__ == "__main__":
+    main()

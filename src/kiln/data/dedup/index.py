@@ -1,0 +1,134 @@
+"""`data.dedup.index`: the signatures of earlier runs, so the next run (the next dump) is deduplicated
+against them without reading or hashing them again (FineWeb-2 deduplicates across dumps this way).
+
+Layout of the folder (Kiln's own: `index.json` says so, and nothing else in it is touched):
+
+    index.json          {"kind": "kiln-dedup-index", "settings": {...}, "runs": [{"name", "key", "docs",
+                         "documents", "parts": [{"name", "count"}]}]}, in the order the runs were added
+    run-NNNNN/          one finished run: per task of that run, the stage files (`stages.KINDS`, `ids.json`)
+                        of the documents it kept (dedup survivors), and a manifest.json
+
+A run uses the runs listed before its own entry (all of them the first time), in that order, as
+documents that come before its own: they always survive, and a document of this run that is a copy of
+one of them is removed naming it (`duplicate_of`, and `duplicate_in`: the run's name). Then, before its
+docs folder is committed, the run adds itself (its key is the data fingerprint without the index, so a
+re-run finds its entry and neither adds it twice nor deduplicates against itself). The signature
+settings (method, bands, rows, seed, ngram, tokens, hamming) must be those the index was built with.
+Memory: one task's files at a time. One writer at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln.config import DedupConfig
+from kiln.errors import ConfigError, IntegrityError
+from kiln.manifest import staging_dir, write_atomic, write_manifest
+
+INDEX = "index.json"
+SIGNATURE_KEYS = ("method", "bands", "rows", "seed", "ngram", "tokens", "hamming")
+
+
+def _settings(cfg: DedupConfig) -> dict[str, Any]:
+    return {k: getattr(cfg, k) for k in SIGNATURE_KEYS}
+
+
+def read_index(cfg: DedupConfig) -> dict[str, Any] | None:
+    """index.json of data.dedup.index, checked against this run's settings; None when the folder is new."""
+    if not cfg.index:
+        return None
+    folder = Path(cfg.index)
+    path = folder / INDEX
+    if not path.exists():
+        if folder.exists() and any(folder.iterdir()):
+            raise ConfigError(f"data.dedup.index: {folder} is not empty and has no {INDEX}; it is not a Kiln dedup "
+                              "index: give an empty or new folder")
+        return None
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise IntegrityError(f"{path}: unreadable ({exc}); restore it or start a new index folder") from None
+    if index.get("kind") != "kiln-dedup-index":
+        raise ConfigError(f"data.dedup.index: {path} is not a Kiln dedup index")
+    if index["settings"] != _settings(cfg):
+        raise ConfigError(f"data.dedup.index: {folder} was built with data.dedup {index['settings']}, this run has "
+                          f"{_settings(cfg)}: use the same settings or another index folder")
+    return index
+
+
+def runs_before(cfg: DedupConfig, key: str) -> list[dict[str, Any]]:
+    """The index's runs this run deduplicates against: those added before its own entry (all, if it has none)."""
+    index = read_index(cfg)
+    if index is None:
+        return []
+    runs = index["runs"]
+    own = next((k for k, run in enumerate(runs) if run["key"] == key), len(runs))
+    return runs[:own]
+
+
+def index_parts(cfg: DedupConfig, key: str) -> list:
+    from kiln.data.dedup.stages import Part
+
+    folder = Path(cfg.index) if cfg.index else None
+    return [Part(str(folder / run["name"]), p["name"], p["count"], run["name"])
+            for run in runs_before(cfg, key) for p in run["parts"]]
+
+
+def add_run(cfg: DedupConfig, key: str, docs: str, layout, removed: np.ndarray) -> None:
+    """Add this run's surviving documents to the index (nothing when it is there already)."""
+    index = read_index(cfg) or {"kind": "kiln-dedup-index", "settings": _settings(cfg), "runs": []}
+    if any(run["key"] == key for run in index["runs"]):
+        return
+    folder = Path(cfg.index)
+    name = f"run-{len(index['runs']):05d}"
+    parts = []
+    with staging_dir(folder / name) as tmp:
+        for k, part in enumerate(layout.parts):
+            if part.run is not None:
+                continue
+            start = int(layout.starts[k])
+            keep = ~np.isin(np.arange(start, start + part.count, dtype=np.uint64), removed)
+            for kind, data in _kept_files(layout, k, keep).items():
+                write_atomic(tmp / f"{part.name}.{kind}", data)
+            parts.append({"name": part.name, "count": int(keep.sum())})
+        write_manifest(tmp, stage="dedup-index", key=key, docs=docs)
+    index["runs"].append({"name": name, "key": key, "docs": docs, "documents": sum(p["count"] for p in parts),
+                          "parts": parts})
+    write_atomic(folder / INDEX, json.dumps(index, indent=1))
+
+
+def _kept_files(layout, k: int, keep: np.ndarray) -> dict[str, bytes]:
+    """One task's stage files restricted to the documents in `keep` (local indices renumbered)."""
+    from kiln.data.dedup.stages import npy_bytes
+
+    renumber = np.cumsum(keep) - 1
+    out = {"ids.json": json.dumps([i for i, k in zip(layout.array(k, "ids.json"), keep) if k],
+                                  ensure_ascii=False).encode()}
+    exact = np.asarray(layout.array(k, "exact.npy"))
+    cols = keep[exact[2].astype(np.int64)]
+    exact = exact[:, cols]
+    exact[2] = renumber[exact[2].astype(np.int64)]
+    out["exact.npy"] = npy_bytes(exact)
+    if layout.cfg.method == "none":
+        return out
+    bands = np.asarray(layout.array(k, "bands.npy"))
+    kept_bands = np.empty((bands.shape[0], 2, int(keep.sum())), dtype=np.uint64)
+    for b in range(bands.shape[0]):
+        cols = keep[bands[b, 1].astype(np.int64)]
+        kept_bands[b, 0] = bands[b, 0, cols]
+        kept_bands[b, 1] = renumber[bands[b, 1, cols].astype(np.int64)]
+    out["bands.npy"] = npy_bytes(kept_bands)
+    if layout.cfg.method == "simhash":
+        out["prints.npy"] = npy_bytes(np.asarray(layout.array(k, "prints.npy"))[keep])
+        return out
+    spans = np.asarray(layout.array(k, "spans.npy"))
+    shingles = layout.array(k, "shingles.npy")
+    pieces = [np.asarray(shingles[spans[i]:spans[i + 1]]) for i in np.flatnonzero(keep)]
+    sizes = np.array([len(p) for p in pieces], dtype=np.int64)
+    out["shingles.npy"] = npy_bytes(np.concatenate(pieces) if pieces else np.empty(0, np.uint64))
+    out["spans.npy"] = npy_bytes(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+    return out

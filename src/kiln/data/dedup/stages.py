@@ -1,0 +1,364 @@
+"""Dedup as partitioned stages on the workers: each step's memory is bounded by a constant or by the
+duplicates, never by the corpus.
+
+1. Signatures, inside each data task (`Signer`): for every kept document, in task order, the exact key
+   (xxh3-128 of the normalised text) and, for near-duplicate dedup, one key per band (MinHash: a hash of
+   the band's rows; SimHash: a block of the fingerprint) and what confirmation needs. Written beside the
+   task's outcome (`task-NNNNN.<kind>.npy`, see `KINDS`), each array sorted so a key range is one slice:
+   `exact` 3 x n uint64 (key high, key low, local index), sorted by key; `bands` bands x 2 x n uint64
+   (per band: the sorted keys, their local indices); `shingles` + `spans` (MinHash: the shingle sets and
+   where each starts) or `prints` (SimHash); `ids.json`. Memory: one task's documents.
+2. Exact dedup (`exact_partition`): the 2^64 key space is cut into R equal ranges, R = kept documents /
+   `data.dedup.bucket_docs` rounded up. A range is a task: it takes that range's slice of every task's
+   sorted run (binary search in the memory-mapped file), merges them and emits (duplicate, first) for
+   every key seen more than once. Memory: one range, about bucket_docs keys.
+3. Buckets (`band_partition`): one task per (band, range), the same way. Documents agreeing on a band
+   key form a bucket; its candidate pairs are confirmed (exact Jaccard of the shingle sets, or the
+   Hamming distance) with a union-find of the task's own, and the confirmed pairs are emitted. Exact
+   duplicates are left out. Memory: one range of one band and its confirmed pairs.
+4. Clusters (`verdicts`, in the driver): union-find over the confirmed pairs only; the survivor is the
+   cluster's earliest document; links and similarities for the ledger. Memory: the duplicates.
+
+Documents are numbered by their place among the kept documents of all tasks in canonical order
+(`Layout`): documents of a `data.dedup.index` come first (so they always survive and are never
+re-emitted), then this run's. Every result is therefore the same for any number of workers and on
+either engine. The driver writes each stage task's result into the work folder, so a re-run redoes only
+what is missing. Stage tasks read the work folder (and the index): on a Ray cluster of several machines
+both must be on storage every node mounts.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln.config import DedupConfig
+from kiln.data.dedup.clusters import (
+    Pair,
+    cluster_links,
+    confirm_band,
+    ledger_rows,
+    name_rows,
+)
+from kiln.data.dedup.exact import text_key
+from kiln.data.dedup.minhash import MinHasher
+from kiln.data.dedup.shingles import jaccard, shingle_hashes
+from kiln.data.dedup.simhash import block_keys, hamming_confirm, simhash
+
+KINDS = ("exact", "bands", "shingles", "spans", "prints")
+PAIR = np.dtype([("j", "<u8"), ("i", "<u8"), ("sim", "<f8")])
+STAGE_DIR = "dedup"  # in the work folder: layout.json, exact-RRRRR.npy, band-BBB-RRRRR.npy
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
+    return buf.getvalue()
+
+
+def band_count(cfg: DedupConfig) -> int:
+    return {"minhash": cfg.bands, "simhash": cfg.hamming + 1}.get(cfg.method, 0)
+
+
+class Signer:
+    """Collects one task's kept documents and returns the files `KINDS` describes (memory: that task)."""
+
+    def __init__(self, cfg: DedupConfig) -> None:
+        self.cfg = cfg
+        self.hasher = MinHasher(cfg.bands, cfg.rows, cfg.seed) if cfg.method == "minhash" else None
+        self.ids: list[str] = []
+        self.keys: list[bytes] = []
+        self.near: list[Any] = []  # MinHash signatures or SimHash fingerprints
+        self.shingles: list[np.ndarray] = []
+
+    def add(self, doc_id: str, text: str) -> None:
+        self.ids.append(doc_id)
+        self.keys.append(text_key(text))
+        if self.cfg.method == "none":
+            return
+        shingles = shingle_hashes(text, self.cfg.ngram, self.cfg.tokens)
+        if self.hasher is not None:
+            self.near.append(self.hasher.signature(shingles))
+            self.shingles.append(shingles)
+        else:
+            self.near.append(simhash(shingles))
+
+    def files(self) -> dict[str, bytes]:
+        n = len(self.ids)
+        local = np.arange(n, dtype=np.uint64)
+        key = np.frombuffer(b"".join(self.keys), dtype=">u8").reshape(n, 2).astype(np.uint64)
+        order = np.lexsort((local, key[:, 1], key[:, 0]))
+        out = {"exact.npy": npy_bytes(np.stack([key[order, 0], key[order, 1], local[order]])),
+               "ids.json": json.dumps(self.ids, ensure_ascii=False).encode()}
+        if self.cfg.method == "none":
+            return out
+        if self.hasher is not None:
+            sigs = np.stack(self.near) if n else np.empty((0, self.cfg.bands * self.cfg.rows), dtype=np.uint32)
+            keys = self.hasher.band_keys(sigs)
+            sizes = np.array([len(s) for s in self.shingles], dtype=np.int64)
+            out["shingles.npy"] = npy_bytes(np.concatenate(self.shingles) if n else np.empty(0, np.uint64))
+            out["spans.npy"] = npy_bytes(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+        else:
+            prints = np.array(self.near, dtype=np.uint64)
+            keys = block_keys(prints, self.cfg.hamming)
+            out["prints.npy"] = npy_bytes(prints)
+        bands = np.empty((keys.shape[1], 2, n), dtype=np.uint64)
+        for b in range(keys.shape[1]):
+            order = np.argsort(keys[:, b], kind="stable")
+            bands[b, 0], bands[b, 1] = keys[order, b], order
+        out["bands.npy"] = npy_bytes(bands)
+        return out
+
+
+# --- where every document's signatures are ------------------------------------------------------
+
+@dataclass(frozen=True)
+class Part:
+    folder: str  # a work folder, or a run folder inside data.dedup.index
+    name: str  # task-NNNNN
+    count: int  # kept documents (before dedup)
+    run: str | None = None  # the index run it belongs to; None: this run
+
+
+class Layout:
+    """The parts in canonical order and each one's first document number; random access to a document's
+    shingles, fingerprint and id (files memory-mapped, a bounded number held open at a time)."""
+
+    OPEN = 256  # files held open (memory maps, each an open file): least recently used closed first
+
+    def __init__(self, parts: list[Part], cfg: DedupConfig, work: Path) -> None:
+        self.parts, self.cfg, self.work = parts, cfg, Path(work)
+        self.starts = np.concatenate([[0], np.cumsum([p.count for p in parts], dtype=np.int64)]).astype(np.int64)
+        first_own = next((k for k, p in enumerate(parts) if p.run is None), len(parts))
+        self.indexed = int(self.starts[first_own])  # documents before this run's: the index's
+        self._open: OrderedDict[tuple[int, str], Any] = OrderedDict()
+
+    @property
+    def total(self) -> int:
+        return int(self.starts[-1])
+
+    def save(self) -> None:
+        folder = self.work / STAGE_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        from kiln.manifest import write_atomic
+
+        write_atomic(folder / "layout.json", json.dumps({"cfg": self.cfg.model_dump(mode="json"),
+                                                         "parts": [p.__dict__ for p in self.parts]}))
+
+    @classmethod
+    def load(cls, work: str | Path) -> Layout:
+        data = json.loads((Path(work) / STAGE_DIR / "layout.json").read_text())
+        return cls([Part(**p) for p in data["parts"]], DedupConfig(**data["cfg"]), Path(work))
+
+    def array(self, k: int, kind: str) -> Any:
+        key = (k, kind)
+        if key in self._open:
+            self._open.move_to_end(key)
+        else:
+            if len(self._open) >= self.OPEN:
+                self._open.popitem(last=False)
+            part = self.parts[k]
+            path = Path(part.folder) / f"{part.name}.{kind}"
+            self._open[key] = json.loads(path.read_text()) if kind.endswith(".json") else np.load(path, mmap_mode="r")
+        return self._open[key]
+
+    def locate(self, q: int) -> tuple[int, int]:
+        k = int(np.searchsorted(self.starts, q, side="right") - 1)
+        return k, q - int(self.starts[k])
+
+    def shingles(self, q: int) -> np.ndarray:
+        k, local = self.locate(q)
+        spans = self.array(k, "spans.npy")
+        return self.array(k, "shingles.npy")[int(spans[local]):int(spans[local + 1])]
+
+    def fingerprint(self, q: int) -> int:
+        k, local = self.locate(q)
+        return int(self.array(k, "prints.npy")[local])
+
+    def doc_id(self, q: int) -> str:
+        k, local = self.locate(q)
+        return self.array(k, "ids.json")[local]
+
+    def run_of(self, q: int) -> str | None:
+        return self.parts[self.locate(q)[0]].run
+
+    def key_slices(self, kind: str, row: int | None, r: int, ranges: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(keys, document numbers) of key range r of `ranges` from every part's sorted run of `kind`."""
+        lo = np.uint64((r << 64) // ranges)
+        hi = None if r == ranges - 1 else np.uint64(((r + 1) << 64) // ranges)
+        for k in range(len(self.parts)):
+            arr = self.array(k, f"{kind}.npy")
+            arr = arr if row is None else arr[row]
+            keys = arr[0]
+            a = int(np.searchsorted(keys, lo, side="left"))
+            b = len(keys) if hi is None else int(np.searchsorted(keys, hi, side="left"))
+            yield arr[:, a:b], np.asarray(arr[-1, a:b], dtype=np.uint64) + np.uint64(self.starts[k])
+
+    def confirm(self) -> tuple[Callable[[int, int], float | None], Callable[[int, int], float]]:
+        """(confirm a candidate pair: its similarity or None, the similarity of any pair)."""
+        if self.cfg.method == "simhash":
+            confirm = hamming_confirm(self.cfg.hamming, self.fingerprint)
+            return confirm, lambda j, i: 1 - (self.fingerprint(j) ^ self.fingerprint(i)).bit_count() / 64
+
+        def similarity(j: int, i: int) -> float:
+            return jaccard(self.shingles(j), self.shingles(i))
+
+        threshold = self.cfg.threshold
+        return (lambda j, i: s if (s := similarity(j, i)) >= threshold else None), similarity
+
+    def ranges(self) -> int:
+        return max(1, math.ceil(self.total / self.cfg.bucket_docs))
+
+    def exact_removed(self) -> np.ndarray:
+        """(2, m): exact duplicates and their first copy, sorted by the duplicate."""
+        found = [np.load(p) for p in sorted((self.work / STAGE_DIR).glob("exact-*.npy"))]
+        both = np.concatenate(found, axis=1) if found else np.empty((2, 0), dtype=np.uint64)
+        return both[:, np.argsort(both[0], kind="stable")]
+
+
+# --- the stage tasks (pure: they read the work folder, the driver writes what they return) --------
+
+def exact_partition(job: tuple[str, int, int]) -> tuple[str, bytes]:
+    """Exact duplicates in key range r: (duplicate, first) document numbers, as `exact-RRRRR.npy`."""
+    work, r, ranges = job
+    layout = Layout.load(work)
+    pieces = list(layout.key_slices("exact", None, r, ranges))
+    hi = np.concatenate([p[0][0] for p in pieces]) if pieces else np.empty(0, np.uint64)
+    lo = np.concatenate([p[0][1] for p in pieces]) if pieces else np.empty(0, np.uint64)
+    q = np.concatenate([p[1] for p in pieces]) if pieces else np.empty(0, np.uint64)
+    order = np.lexsort((q, lo, hi))
+    hi, lo, q = hi[order], lo[order], q[order]
+    new_group = np.ones(len(q), dtype=bool)
+    new_group[1:] = (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])
+    first = q[np.flatnonzero(new_group)][np.cumsum(new_group) - 1]
+    dup = ~new_group & (q >= np.uint64(layout.indexed))  # an index's documents are never removed
+    return f"exact-{r:05d}.npy", npy_bytes(np.stack([q[dup], first[dup]]))
+
+
+def band_partition(job: tuple[str, int, int, int]) -> tuple[str, bytes]:
+    """Confirmed near-duplicate pairs of band `band`, key range r, as `band-BBB-RRRRR.npy`."""
+    work, band, r, ranges = job
+    layout = Layout.load(work)
+    pieces = list(layout.key_slices("bands", band, r, ranges))
+    keys = np.concatenate([p[0][0] for p in pieces]) if pieces else np.empty(0, np.uint64)
+    q = np.concatenate([p[1] for p in pieces]) if pieces else np.empty(0, np.uint64)
+    removed = layout.exact_removed()[0]
+    keep = ~np.isin(q, removed)
+    confirm, _ = layout.confirm()
+    indexed = layout.indexed
+
+    def confirm_new(j: int, i: int) -> float | None:  # two documents of the index were compared by its own run
+        return None if i < indexed else confirm(j, i)
+
+    pairs: list[Pair] = []
+    confirm_band(keys[keep], q[keep], confirm_new, pairs)
+    return f"band-{band:03d}-{r:05d}.npy", npy_bytes(np.array(pairs, dtype=PAIR))
+
+
+def stage_jobs(layout: Layout) -> tuple[list[tuple], list[tuple]]:
+    """(exact jobs, band jobs) for this layout; the band jobs need the exact results first."""
+    work, ranges = str(layout.work), layout.ranges()
+    exact = [(work, r, ranges) for r in range(ranges)]
+    bands = [(work, b, r, ranges) for b in range(band_count(layout.cfg)) for r in range(ranges)]
+    return exact, bands
+
+
+def missing(layout: Layout, jobs: list[tuple]) -> list[tuple]:
+    """Jobs whose result is not in the work folder yet (results are written atomically: present = complete)."""
+    folder = layout.work / STAGE_DIR
+    out = []
+    for job in jobs:
+        name = f"exact-{job[1]:05d}.npy" if len(job) == 3 else f"band-{job[1]:03d}-{job[2]:05d}.npy"
+        if not (folder / name).exists():
+            out.append(job)
+    return out
+
+
+# --- the verdicts ---------------------------------------------------------------------------------
+
+@dataclass
+class Verdicts:
+    """Who goes, by document number: exact duplicates and near-duplicate ledger rows (memory: the duplicates)."""
+    exact: dict[int, dict[str, Any]]  # q -> {"duplicate_of": id, ...}
+    near: dict[int, dict[str, Any]]  # q -> ledger row (ids, position among this run's exact survivors)
+    ledger: list[dict[str, Any]]  # this run's rows, in member order
+    pairs_confirmed: int = 0
+    seconds: float = 0.0
+    tasks: int = 0
+
+    def removed(self) -> np.ndarray:
+        """Every removed document's number, sorted."""
+        return np.array(sorted(self.exact.keys() | self.near.keys()), dtype=np.uint64)
+
+    def stats(self) -> dict[str, Any]:
+        sizes = Counter(Counter(row["cluster"] for row in self.ledger).values())
+        return {"exact_removed": len(self.exact), "near_removed": len(self.near),
+                "pairs_confirmed": self.pairs_confirmed,
+                "cluster_sizes": {str(k + 1): v for k, v in sorted(sizes.items())},
+                "removed_against_index": sum("duplicate_in" in v for v in self.exact.values())
+                + sum("survivor_run" in v for v in self.near.values())}
+
+
+def verdicts(layout: Layout) -> Verdicts:
+    folder = layout.work / STAGE_DIR
+    removed = layout.exact_removed()
+
+    def named(q: int) -> dict[str, Any]:
+        run = layout.run_of(q)
+        return {"duplicate_of": layout.doc_id(q), **({"duplicate_in": run} if run else {})}
+
+    exact = {int(d): named(int(s)) for d, s in zip(removed[0].tolist(), removed[1].tolist())}
+    pairs: list[Pair] = []
+    for path in sorted(folder.glob("band-*.npy")):
+        pairs += [(int(p["j"]), int(p["i"]), float(p["sim"])) for p in np.load(path)]
+    uf, links = cluster_links(pairs)
+    _, similarity = layout.confirm()
+    rows = ledger_rows(uf, links, similarity)
+    dropped_before = removed[0]
+    ledger, near = [], {}
+    for row, out in zip(rows, name_rows(rows, layout.doc_id)):
+        q = row["member"]
+        out["position"] = q - layout.indexed - int(np.searchsorted(dropped_before, q))
+        if (run := layout.run_of(row["survivor"])) is not None:
+            out["survivor_run"] = run
+        ledger.append(out)
+        near[q] = out
+    return Verdicts(exact, near, ledger, len({(j, i) for j, i, _ in pairs}))
+
+
+# --- the driver -----------------------------------------------------------------------------------
+
+def dedup_layout(work: Path, summaries: list[dict[str, Any]], cfg: DedupConfig, key: str = "") -> Layout:
+    """The layout of this run's tasks (after those of data.dedup.index, for the run whose index key is
+    `key`), saved in the work folder."""
+    from kiln.data.dedup.index import index_parts
+
+    own = [Part(str(work), f"task-{s['index']:05d}", int(s["kept"])) for s in summaries]
+    layout = Layout(index_parts(cfg, key) + own, cfg, work)
+    layout.save()
+    return layout
+
+
+def run_stages(layout: Layout, workers: int, executor: str = "local", ray_address: str | None = None) -> Verdicts:
+    """The exact stage, then the band stage, on the engine; results the driver has written are not redone."""
+    from kiln.data.executor import run_tasks
+    from kiln.manifest import write_atomic
+
+    t0 = time.perf_counter()
+    folder = layout.work / STAGE_DIR
+    exact, bands = stage_jobs(layout)
+    for fn, jobs in ((exact_partition, exact), (band_partition, bands)):
+        for name, blob in run_tasks(fn, missing(layout, jobs), workers, executor, ray_address):
+            write_atomic(folder / name, blob)
+    out = verdicts(layout)
+    out.seconds, out.tasks = time.perf_counter() - t0, len(exact) + len(bands)
+    return out
