@@ -4,6 +4,9 @@
 basic (length, letters, duplicate lines), gopher, c4, fineweb, noise, residue, blocklist, pii;
 `distribution` is the corpus-wide source check that runs after the merge.
 
+Gates read a `TextView` (kiln.data.gates.text): the text split once into lines, tokens, words and
+paragraphs, shared by every gate until an edit changes the text; a gate also accepts a plain string.
+
 Edits (line removal, truncation, redaction) change the text; what they counted is kept in
 `doc.edits` and, when a later gate drops the document, in its signals under "edits".
 """
@@ -22,6 +25,7 @@ from kiln.data.gates.gopher import gopher_quality, gopher_repetition
 from kiln.data.gates.noise import token_noise
 from kiln.data.gates.pii import redact_pii
 from kiln.data.gates.residue import format_residue
+from kiln.data.gates.text import TextView
 from kiln.data.gates.types import Edit, Gate, Verdict
 
 __all__ = ["Edit", "Gate", "Verdict", "SourceProfiles", "apply_gates", "default_gates", "low_letters",
@@ -47,13 +51,16 @@ def default_gates(cfg) -> list[Gate]:
 
 
 def apply_gates(docs: Iterator[Document], gates: list[Gate]) -> Iterator[Document]:
+    """Each gate reads one shared TextView of the document (split once); an edit makes a new view."""
     for doc in docs:
         if doc.rejection is None:
             edits = doc.edits
+            view = TextView(doc.text or "", doc.lang)
             for gate in gates:
-                result = gate(doc.url if getattr(gate, "reads_url", False) else doc.text or "")
+                result = gate(doc.url if getattr(gate, "reads_url", False) else view)
                 if isinstance(result, Edit):
                     doc.text = result.text
+                    view = TextView(doc.text, doc.lang)
                     for k, v in result.counts.items():
                         edits[k] = edits.get(k, 0) + v
                 elif result is not None:

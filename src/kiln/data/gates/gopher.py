@@ -2,14 +2,17 @@
 
 Thresholds are the published ones (config: data.quality.gopher_quality / gopher_repetition).
 Choices where the paper is English-only:
-- stop words: Gopher asks for 2 of {the, be, to, of, and, that, have, with}; Kiln accepts the
-  same handful of function words in the other languages of the corpus too (de, fr, es, it, pt),
-  so the rule keeps meaning "this is prose" outside English;
+- stop words: Gopher asks for 2 of {the, be, to, of, and, that, have, with}; Kiln has the same
+  handful of function words for de, fr, es, it, pt, nl, ru and pl, and asks for them in the
+  document's language (all of them when the language is not known); a language without a list
+  (Korean, whose particles are glued to the words) skips the rule rather than fail every page;
 - text without spaces (ja, zh): a "word" is one Han/kana character. Mean word length is taken
   over the other words only, and with the stop-word rule skipped when such characters dominate;
   the repetition rules use character n-grams with n times `cjk_ngram_scale` (a Chinese word is
   ~1.5 characters, a Japanese one ~2: with n unscaled, 13 of the 15 Japanese Debian Reference
   pages fail the 5-gram rule, with n doubled none does).
+- code: the repetition rules read the prose (`TextView.prose_lines`, `prose_words`), not the code lines of
+  a documentation page, which repeat by nature (see kiln.data.gates.text).
 """
 
 from __future__ import annotations
@@ -19,40 +22,49 @@ import re
 
 import numpy as np
 
-from kiln.data.gates.text import is_cjk, lines, paragraphs, ratio, spaceless, words
+from kiln.data.gates.text import _CJK, TextView, as_view, ratio
 from kiln.data.gates.types import Gate, Verdict, drop
 
-STOP_WORDS = frozenset(
-    "the be to of and that have with "      # Gopher's English list
-    "der die das und ist zu nicht mit "     # de
-    "le la les et est des une pour "        # fr
-    "el los las y que del por con "         # es
-    "il di che è per una con non "          # it
-    "o os as e que do da para".split()      # pt
-)
-_LETTER = re.compile(r"[^\W\d_]")
+STOP_WORDS_BY_LANG = {lang: frozenset(ws.split()) for lang, ws in {
+    "en": "the be to of and that have with",  # Gopher's list
+    "de": "der die das und ist zu nicht mit",
+    "fr": "le la les et est des une pour",
+    "es": "el los las y que del por con",
+    "it": "il di che è per una con non",
+    "pt": "o os as e que do da para",
+    "nl": "de het een en van is dat op",
+    "ru": "и в не на что с по как",
+    "pl": "i w nie na się z jest to",
+}.items()}
+STOP_WORDS = frozenset().union(*STOP_WORDS_BY_LANG.values())
+_SPACED_WORD = re.compile(f"[^\\s{_CJK}]+")
+# a word (a run between spaces and Han/kana) with no letter: digits, underscores and punctuation only
+_NO_LETTER_WORD = re.compile(f"(?<![^\\s{_CJK}])(?:[^\\w\\s]|[\\d_])+(?![^\\s{_CJK}])")
 BULLETS = ("-", "*", "\u2022", "\u2023", "\u25e6", "\u2043", "\u2219", "\u25aa", "\u25cf")
 
 
 def gopher_quality(cfg) -> Gate:
-    def gate(text: str) -> Verdict:
-        ws = words(text)
-        n = len(ws)
-        ls = lines(text)
+    def gate(text: "str | TextView") -> Verdict:
+        view = as_view(text)
+        text = view.text
+        n = len(view.words)
+        ls = view.lines
         s: dict = {"words": n}
         if n < cfg.min_words:
             return drop("gopher_short_doc", s, min_words=cfg.min_words)
         if n > cfg.max_words:
             return drop("gopher_long_doc", s, max_words=cfg.max_words)
-        cjk = spaceless(text)
-        s["alpha_words_frac"] = ratio(sum(1 for w in ws if _LETTER.search(w)), n)
+        cjk = view.spaceless
+        s["alpha_words_frac"] = ratio(n - len(_NO_LETTER_WORD.findall(text)), n)
         s["bullet_lines_frac"] = ratio(sum(ln.startswith(BULLETS) for ln in ls), len(ls))
         s["ellipsis_lines_frac"] = ratio(sum(ln.endswith(("...", "\u2026")) for ln in ls), len(ls))
         s["symbol_word_ratio"] = ratio(text.count("#") + text.count("...") + text.count("\u2026"), n)
+        stop_words = STOP_WORDS_BY_LANG.get(view.lang) if view.lang else STOP_WORDS
         if not cjk:
-            spaced = [w for w in ws if not is_cjk(w)]
+            spaced = _SPACED_WORD.findall(text)
             s["mean_word_len"] = ratio(sum(map(len, spaced)), len(spaced))
-            s["stop_words"] = sum(w.lower() in STOP_WORDS for w in spaced)
+            if stop_words:
+                s["stop_words"] = sum(map(stop_words.__contains__, _SPACED_WORD.findall(text.lower())))
             if not cfg.min_mean_word_len <= s["mean_word_len"] <= cfg.max_mean_word_len:
                 return drop("gopher_mean_word_len", s, min=cfg.min_mean_word_len, max=cfg.max_mean_word_len)
         if s["symbol_word_ratio"] > cfg.max_symbol_word_ratio:
@@ -63,7 +75,7 @@ def gopher_quality(cfg) -> Gate:
             return drop("gopher_ellipsis_lines", s, max=cfg.max_ellipsis_lines_frac)
         if s["alpha_words_frac"] < cfg.min_alpha_words_frac:
             return drop("gopher_alpha_words", s, min=cfg.min_alpha_words_frac)
-        if not cjk and s["stop_words"] < cfg.min_stop_words:
+        if "stop_words" in s and s["stop_words"] < cfg.min_stop_words:
             return drop("gopher_stop_words", s, min=cfg.min_stop_words)
         return None
     return gate
@@ -154,23 +166,23 @@ def _duplicated_ngram_chars(g: _Grams, n: int) -> int:
 
 
 def gopher_repetition(cfg) -> Gate:
-    def gate(text: str) -> Verdict:
-        total = len(text)
-        paras = paragraphs(text)
-        n_dup_para, para_chars = _duplicates(paras)
+    def gate(text: "str | TextView") -> Verdict:
+        view = as_view(text)
+        total = len(view.text)
+        paras = view.paragraphs
+        n_dup_para, para_chars = _duplicates([p for p, code in paras if not code])
         s: dict = {"dup_para_frac": ratio(n_dup_para, len(paras)), "dup_para_char_frac": ratio(para_chars, total)}
         if s["dup_para_frac"] > cfg.max_dup_para_frac:
             return drop("gopher_dup_paragraphs", s, max=cfg.max_dup_para_frac)
         if s["dup_para_char_frac"] > cfg.max_dup_para_char_frac:
             return drop("gopher_dup_paragraph_chars", s, max=cfg.max_dup_para_char_frac)
-        _, line_chars = _duplicates(lines(text))
+        _, line_chars = _duplicates(view.prose_lines or view.lines)
         s["dup_line_char_frac"] = ratio(line_chars, total)
         if s["dup_line_char_frac"] > cfg.max_dup_line_char_frac:
             return drop("gopher_dup_line_chars", s, max=cfg.max_dup_line_char_frac)
-        ws = words(text)
-        grams = _Grams(ws)
+        grams = _Grams(view.prose_words or view.words)
         word_chars = int(grams.cum[-1])
-        scale = cfg.cjk_ngram_scale if spaceless(text) else 1
+        scale = cfg.cjk_ngram_scale if view.spaceless else 1
         for n, limit in sorted(cfg.top_ngram_max_char_frac.items()):
             frac = s[f"top_{n}_gram_char_frac"] = ratio(_top_ngram_chars(grams, n * scale), word_chars)
             if frac > limit:

@@ -2,8 +2,15 @@
 
 SEEDS scores tokens by corpus TF and IDF (noise: TF < 1e-4 and IDF > 12.5). A worker sees one
 document at a time, so Kiln recognises the tokens that score that way by their shape instead:
-HTML entities and tags, mojibake (UTF-8 read as Latin-1, U+FFFD), and long tokens without
-spaces that are not URLs or paths (base64 blobs, hex dumps, glued-together link text).
+- HTML entities and tags, mojibake (UTF-8 read as Latin-1, U+FFFD);
+- long tokens without spaces (base64 blobs, glued-together link text), unless they are URLs or
+  paths (also inside quotes or brackets, or as the value of `NAME=`) or written (a tenth or more) in
+  a script without spaces: a Chinese, Japanese or Thai sentence is one whitespace token of 40+
+  characters, and it is prose, even with `passwd(5)` or a path inside it;
+- packed code: in a line of 100+ characters, tokens of 12+ characters a quarter or more code
+  punctuation, as minified JavaScript is (`o=t[r]={i:r,l:!1,exports:{}};return`); a line of code in
+  documentation is shorter, and its tokens are separated by spaces;
+- hex dumps: a line of 8+ hexadecimal groups (`7f 45 4c 46`, `0000010: 0300 3e00`), one with a-f.
 
 Within each line, the first window of `window` tokens noisier than `max_window_noise` cuts
 the line there (the noisy tail goes). The document is dropped when noise tokens are more than
@@ -14,7 +21,7 @@ from __future__ import annotations
 
 import re
 
-from kiln.data.gates.text import ratio
+from kiln.data.gates.text import SPACELESS_SCRIPTS, TextView, as_view, ratio
 from kiln.data.gates.types import Edit, Gate, Verdict, drop
 
 _ENTITY = r"&(?:[a-zA-Z]{2,8}|#[0-9]{2,6}|#[xX][0-9a-fA-F]{2,5});"
@@ -23,24 +30,58 @@ _MOJIBAKE = "(?:\u00c3[\u0080-\u00bf]|\u00e2\u20ac|\u00c2[\u00a0-\u00bf]|\ufffd|
 
 
 _MARKUP = re.compile(f"{_ENTITY}|{_TAG}|{_MOJIBAKE}")
-_NOT_JUNK = ("/", "~", "http://", "https://")  # long URLs and paths are text, not noise
+_NOT_JUNK = ("/", "~", "$", "http://", "https://", "file://")  # long URLs and paths are text, not noise
+_OPENERS = "\"'([{<\u00ab\u201c\u2018\u300c\u300e"  # quotes and brackets a path or URL may sit in
+_ASSIGNED = re.compile(r"[\w.-]+=")  # FZF_COMPLETION_PATH=/usr/share/...: a setting whose value is a path
+_SPACELESS = re.compile(f"[{SPACELESS_SCRIPTS}]")
+_CODE_PUNCT = re.compile(r"[{}()\[\];=,:!&|<>+*?.]")
+_HEX_GROUP = re.compile(r"[0-9a-fA-F]{2,8}:?")
+_HEX_RUN = re.compile(r"(?<!\S)(?:[0-9a-fA-F]{2,8}:?\s+){7}[0-9a-fA-F]{2,8}:?(?!\S)")  # 8 groups in a row
+_HEX_LETTER = re.compile(r"[a-fA-F]")
+PACKED_LINE_CHARS = 100  # in a line this long, a token this long with this share of code punctuation is packed
+PACKED_MIN_CHARS = 12
+PACKED_PUNCT_FRAC = 0.25
+
+
+def _spaceless_prose(tok: str) -> bool:
+    """A token written (a tenth or more) in Han, kana, Hangul, Thai or another script without spaces."""
+    return len(_SPACELESS.findall(tok)) * 10 >= len(tok)
+
+
+def _url_or_path(tok: str) -> bool:
+    tok = tok.lstrip(_OPENERS)
+    setting = _ASSIGNED.match(tok)
+    return tok.startswith(_NOT_JUNK) or (setting is not None and tok[setting.end():].startswith(_NOT_JUNK))
+
+
+def _hex_dump(line: str) -> bool:
+    """8+ hexadecimal groups in a row, one with a letter a-f (a row of decimal numbers is a table, not a dump)."""
+    return any(_HEX_LETTER.search(m.group()) for m in _HEX_RUN.finditer(line))
 
 
 def token_noise(cfg) -> Gate:
     long = cfg.long_token_chars
 
-    def is_noise(tok: str) -> bool:
-        return _MARKUP.search(tok) is not None or (len(tok) >= long and not tok.startswith(_NOT_JUNK))
+    def is_noise(tok: str, packed_line: bool) -> bool:
+        if _MARKUP.search(tok) is not None:
+            return True
+        if len(tok) >= long:
+            return not _url_or_path(tok) and not _spaceless_prose(tok)
+        return packed_line and len(tok) >= PACKED_MIN_CHARS \
+            and len(_CODE_PUNCT.findall(tok)) >= PACKED_PUNCT_FRAC * len(tok)
 
-    def gate(text: str) -> "Verdict | Edit":
+    def gate(text: "str | TextView") -> "Verdict | Edit":
+        view = as_view(text)
         out, noisy, total, cut_lines, cut_chars = [], 0, 0, 0, 0
-        for line in text.split("\n"):
-            toks = line.split()
+        for line, toks in zip(view.raw_lines, view.line_tokens):
             total += len(toks)
-            if not _MARKUP.search(line) and all(len(t) < long for t in toks):
+            hex_dump = _hex_dump(line)
+            packed = len(line) >= PACKED_LINE_CHARS
+            if not hex_dump and (not toks or max(map(len, toks)) < (PACKED_MIN_CHARS if packed else long)) \
+                    and not _MARKUP.search(line):
                 out.append(line)
                 continue
-            flags = [is_noise(t) for t in toks]
+            flags = [is_noise(t, packed) or (hex_dump and _HEX_GROUP.fullmatch(t) is not None) for t in toks]
             noisy += sum(flags)
             cut = _first_noisy_window(flags, cfg.window, cfg.max_window_noise)
             if cut is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import re
 
+from kiln.data.gates.text import TextView, as_view
 from kiln.data.gates.types import Edit, Gate
 
 EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@(?:[A-Za-z0-9-]+\.)+[A-Za-z]{2,}\b")
@@ -16,7 +17,8 @@ IPV4 = re.compile(r"(?<![\d.])\d{1,3}(?:\.\d{1,3}){3}(?![\d.])")  # ipaddress th
 
 
 def redact_pii(cfg) -> Gate:
-    def gate(text: str) -> Edit | None:
+    def gate(view: "str | TextView") -> Edit | None:
+        text = as_view(view).text
         emails = ips = 0
         if "@" in text:
             text, emails = EMAIL.subn(cfg.email_replacement, text)

@@ -11,6 +11,7 @@ import json
 import re
 
 from kiln.data.gates.noise import _ENTITY, _TAG
+from kiln.data.gates.text import TextView, as_view
 from kiln.data.gates.types import Gate, Verdict, drop
 
 _TAGS = re.compile(_TAG)
@@ -44,7 +45,8 @@ def _ragged_table_rows(text: str) -> int:
 
 
 def format_residue(cfg) -> Gate:
-    def gate(text: str) -> Verdict:
+    def gate(view: "str | TextView") -> Verdict:
+        text = as_view(view).text
         if "<" not in text and "&" not in text and '":' not in text and "|" not in text:
             return None
         s = {"tags": len(_TAGS.findall(text)), "entities": len(_ENTITIES.findall(text)),

@@ -4,6 +4,19 @@ Japanese and Chinese are written without spaces, so splitting on whitespace
 gives one "word" per sentence. `words` counts each Han/kana character as a word
 instead (the usual character-level equivalent), and `spaceless` tells a gate
 that rules about word length or words per line do not apply.
+
+`TextView` splits one version of a document's text once (lines, tokens, words, paragraphs) for
+every gate that reads it; `apply_gates` makes a new one only when a step rewrites the text.
+
+Code lines. Documentation repeats code by nature (`import asyncio`, `try:`, `>>> parser.print_help()`,
+`}`), and code lines end without a full stop, so the rules FineWeb and Gopher wrote for web prose (duplicated
+lines, duplicated n-grams, punctuated lines) read a page of examples as boilerplate. `TextView.code` marks
+code lines by shape, so that those rules judge the prose around them (junk is prose-shaped: spam, link farms,
+tables and navigation stay measured). A line is code-shaped when it starts with a prompt (`>>>`, `...`, `$`,
+`#`, `%`), ends with code punctuation (`{ } ( ) [ ] ; , : \\ =`), or, without terminal punctuation,
+holds an assignment, a call, brackets or `--`; and every line of a block (lines with no blank line
+between them) is code when at least half of the block's lines are code-shaped, which takes in
+`import sys` and `pass` beside them.
 """
 
 from __future__ import annotations
@@ -13,6 +26,13 @@ import re
 _CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f"
 _WORD = re.compile(f"[{_CJK}]|[^\\s{_CJK}]+")
 _CJK_CHAR = re.compile(f"[{_CJK}]")
+# scripts whose sentences run without spaces, or whose words are written as one run (for the noise gate):
+# CJK punctuation, kana, Han, Hangul, Thai, Lao, Tibetan, Myanmar, Khmer, full-width forms
+SPACELESS_SCRIPTS = ("\u3000-\u303f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uac00-\ud7af"
+                     "\u1100-\u11ff\u0e00-\u0eff\u0f00-\u0fff\u1000-\u109f\u1780-\u17ff\uff00-\uffef")
+_PROMPTS = (">>>", "...", "$ ", "# ", "% ")
+_CODE_ENDS = tuple("{}()[];,:\\=")
+_CODE_SIGN = re.compile(r"=|\w\(|[{}\[\]<>]|--|::")
 TERMINAL_PUNCT = (".", "!", "?", '"', "'", "\u201d", "\u3002", "\uff01", "\uff1f", "\u300d", "\u300f")
 
 
@@ -38,10 +58,9 @@ def is_cjk(word: str) -> bool:
     return len(word) == 1 and _CJK_CHAR.match(word) is not None
 
 
-def spaceless(text: str) -> bool:
+def spaceless(text: "str | TextView") -> bool:
     """True when over 30% of the visible characters are Han or kana (Japanese pages are full of ASCII commands)."""
-    visible = len("".join(text.split()))
-    return visible > 0 and len(_CJK_CHAR.findall(text)) / visible > 0.3
+    return as_view(text).spaceless
 
 
 def lines(text: str) -> list[str]:
@@ -54,3 +73,124 @@ def paragraphs(text: str) -> list[str]:
 
 def ratio(part: float, whole: float) -> float:
     return round(part / whole, 4) if whole else 0.0
+
+
+class TextView:
+    """One version of a document's text, split on demand and at most once per way of splitting it.
+
+    Memory: the splits of one document (a few times its size), dropped with the view.
+    """
+
+    __slots__ = ("text", "lang", "_raw_lines", "_line_tokens", "_lines", "_words", "_paragraphs", "_spaceless",
+                 "_visible", "_code", "_prose_lines", "_prose_words")
+
+    def __init__(self, text: str, lang: str | None = None) -> None:
+        self.text, self.lang = text, lang  # lang: what language ID said (None: not known)
+        self._raw_lines = self._line_tokens = self._lines = self._words = self._paragraphs = None
+        self._spaceless = self._visible = self._code = self._prose_lines = self._prose_words = None
+
+    @property
+    def raw_lines(self) -> list[str]:
+        """`text.split("\\n")`: every line as written, blank ones too."""
+        if self._raw_lines is None:
+            self._raw_lines = self.text.split("\n")
+        return self._raw_lines
+
+    @property
+    def line_tokens(self) -> list[list[str]]:
+        """Each raw line's whitespace-separated tokens."""
+        if self._line_tokens is None:
+            self._line_tokens = [ln.split() for ln in self.raw_lines]
+        return self._line_tokens
+
+    @property
+    def lines(self) -> list[str]:
+        """Non-blank lines, stripped (`lines(text)`)."""
+        if self._lines is None:
+            self._lines = [s for s in map(str.strip, self.raw_lines) if s]
+        return self._lines
+
+    @property
+    def words(self) -> list[str]:
+        if self._words is None:
+            self._words = words(self.text)
+        return self._words
+
+    @property
+    def paragraphs(self) -> list[tuple[str, bool]]:
+        """(paragraph, all its lines are code) for each paragraph: blocks of lines between blank lines."""
+        if self._paragraphs is None:
+            out, block, code = [], [], True
+            for line, is_code in zip(self.raw_lines + [""], self.code + [False]):
+                if line.strip():
+                    block.append(line)
+                    code = code and is_code
+                elif block:
+                    out.append(("\n".join(block).strip(), code))
+                    block, code = [], True
+            self._paragraphs = out
+        return self._paragraphs
+
+    @property
+    def code(self) -> list[bool]:
+        """For each raw line: is it code (see the module docstring)? Blank lines are not."""
+        if self._code is None:
+            self._code = code_lines(self.raw_lines)
+        return self._code
+
+    @property
+    def prose_lines(self) -> list[str]:
+        """The non-blank lines that are not code, stripped."""
+        if self._prose_lines is None:
+            self._prose_lines = [s for s, c in zip(map(str.strip, self.raw_lines), self.code) if s and not c]
+        return self._prose_lines
+
+    @property
+    def prose_words(self) -> list[str]:
+        """`words` of the prose lines (all the words when there is no code)."""
+        if self._prose_words is None:
+            self._prose_words = self.words if not any(self.code) else words("\n".join(self.prose_lines))
+        return self._prose_words
+
+    @property
+    def visible_chars(self) -> int:
+        """Characters that are not whitespace (as str.isspace has it)."""
+        if self._visible is None:
+            self._visible = len("".join(self.text.split()))
+        return self._visible
+
+    @property
+    def spaceless(self) -> bool:
+        if self._spaceless is None:
+            visible = self.visible_chars
+            self._spaceless = visible > 0 and len(_CJK_CHAR.findall(self.text)) / visible > 0.3
+        return self._spaceless
+
+
+def code_shaped(line: str) -> bool:
+    """One stripped, non-blank line looks like code (the module docstring says how)."""
+    if line.startswith(_PROMPTS) or line.endswith(_CODE_ENDS):
+        return True
+    return not line.endswith(TERMINAL_PUNCT) and _CODE_SIGN.search(line) is not None
+
+
+def code_lines(raw_lines: list[str]) -> list[bool]:
+    """Which lines are code: code-shaped ones, and every line of a block that is at least half code-shaped."""
+    out = [False] * len(raw_lines)
+    start = 0
+    for i in range(len(raw_lines) + 1):
+        if i < len(raw_lines) and raw_lines[i].strip():
+            continue
+        if i > start:  # the block raw_lines[start:i]
+            shaped = [code_shaped(ln.strip()) for ln in raw_lines[start:i]]
+            if i - start >= 2 and 2 * sum(shaped) >= len(shaped):
+                out[start:i] = [True] * (i - start)
+            else:
+                out[start:i] = shaped
+        start = i + 1
+    return out
+
+
+def as_view(text: "str | TextView") -> TextView:
+    """The view a gate reads: the one apply_gates shares, or a new one for a gate called on a string."""
+    return text if isinstance(text, TextView) else TextView(text)
