@@ -175,19 +175,25 @@ def code_shaped(line: str) -> bool:
 
 
 def code_lines(raw_lines: list[str]) -> list[bool]:
-    """Which lines are code: code-shaped ones, and every line of a block that is at least half code-shaped."""
+    """Which lines are code: code-shaped ones, every line of a block that is at least half code-shaped, and
+    a lone unpunctuated line right before code (`import asyncio`, cut from its example by a blank line)."""
     out = [False] * len(raw_lines)
+    blocks: list[tuple[int, int]] = []
     start = 0
     for i in range(len(raw_lines) + 1):
         if i < len(raw_lines) and raw_lines[i].strip():
             continue
         if i > start:  # the block raw_lines[start:i]
+            blocks.append((start, i))
             shaped = [code_shaped(ln.strip()) for ln in raw_lines[start:i]]
             if i - start >= 2 and 2 * sum(shaped) >= len(shaped):
                 out[start:i] = [True] * (i - start)
             else:
                 out[start:i] = shaped
         start = i + 1
+    for (a, b), (c, _) in zip(reversed(blocks[:-1]), reversed(blocks[1:])):  # backwards: chains of such lines
+        if b - a == 1 and out[c] and not out[a] and not raw_lines[a].strip().endswith(TERMINAL_PUNCT):
+            out[a] = True
     return out
 
 
