@@ -407,9 +407,30 @@ def _walk_duplicated_ngram_chars(words: list[str], n: int) -> int:
 
 
 @settings(max_examples=400, deadline=None)
-@given(words=st.lists(st.sampled_from(["a", "bb", "ccc", "a a", "dd"]), max_size=80), n=st.integers(1, 10))
-def test_duplicated_ngram_chars_is_the_walk(words, n):
-    # the gate walks only n-grams whose value occurred before; it must count what the full walk counts
-    from kiln.data.gates.gopher import _duplicated_ngram_chars, _Grams
+@given(words=st.lists(st.sampled_from(["a", "bb", "ccc", "a a", "dd"]), max_size=80), n=st.integers(1, 10),
+       before=st.lists(st.integers(1, 9), max_size=3))
+def test_duplicated_ngram_chars_is_the_walk(words, n, before):
+    # the gate walks only n-grams whose value occurred before, and after shorter n-grams were grouped it
+    # hashes only where those repeat; it must count what the full walk counts
+    from kiln.data.gates.gopher import _duplicated_ngram_chars, _Grams, _top_ngram_chars
 
-    assert _duplicated_ngram_chars(_Grams(words), n) == _walk_duplicated_ngram_chars(words, n)
+    grams = _Grams(words)
+    for k in sorted(before):
+        _top_ngram_chars(grams, k)
+    assert _duplicated_ngram_chars(grams, n) == _walk_duplicated_ngram_chars(words, n)
+
+
+@settings(max_examples=200, deadline=None)
+@given(words=st.lists(st.sampled_from(["a", "bb", "ccc", "dd"]), max_size=60), n=st.integers(1, 6),
+       before=st.lists(st.integers(1, 5), max_size=3))
+def test_top_ngram_chars_after_shorter_ones(words, n, before):
+    from kiln.data.gates.gopher import _Grams, _top_ngram_chars
+
+    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    counts = Counter(grams)
+    top = max(counts.values(), default=0)
+    expected = top * max(sum(map(len, g)) for g, c in counts.items() if c == top) if top >= 2 else 0
+    g = _Grams(words)
+    for k in sorted(before):
+        _top_ngram_chars(g, k)
+    assert _top_ngram_chars(g, n) == expected

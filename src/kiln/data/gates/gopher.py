@@ -18,11 +18,12 @@ Choices where the paper is English-only:
 from __future__ import annotations
 
 import bisect
+import itertools
 import re
 
 import numpy as np
 
-from kiln.data.gates.text import _CJK, TextView, as_view, ratio
+from kiln.data.gates.text import _CJK, _CJK_CHAR, TextView, as_view, ratio
 from kiln.data.gates.types import Gate, Verdict, drop
 
 STOP_WORDS_BY_LANG = {lang: frozenset(ws.split()) for lang, ws in {
@@ -38,8 +39,13 @@ STOP_WORDS_BY_LANG = {lang: frozenset(ws.split()) for lang, ws in {
 }.items()}
 STOP_WORDS = frozenset().union(*STOP_WORDS_BY_LANG.values())
 _SPACED_WORD = re.compile(f"[^\\s{_CJK}]+")
-# a word (a run between spaces and Han/kana) with no letter: digits, underscores and punctuation only
-_NO_LETTER_WORD = re.compile(f"(?<![^\\s{_CJK}])(?:[^\\w\\s]|[\\d_])+(?![^\\s{_CJK}])")
+_LETTER = re.compile(r"[^\W\d_]")
+
+
+def _words_with_letters(ws: list[str]) -> int:
+    """Words with at least one letter: all-letter words are counted in C, only the others searched."""
+    mixed = list(itertools.filterfalse(str.isalpha, ws))
+    return len(ws) - len(mixed) + sum(1 for w in mixed if _LETTER.search(w))
 BULLETS = ("-", "*", "\u2022", "\u2023", "\u25e6", "\u2043", "\u2219", "\u25aa", "\u25cf")
 
 
@@ -55,16 +61,18 @@ def gopher_quality(cfg) -> Gate:
         if n > cfg.max_words:
             return drop("gopher_long_doc", s, max_words=cfg.max_words)
         cjk = view.spaceless
-        s["alpha_words_frac"] = ratio(n - len(_NO_LETTER_WORD.findall(text)), n)
+        s["alpha_words_frac"] = ratio(_words_with_letters(view.words), n)
         s["bullet_lines_frac"] = ratio(sum(ln.startswith(BULLETS) for ln in ls), len(ls))
         s["ellipsis_lines_frac"] = ratio(sum(ln.endswith(("...", "\u2026")) for ln in ls), len(ls))
         s["symbol_word_ratio"] = ratio(text.count("#") + text.count("...") + text.count("\u2026"), n)
         stop_words = STOP_WORDS_BY_LANG.get(view.lang) if view.lang else STOP_WORDS
         if not cjk:
-            spaced = _SPACED_WORD.findall(text)
+            has_cjk = _CJK_CHAR.search(text) is not None  # without Han/kana the words are the spaced words
+            spaced = _SPACED_WORD.findall(text) if has_cjk else view.words
             s["mean_word_len"] = ratio(sum(map(len, spaced)), len(spaced))
             if stop_words:
-                s["stop_words"] = sum(map(stop_words.__contains__, _SPACED_WORD.findall(text.lower())))
+                lowered = _SPACED_WORD.findall(text.lower()) if has_cjk else text.lower().split()
+                s["stop_words"] = sum(map(stop_words.__contains__, lowered))
             if not cfg.min_mean_word_len <= s["mean_word_len"] <= cfg.max_mean_word_len:
                 return drop("gopher_mean_word_len", s, min=cfg.min_mean_word_len, max=cfg.max_mean_word_len)
         if s["symbol_word_ratio"] > cfg.max_symbol_word_ratio:
@@ -95,23 +103,49 @@ def _duplicates(items: list[str]) -> tuple[int, int]:
 
 
 class _Grams:
-    """A document's words as ids, with 64-bit hashes of their n-grams: the n-gram rules in numpy."""
+    """A document's words as ids, with 64-bit hashes of their n-grams: the n-gram rules in numpy.
+
+    An n-gram can occur twice only where its first n-1 words do, so once the rules have grouped the
+    shorter n-grams, the longer ones are hashed and sorted only at the positions whose shorter n-gram
+    repeats (a few percent of a real page); every other n-gram occurs once, which is all the rules need
+    to know of it. Memory: a few arrays of the document's word count.
+    """
 
     def __init__(self, ws: list[str]) -> None:
-        ids: dict[str, int] = {}
-        self.ids = np.fromiter((ids.setdefault(w, len(ids)) for w in ws), dtype=np.uint64, count=len(ws))
+        ids = {w: i for i, w in enumerate(dict.fromkeys(ws))}
+        self.ids = np.array(list(map(ids.__getitem__, ws)), dtype=np.uint64)
         self.cum = np.concatenate([[0], np.cumsum(np.fromiter(map(len, ws), dtype=np.int64, count=len(ws)))])
         self.cum_list = self.cum.tolist()  # for the one rule that must walk the words in Python
+        self._repeated: dict[int, np.ndarray] = {}  # n -> positions whose n-gram occurs more than once
 
-    def hashes(self, n: int) -> np.ndarray:
+    def hashes(self, n: int, at: np.ndarray | None = None) -> np.ndarray:
+        """Hashes of the n-grams starting at `at` (default: every position)."""
         m = len(self.ids) - n + 1
         if m <= 0:
             return np.empty(0, dtype=np.uint64)
-        acc = self.ids[:m] * _MIX
+        at = np.arange(m) if at is None else at
+        acc = self.ids[at] * _MIX
         with np.errstate(over="ignore"):
             for j in range(1, n):
-                acc = (acc ^ self.ids[j:m + j]) * _MIX
+                acc = (acc ^ self.ids[at + j]) * _MIX
         return acc
+
+    def groups(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(positions, first, inverse, counts) as np.unique gives them for the n-grams at `positions`: every
+        n-gram that can repeat (all of them, or those whose shorter n-gram, grouped before, repeats)."""
+        m = len(self.ids) - n + 1
+        shorter = [k for k in self._repeated if k < n]
+        if m <= 0:
+            pos = np.empty(0, dtype=np.int64)
+        elif shorter:
+            pos = self._repeated[max(shorter)]
+            pos = pos[pos < m]
+        else:
+            pos = np.arange(m)
+        _, first, inverse, counts = np.unique(self.hashes(n, pos), return_index=True, return_inverse=True,
+                                              return_counts=True)
+        self._repeated[n] = pos[counts[inverse] > 1]
+        return pos, first, inverse, counts
 
     def chars(self, start: np.ndarray | int, n: int):
         """Characters of the n words starting at `start`."""
@@ -123,14 +157,13 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)
 
 def _top_ngram_chars(g: _Grams, n: int) -> int:
     """Characters covered by the most frequent n-gram (its length times its count; 0 if none repeats)."""
-    h = g.hashes(n)
-    if not len(h):
+    pos, first, _, counts = g.groups(n)
+    if not len(pos):
         return 0
-    _, first, counts = np.unique(h, return_index=True, return_counts=True)
     top = counts.max()
     if top < 2:
         return 0
-    return int(g.chars(first[counts == top], n).max()) * int(top)
+    return int(g.chars(pos[first[counts == top]], n).max()) * int(top)
 
 
 def _duplicated_ngram_chars(g: _Grams, n: int) -> int:
@@ -142,17 +175,16 @@ def _duplicated_ngram_chars(g: _Grams, n: int) -> int:
     when its value was seen at an earlier candidate that was walked, or at its first occurrence, unless a
     skipped span covers that.
     """
-    h = g.hashes(n)
-    if not len(h):
+    pos, first, inverse, _ = g.groups(n)
+    if not len(pos):
         return 0
-    _, first, inverse = np.unique(h, return_index=True, return_inverse=True)
-    first_of = first[inverse]
-    candidates = np.flatnonzero(first_of != np.arange(len(h)))
+    first_of = pos[first[inverse]]
+    later = first_of != pos
     cum = g.cum_list
     skipped: list[int] = []  # starts of the skipped spans (i, i + n), in order
     seen_at_candidate: set[int] = set()
     chars, walk_from = 0, 0
-    for i, value, f in zip(candidates.tolist(), inverse[candidates].tolist(), first_of[candidates].tolist()):
+    for i, value, f in zip(pos[later].tolist(), inverse[later].tolist(), first_of[later].tolist()):
         if i < walk_from:
             continue  # inside the span of the last repeat
         k = bisect.bisect_left(skipped, f) - 1  # the last span starting before f

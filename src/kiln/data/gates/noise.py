@@ -7,10 +7,13 @@ document at a time, so Kiln recognises the tokens that score that way by their s
   paths (also inside quotes or brackets, or as the value of `NAME=`) or written (a tenth or more) in
   a script without spaces: a Chinese, Japanese or Thai sentence is one whitespace token of 40+
   characters, and it is prose, even with `passwd(5)` or a path inside it;
-- packed code: in a line of 100+ characters, tokens of 12+ characters a quarter or more code
-  punctuation, as minified JavaScript is (`o=t[r]={i:r,l:!1,exports:{}};return`); a line of code in
+- packed code: in a line of 100+ characters with a 40+ character token, a sixth or more of them code
+  punctuation, tokens of 12+ characters a quarter or more code punctuation, as minified JavaScript is (`o=t[r]={i:r,l:!1,exports:{}};return`); a line of code in
   documentation is shorter, and its tokens are separated by spaces;
 - hex dumps: a line of 8+ hexadecimal groups (`7f 45 4c 46`, `0000010: 0300 3e00`), one with a-f.
+
+Only the lines that hold markup, a long token or a hex run are split into tokens and judged; what a
+document can hold is checked first in C (`str.split`, `in`), so that most documents need no regex.
 
 Within each line, the first window of `window` tokens noisier than `max_window_noise` cuts
 the line there (the noisy tail goes). The document is dropped when noise tokens are more than
@@ -30,6 +33,7 @@ _MOJIBAKE = "(?:\u00c3[\u0080-\u00bf]|\u00e2\u20ac|\u00c2[\u00a0-\u00bf]|\ufffd|
 
 
 _MARKUP = re.compile(f"{_ENTITY}|{_TAG}|{_MOJIBAKE}")
+_MARKUP_STARTS = ("&", "<", "\u00c3", "\u00e2\u20ac", "\u00c2", "\ufffd", "\u00ef\u00bb\u00bf")
 _NOT_JUNK = ("/", "~", "$", "http://", "https://", "file://")  # long URLs and paths are text, not noise
 _OPENERS = "\"'([{<\u00ab\u201c\u2018\u300c\u300e"  # quotes and brackets a path or URL may sit in
 _ASSIGNED = re.compile(r"[\w.-]+=")  # FZF_COMPLETION_PATH=/usr/share/...: a setting whose value is a path
@@ -39,6 +43,7 @@ _HEX_GROUP = re.compile(r"[0-9a-fA-F]{2,8}:?")
 _HEX_RUN = re.compile(r"(?<!\S)(?:[0-9a-fA-F]{2,8}:?\s+){7}[0-9a-fA-F]{2,8}:?(?!\S)")  # 8 groups in a row
 _HEX_LETTER = re.compile(r"[a-fA-F]")
 PACKED_LINE_CHARS = 100  # in a line this long, a token this long with this share of code punctuation is packed
+PACKED_LINE_PUNCT_FRAC = 0.15  # prose has ~3% of these characters, minified JavaScript ~30%
 PACKED_MIN_CHARS = 12
 PACKED_PUNCT_FRAC = 0.25
 
@@ -71,34 +76,48 @@ def token_noise(cfg) -> Gate:
             and len(_CODE_PUNCT.findall(tok)) >= PACKED_PUNCT_FRAC * len(tok)
 
     def gate(text: "str | TextView") -> "Verdict | Edit":
-        view = as_view(text)
-        out, noisy, total, cut_lines, cut_chars = [], 0, 0, 0, 0
-        for line, toks in zip(view.raw_lines, view.line_tokens):
-            total += len(toks)
+        text = as_view(text).text
+        toks = text.split()
+        kinds = [_HEX_RUN.pattern] if len(toks) >= 8 else []
+        if toks and max(map(len, toks)) >= long:
+            kinds.append(f"\\S{{{long},}}")
+        if any(c in text for c in _MARKUP_STARTS):
+            kinds.append(_MARKUP.pattern)
+        if not kinds:
+            return None
+        suspect = re.compile("|".join(kinds))  # re caches the few combinations
+        out, noisy, cut_lines, cut_chars = [], 0, 0, 0
+        done = 0  # text[:done] is judged (and in `out`)
+        while (m := suspect.search(text, done)) is not None:  # only the lines that hold a suspect are split
+            start = text.rfind("\n", 0, m.start()) + 1
+            end = text.find("\n", m.start())
+            end = len(text) if end < 0 else end
+            out.append(text[done:start])
+            line, done = text[start:end], end
+            line_toks = line.split()
             hex_dump = _hex_dump(line)
-            packed = len(line) >= PACKED_LINE_CHARS
-            if not hex_dump and (not toks or max(map(len, toks)) < (PACKED_MIN_CHARS if packed else long)) \
-                    and not _MARKUP.search(line):
-                out.append(line)
-                continue
-            flags = [is_noise(t, packed) or (hex_dump and _HEX_GROUP.fullmatch(t) is not None) for t in toks]
+            packed = len(line) >= PACKED_LINE_CHARS and \
+                len(_CODE_PUNCT.findall(line)) >= PACKED_LINE_PUNCT_FRAC * len(line)
+            flags = [is_noise(t, packed) or (hex_dump and _HEX_GROUP.fullmatch(t) is not None) for t in line_toks]
             noisy += sum(flags)
             cut = _first_noisy_window(flags, cfg.window, cfg.max_window_noise)
             if cut is None:
                 out.append(line)
             else:
-                start = _token_start(line, cut)
+                at = _token_start(line, cut)
                 cut_lines += 1
-                cut_chars += len(line) - start
-                out.append(line[:start].rstrip())
+                cut_chars += len(line) - at
+                out.append(line[:at].rstrip())
         if not noisy:
             return None
+        out.append(text[done:])
+        total = len(toks)
         s = {"noise_tokens": noisy, "tokens": total, "noise_frac": ratio(noisy, total)}
         if s["noise_frac"] > cfg.max_doc_noise:
             return drop("token_noise", s, max=cfg.max_doc_noise)
         if not cut_lines:
             return None
-        new = "\n".join(out).strip()
+        new = "".join(out).strip()
         if len(new) < cfg.min_keep_chars:
             return drop("token_noise_truncated_away", s | {"chars_left": len(new)}, min_keep_chars=cfg.min_keep_chars)
         return Edit(new, {"noise_truncated_lines": cut_lines, "noise_truncated_chars": cut_chars})

@@ -1,0 +1,74 @@
+"""The whole filter stage against reading and extraction alone, on the same records, one worker.
+
+    python -m benchmarks filter_stage
+
+Two inputs: the bundled sample (120 Debian Reference pages, 8 languages) and a larger real crawl built
+here from Debian's documentation packages (the Python 3.11 docs, the Debian FAQ in 10 languages, the New
+Maintainers' Guide in 4, the Debian Reference in 8: benchmarks/debian_docs.py; skipped when the packages
+are not installed). For each, in one process and alternating, `REPEATS` times:
+
+- read + extract: FastWARC records -> resiliparse main-content text (what the stage cannot go faster than);
+- filter stage: read -> extract -> language -> every default gate (`pipeline.process_task`).
+
+The ratio is docs/s of the filter stage over docs/s of read + extract (medians); the per-step seconds
+come from the stage's own StepTimer, and the gates' cost per document is their seconds / documents.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.debian_docs import CORPORA, find_pages, page_url, write_warc
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "examples" / "data" / "sample.warc.gz"
+REPEATS = 3
+
+
+def docs_crawl(folder: Path) -> Path | None:
+    pages = [(page_url(p, c), p.read_bytes()) for c in CORPORA for p in find_pages(c)]
+    if len(pages) < 200:
+        return None
+    return write_warc(folder / "debian-docs.warc.gz", pages)
+
+
+def measure(path: Path) -> dict:
+    from kiln.config import DataConfig
+    from kiln.data.document import ReadReport
+    from kiln.data.extract import extract
+    from kiln.data.pipeline import StepTimer, Task, process_task, read_task
+
+    cfg, task = DataConfig(), Task(0, str(path))
+    base, full, steps = [], [], []
+    n = 0
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        n = sum(1 for _ in extract(read_task(task, cfg, ReadReport()), cfg.max_page_bytes, cfg.extractor))
+        base.append(time.perf_counter() - t0)
+        timer = StepTimer()
+        t0 = time.perf_counter()
+        assert sum(1 for _ in process_task(task, cfg, ReadReport(), timer)) == n
+        full.append(time.perf_counter() - t0)
+        steps.append(timer.own())
+    b, f = statistics.median(base), statistics.median(full)
+    med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
+    return {"docs": n, "read_extract_docs_s": n / b, "filter_docs_s": n / f, "ratio": b / f, "steps_s": med,
+            "gates_ms_per_doc": 1000 * med["gates"] / n, "language_ms_per_doc": 1000 * med["language"] / n}
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-filter-") as tmp:
+        inputs = {"sample": SAMPLE, "debian-docs": docs_crawl(Path(tmp))}
+        print(f"{'input':<12} {'docs':>5} {'read+extract/s':>15} {'filter/s':>9} {'ratio':>6} "
+              f"{'gates ms/doc':>12} {'lang ms/doc':>11}  steps (s)")
+        for name, path in inputs.items():
+            if path is None:
+                print(f"{name:<12} skipped: install the packages in benchmarks/debian_docs.py")
+                continue
+            r = measure(path)
+            print(f"{name:<12} {r['docs']:>5} {r['read_extract_docs_s']:>15.1f} {r['filter_docs_s']:>9.1f} "
+                  f"{r['ratio']:>6.2f} {r['gates_ms_per_doc']:>12.2f} {r['language_ms_per_doc']:>11.2f}  "
+                  + " ".join(f"{k}={v:.2f}" for k, v in r["steps_s"].items()))
