@@ -111,6 +111,22 @@ class PiiConfig(Section):
     ip_replacement: str = "|||IP_ADDRESS|||"
 
 
+class ClassifierConfig(Section):
+    """A learned quality gate (fastText-style, floret): `kiln data classifier train` makes the model."""
+    model: str | None = Field(None, description="a floret/fastText supervised model file; null = off")
+    label: str = Field("__label__hq", description="the positive label; the score is its probability")
+    threshold: float | None = Field(None, ge=0, le=1, description="drop documents scoring below this")
+    keep_top_fraction: float | None = Field(None, gt=0, le=1, description="keep this fraction of the "
+                                            "corpus with the highest scores (DCLM: 0.1)")
+    max_chars: int = Field(10_000, ge=100, description="characters of each document the model reads")
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> "ClassifierConfig":
+        if self.model and (self.threshold is None) == (self.keep_top_fraction is None):
+            raise ValueError("data.quality.classifier: set exactly one of threshold and keep_top_fraction")
+        return self
+
+
 class QualityConfig(Section):
     gopher_quality: GopherQualityConfig = Field(default_factory=GopherQualityConfig)
     gopher_repetition: GopherRepetitionConfig = Field(default_factory=GopherRepetitionConfig)
@@ -119,6 +135,7 @@ class QualityConfig(Section):
     noise: NoiseConfig = Field(default_factory=NoiseConfig)
     residue: ResidueConfig = Field(default_factory=ResidueConfig)
     pii: PiiConfig = Field(default_factory=PiiConfig)
+    classifier: ClassifierConfig = Field(default_factory=ClassifierConfig)
 
 
 class BlocklistConfig(Section):

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+SCORE_FIELDS = ("quality_score",)  # record fields that scoring gates write
+
+
 @dataclass
 class Rejection:
     stage: str  # the step that dropped it: read, extract, language, quality, dedup
@@ -40,6 +43,7 @@ class Document:
     lang_score: float | None = None
     rejection: Rejection | None = None
     edits: dict[str, int] = field(default_factory=dict)  # what rewriting gates changed, e.g. {"pii_email": 2}
+    scores: dict[str, float] = field(default_factory=dict)  # what scoring gates gave, e.g. {"quality_score": 0.93}
 
     def reject(self, stage: str, reason: str, **signals: Any) -> "Document":
         self.rejection = Rejection(stage, reason, signals)
@@ -52,7 +56,7 @@ class Document:
             "offset": self.offset, "length": self.length, "lang": self.lang,
             "lang_score": None if self.lang_score is None else round(self.lang_score, 4),
             "date": self.date, "record_id": self.record_id, "content_type": self.content_type,
-            **({"edits": self.edits} if self.edits else {}),
+            **({"edits": self.edits} if self.edits else {}), **self.scores,
         }
 
     def reject_record(self) -> dict[str, Any]:
@@ -68,7 +72,8 @@ class Document:
     def from_record(cls, rec: dict[str, Any]) -> "Document":
         """A kept or reject record (as a task wrote it) back into a Document."""
         names = ("id", "source", "offset", "length", "url", "date", "content_type", "record_id", "text", "lang", "lang_score")
-        doc = cls(**{k: rec.get(k) for k in names}, edits=rec.get("edits") or {})
+        doc = cls(**{k: rec.get(k) for k in names}, edits=rec.get("edits") or {},
+                  scores={k: rec[k] for k in SCORE_FIELDS if rec.get(k) is not None})
         if "reason" in rec:
             doc.rejection = Rejection(rec["stage"], rec["reason"], rec["signals"])
         return doc

@@ -167,11 +167,14 @@ def _run_task_once(task: Task, cfg: DataConfig) -> tuple[dict[str, Any], bytes]:
     buf = io.BytesIO()
     error = None
     read = kept = 0
+    scores: list[float] = []  # kept documents' classifier scores, for keep_top_fraction (one task's worth)
     with zstandard.ZstdCompressor(level=3).stream_writer(buf, closefd=False) as zw:
         try:
             for doc in process_task(task, cfg, report, timer):
                 read += 1
                 kept += doc.rejection is None
+                if doc.rejection is None and "quality_score" in doc.scores:
+                    scores.append(doc.scores["quality_score"])
                 rec = doc.kept_record() if doc.rejection is None else doc.reject_record()
                 zw.write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
         except KilnError as exc:
@@ -179,6 +182,10 @@ def _run_task_once(task: Task, cfg: DataConfig) -> tuple[dict[str, Any], bytes]:
     summary = {**asdict(task), "records_by_type": report.records_by_type, "truncated_at": report.truncated_at,
                "error": error, "documents": read, "kept": kept, "seconds": round(time.perf_counter() - t0, 3),
                "steps_s": timer.own()}
+    if cfg.quality.classifier.keep_top_fraction:
+        from kiln.data.gates.classifier import histogram
+
+        summary |= {"score_histogram": histogram(scores), "keep_top_fraction": cfg.quality.classifier.keep_top_fraction}
     return summary, buf.getvalue()
 
 
@@ -225,6 +232,10 @@ class PartWriter:
 def check_config(cfg: DataConfig) -> None:
     """What can be checked before any work starts."""
     check_model(cfg.lang_model)
+    if cfg.quality.classifier.model:
+        from kiln.data.gates.classifier import check
+
+        check(cfg.quality.classifier)
     if cfg.extractor == "trafilatura":
         from kiln.data.extract import trafilatura_text
 
@@ -294,9 +305,14 @@ def global_steps(cfg: DataConfig, work: Path, summaries: list[dict[str, Any]],
 
 
 def _documents(work: Path, summaries: list[dict[str, Any]]) -> Iterator[Document]:
-    for s in summaries:
-        for rec in read_part(work / f"task-{s['index']:05d}.jsonl.zst"):
-            yield Document.from_record(rec)
+    """Every task's outcomes in canonical order (with the classifier's top-fraction cut, when set)."""
+    docs = (Document.from_record(rec) for s in summaries for rec in read_part(work / f"task-{s['index']:05d}.jsonl.zst"))
+    fraction = summaries[0].get("keep_top_fraction") if summaries else None
+    if fraction:
+        from kiln.data.gates.classifier import cut_below, top_fraction_bin
+
+        docs = cut_below(docs, top_fraction_bin((s["score_histogram"] for s in summaries), fraction), fraction)
+    yield from docs
 
 
 def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConfig) -> dict[str, Any]:

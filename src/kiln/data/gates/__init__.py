@@ -26,7 +26,7 @@ from kiln.data.gates.noise import token_noise
 from kiln.data.gates.pii import redact_pii
 from kiln.data.gates.residue import format_residue
 from kiln.data.gates.text import TextView
-from kiln.data.gates.types import Edit, Gate, Verdict
+from kiln.data.gates.types import Edit, Gate, Score, Verdict
 
 __all__ = ["Edit", "Gate", "Verdict", "SourceProfiles", "apply_gates", "default_gates", "low_letters",
            "repetitive_lines", "source_weights", "too_short"]
@@ -47,7 +47,14 @@ def default_gates(cfg) -> list[Gate]:
         # after the edits, so that every kept document meets them as written out
         too_short(cfg.min_chars), low_letters(cfg.min_letter_frac), repetitive_lines(cfg.max_dup_line_frac),
         *on(q.pii, redact_pii),
+        *(_classifier(q.classifier) if q.classifier.model else []),  # last: it scores the text as written out
     ]
+
+
+def _classifier(cfg) -> list[Gate]:
+    from kiln.data.gates.classifier import classifier_gate  # floret is imported only when a model is set
+
+    return [classifier_gate(cfg)]
 
 
 def apply_gates(docs: Iterator[Document], gates: list[Gate]) -> Iterator[Document]:
@@ -63,8 +70,10 @@ def apply_gates(docs: Iterator[Document], gates: list[Gate]) -> Iterator[Documen
                     view = TextView(doc.text, doc.lang)
                     for k, v in result.counts.items():
                         edits[k] = edits.get(k, 0) + v
+                elif isinstance(result, Score):
+                    doc.scores[result.field] = result.value
                 elif result is not None:
                     reason, signals = result
-                    doc.reject("quality", reason, **signals, **({"edits": dict(edits)} if edits else {}))
+                    doc.reject("quality", reason, **doc.scores, **signals, **({"edits": dict(edits)} if edits else {}))
                     break
         yield doc

@@ -3,7 +3,9 @@
 A gate reads a document's text (or, when it sets `reads_url`, its URL) and
 returns a Verdict: None to keep, or (reason, signals) to drop. A step that
 rewrites text (line removal, truncation, redaction) returns an Edit with the
-new text and what it counted; the counts travel with the document.
+new text and what it counted; the counts travel with the document. A step that
+scores (the classifier) returns a Score: the document is kept and carries the
+value in its record under that field name (`quality_score`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ class Edit(NamedTuple):
     counts: dict[str, int]
 
 
-Gate = Callable[[str], "Verdict | Edit"]
+class Score(NamedTuple):
+    field: str
+    value: float
+
+
+Gate = Callable[[str], "Verdict | Edit | Score"]
 
 
 def drop(reason: str, signals: dict[str, Any], **limit: Any) -> Verdict:
