@@ -67,7 +67,7 @@ def apply_gates(docs: Iterator[Document], gates: list[Gate]) -> Iterator[Documen
                 result = gate(doc.url if getattr(gate, "reads_url", False) else view)
                 if isinstance(result, Edit):
                     doc.text = result.text
-                    view = TextView(doc.text, doc.lang)
+                    view = result.view or TextView(doc.text, doc.lang)
                     for k, v in result.counts.items():
                         edits[k] = edits.get(k, 0) + v
                 elif isinstance(result, Score):

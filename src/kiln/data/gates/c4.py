@@ -29,14 +29,15 @@ def c4_lines(cfg) -> Gate:
             return drop("c4_lorem_ipsum", {})
         if cfg.drop_curly_brace and "{" in text:
             return drop("c4_curly_brace", {})
-        kept, removed = [], {"javascript": 0, "policy": 0, "short": 0, "no_punct": 0}
-        raw = view.raw_lines
+        kept, kept_code, removed = [], [], {"javascript": 0, "policy": 0, "short": 0, "no_punct": 0}
+        raw, min_words = view.raw_lines, cfg.min_words_per_line
         javascript = cfg.drop_javascript_lines and "javascript" in low
         policy = cfg.drop_policy_lines and any(p in low for p in POLICY)
         for line, code in zip(raw, view.code):
             stripped = line.strip()
             if not stripped:
                 kept.append(line)
+                kept_code.append(False)
                 continue
             lower = stripped.lower() if javascript or policy else ""
             if javascript and "javascript" in lower:
@@ -45,12 +46,15 @@ def c4_lines(cfg) -> Gate:
                 removed["policy"] += 1
             elif code:
                 kept.append(line)
-            elif word_count(stripped) < cfg.min_words_per_line:
+                kept_code.append(True)
+            elif (len(stripped.split(None, min_words)) < min_words if stripped.isascii()
+                  else word_count(stripped) < min_words):  # ASCII: the words are the spaced ones, split in C
                 removed["short"] += 1
             elif cfg.require_terminal_punct and not stripped.endswith(TERMINAL_PUNCT):
                 removed["no_punct"] += 1
             else:
                 kept.append(line)
+                kept_code.append(False)
         n_removed = sum(removed.values())
         n_lines = sum(bool(ln.strip()) for ln in raw)
         s = {"lines": n_lines, "lines_removed": n_removed} | {f"removed_{k}": v for k, v in removed.items() if v}
@@ -61,5 +65,9 @@ def c4_lines(cfg) -> Gate:
             s["sentences"] = len(_SENTENCE_END.findall(out))
             if s["sentences"] < cfg.min_sentences:
                 return drop("c4_few_sentences", s, min=cfg.min_sentences)
-        return Edit(out, {"c4_lines_removed": n_removed}) if n_removed else None
+        if not n_removed:
+            return None
+        # the lines that stay keep their code marks: the next gates need not split and judge them again
+        after = TextView(out, view.lang, raw_lines=kept, code=kept_code) if out == "\n".join(kept) else None
+        return Edit(out, {"c4_lines_removed": n_removed}, after)
     return gate

@@ -23,7 +23,7 @@ import re
 
 import numpy as np
 
-from kiln.data.gates.text import _CJK, _CJK_CHAR, TextView, as_view, ratio
+from kiln.data.gates.text import _CJK, TextView, as_view, code_paragraph, ratio
 from kiln.data.gates.types import Gate, Verdict, drop
 
 STOP_WORDS_BY_LANG = {lang: frozenset(ws.split()) for lang, ws in {
@@ -67,7 +67,7 @@ def gopher_quality(cfg) -> Gate:
         s["symbol_word_ratio"] = ratio(text.count("#") + text.count("...") + text.count("\u2026"), n)
         stop_words = STOP_WORDS_BY_LANG.get(view.lang) if view.lang else STOP_WORDS
         if not cjk:
-            has_cjk = _CJK_CHAR.search(text) is not None  # without Han/kana the words are the spaced words
+            has_cjk = view.has_cjk  # without Han/kana the words are the spaced words
             spaced = _SPACED_WORD.findall(text) if has_cjk else view.words
             s["mean_word_len"] = ratio(sum(map(len, spaced)), len(spaced))
             if stop_words:
@@ -89,14 +89,17 @@ def gopher_quality(cfg) -> Gate:
     return gate
 
 
-def _duplicates(items: list[str]) -> tuple[int, int]:
-    """How many items repeat an earlier one, and their characters."""
+def _duplicates(items: list[str], skip=None) -> tuple[int, int]:
+    """How many items repeat an earlier one, and their characters (not counting repeats `skip` says to)."""
+    if len(set(items)) == len(items):
+        return 0, 0  # the usual case, decided in C
     seen: set[str] = set()
     count = chars = 0
     for it in items:
         if it in seen:
-            count += 1
-            chars += len(it)
+            if skip is None or not skip(it):
+                count += 1
+                chars += len(it)
         else:
             seen.add(it)
     return count, chars
@@ -202,7 +205,7 @@ def gopher_repetition(cfg) -> Gate:
         view = as_view(text)
         total = len(view.text)
         paras = view.paragraphs
-        n_dup_para, para_chars = _duplicates([p for p, code in paras if not code])
+        n_dup_para, para_chars = _duplicates(paras, skip=code_paragraph)
         s: dict = {"dup_para_frac": ratio(n_dup_para, len(paras)), "dup_para_char_frac": ratio(para_chars, total)}
         if s["dup_para_frac"] > cfg.max_dup_para_frac:
             return drop("gopher_dup_paragraphs", s, max=cfg.max_dup_para_frac)

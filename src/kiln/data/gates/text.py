@@ -75,6 +75,11 @@ def lines(text: str) -> list[str]:
     return [ln.strip() for ln in text.split("\n") if ln.strip()]
 
 
+def code_paragraph(paragraph: str) -> bool:
+    """A paragraph all of whose lines are code (by `code_lines`, judged within the paragraph alone)."""
+    return all(code_lines([ln.strip() for ln in paragraph.split("\n")]))
+
+
 def paragraphs(text: str) -> list[str]:
     return [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
 
@@ -90,12 +95,16 @@ class TextView:
     """
 
     __slots__ = ("text", "lang", "_raw_lines", "_stripped", "_lines", "_words", "_paragraphs", "_spaceless",
-                 "_visible", "_code", "_prose_lines", "_prose_words")
+                 "_visible", "_code", "_prose_lines", "_prose_words", "_has_cjk")
 
-    def __init__(self, text: str, lang: str | None = None) -> None:
+    def __init__(self, text: str, lang: str | None = None, raw_lines: list[str] | None = None,
+                 code: list[bool] | None = None) -> None:
+        """`raw_lines` and `code`, when given, must be `text.split("\\n")` and its code marks (an edit that kept
+        some lines knows both)."""
         self.text, self.lang = text, lang  # lang: what language ID said (None: not known)
-        self._raw_lines = self._stripped = self._lines = self._words = self._paragraphs = None
-        self._spaceless = self._visible = self._code = self._prose_lines = self._prose_words = None
+        self._raw_lines, self._code = raw_lines, code
+        self._stripped = self._lines = self._words = self._paragraphs = None
+        self._spaceless = self._visible = self._prose_lines = self._prose_words = self._has_cjk = None
 
     @property
     def raw_lines(self) -> list[str]:
@@ -121,22 +130,14 @@ class TextView:
     @property
     def words(self) -> list[str]:
         if self._words is None:
-            self._words = words(self.text)
+            self._words = words(self.text) if self.has_cjk else self.text.split()
         return self._words
 
     @property
-    def paragraphs(self) -> list[tuple[str, bool]]:
-        """(paragraph, all its lines are code) for each paragraph: blocks of lines between blank lines."""
+    def paragraphs(self) -> list[str]:
+        """Blocks of lines between blank lines, stripped (`paragraphs(text)`)."""
         if self._paragraphs is None:
-            out, block, code = [], [], True
-            for line, bare, is_code in zip(self.raw_lines + [""], self.stripped_lines + [""], self.code + [False]):
-                if bare:
-                    block.append(line)
-                    code = code and is_code
-                elif block:
-                    out.append(("\n".join(block).strip(), code))
-                    block, code = [], True
-            self._paragraphs = out
+            self._paragraphs = paragraphs(self.text)
         return self._paragraphs
 
     @property
@@ -168,10 +169,16 @@ class TextView:
         return self._visible
 
     @property
+    def has_cjk(self) -> bool:
+        """Any Han or kana at all (one C scan; most documents have none, and then words split in C)."""
+        if self._has_cjk is None:
+            self._has_cjk = _CJK_CHAR.search(self.text) is not None
+        return self._has_cjk
+
+    @property
     def spaceless(self) -> bool:
         if self._spaceless is None:
-            visible = self.visible_chars
-            self._spaceless = visible > 0 and len(_CJK_CHAR.findall(self.text)) / visible > 0.3
+            self._spaceless = self.has_cjk and len(_CJK_CHAR.findall(self.text)) / self.visible_chars > 0.3
         return self._spaceless
 
 

@@ -18,6 +18,13 @@ Verdict = tuple[str, dict[str, Any]] | None
 class Edit(NamedTuple):
     text: str
     counts: dict[str, int]
+    view: Any = None  # a TextView of `text` the step built anyway (a cache: not part of the value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, tuple) and tuple(self[:2]) == tuple(other[:2])
+
+    def __hash__(self) -> int:
+        return hash(self.text)
 
 
 class Score(NamedTuple):
