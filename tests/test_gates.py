@@ -373,7 +373,7 @@ def sample_pages() -> list[tuple[str, str]]:
 def test_japanese_ngram_rules_use_scaled_character_ngrams(sample_pages):
     ja = [t for lang, t in sample_pages if lang == "ja"]
     scaled = sum(gopher_repetition(GR)(t) is None for t in ja)
-    unscaled = [gopher_repetition(GopherRepetitionConfig(cjk_ngram_scale=1))(t) for t in ja]
+    unscaled = [gopher_repetition(GopherRepetitionConfig(cjk_ngram_scale=1, code_page_ngram_scale=1))(t) for t in ja]
     assert scaled == 15
     assert sum(v is not None and v[0] == "gopher_dup_ngrams" and v[1]["n"] == 5 for v in unscaled) >= 8
 
@@ -434,3 +434,15 @@ def test_top_ngram_chars_after_shorter_ones(words, n, before):
     for k in sorted(before):
         _top_ngram_chars(g, k)
     assert _top_ngram_chars(g, n) == expected
+
+
+def test_pages_with_code_get_the_documentation_limits_and_prose_pages_the_published_ones():
+    note = "New in version 3.5 of the library."
+    body = prose(30, sentences=240)
+    text = body + "\n\n" + "\n\n".join([note] * 12)  # a note repeated per entry: ~2% of the characters
+    reason, s = fineweb_rules(FW)(text)
+    assert (reason, s["max"]) == ("fineweb_dup_line_chars", 0.01) and 0.01 < s["dup_line_char_ratio"] < 0.03
+    code = "\n\n".join(f"import os\nresult_{i} = os.path.join(base, name_{i})\nprint(result_{i})" for i in range(6))
+    assert fineweb_rules(FW)(text + "\n\n" + code) is None  # documentation: 0.03
+    reason, s = fineweb_rules(FW)("\n\n".join([note] * 40) + "\n\n" + code)
+    assert reason == "fineweb_dup_line_chars" and s["max"] == 0.03  # past the documentation limit it still goes

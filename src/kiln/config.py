@@ -63,6 +63,8 @@ class GopherRepetitionConfig(Section):
     dup_ngram_max_char_frac: dict[int, float] = Field(
         default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10})
     cjk_ngram_scale: int = Field(2, ge=1, description="n-grams of text without spaces are n x this characters")
+    code_page_ngram_scale: float = Field(1.5, ge=1, description="on pages with code (documentation) the duplicated "
+                                         "n-gram limits are this many times higher: API references repeat their phrasing")
 
 
 class C4Config(Section):
@@ -85,6 +87,9 @@ class FineWebConfig(Section):
     max_short_line_ratio: float = Field(0.67, ge=0, le=1)
     short_line_chars: int = Field(30, ge=1)
     max_dup_line_char_ratio: float = Field(0.01, ge=0, le=1, description="chars in duplicated lines / all chars")
+    max_dup_line_char_ratio_code: float = Field(
+        0.03, ge=0, le=1, description="the same on pages with code (documentation: notes such as 'New in version 3.5.' "
+                                      "repeat once per entry)")
     max_list_ratio: float = Field(0.3, ge=0, description="FineWeb's new_line_ratio: newlines per word")
 
 

@@ -11,6 +11,9 @@ Choices where the paper is English-only:
   the repetition rules use character n-grams with n times `cjk_ngram_scale` (a Chinese word is
   ~1.5 characters, a Japanese one ~2: with n unscaled, 13 of the 15 Japanese Debian Reference
   pages fail the 5-gram rule, with n doubled none does).
+- code: on a page with code (documentation, `TextView.has_code`) the duplicated n-gram limits are
+  `code_page_ngram_scale` (1.5) times Gopher's: an API reference repeats its phrasing per entry ("Return
+  value: New reference.", "Raises an auditing event"); pages without code keep the published limits.
 - code: the repetition rules read the prose (`TextView.prose_lines`, `prose_words`), not the code lines of
   a documentation page, which repeat by nature (see kiln.data.gates.text).
 """
@@ -218,11 +221,13 @@ def gopher_repetition(cfg) -> Gate:
         grams = _Grams(view.prose_words or view.words)
         word_chars = int(grams.cum[-1])
         scale = cfg.cjk_ngram_scale if view.spaceless else 1
+        relax = cfg.code_page_ngram_scale if view.has_code else 1
         for n, limit in sorted(cfg.top_ngram_max_char_frac.items()):
             frac = s[f"top_{n}_gram_char_frac"] = ratio(_top_ngram_chars(grams, n * scale), word_chars)
             if frac > limit:
                 return drop("gopher_top_ngram", s, n=n * scale, max=limit)
         for n, limit in sorted(cfg.dup_ngram_max_char_frac.items()):
+            limit = min(1.0, limit * relax)
             frac = s[f"dup_{n}_gram_char_frac"] = ratio(_duplicated_ngram_chars(grams, n * scale), word_chars)
             if frac > limit:
                 return drop("gopher_dup_ngrams", s, n=n * scale, max=limit)

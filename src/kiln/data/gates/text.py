@@ -30,6 +30,7 @@ _CJK_CHAR = re.compile(f"[{_CJK}]")
 # CJK punctuation, kana, Han, Hangul, Thai, Lao, Tibetan, Myanmar, Khmer, full-width forms
 SPACELESS_SCRIPTS = ("\u3000-\u303f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uac00-\ud7af"
                      "\u1100-\u11ff\u0e00-\u0eff\u0f00-\u0fff\u1000-\u109f\u1780-\u17ff\uff00-\uffef")
+CODE_PAGE_SHARE = 0.05
 _PROMPTS = (">>>", "...", "$ ", "# ", "% ")
 _CODE_ENDS = tuple("{}()[];,:\\=")
 _CODE_SIGN = re.compile(r"=|\w\(|[{}\[\]<>]|--|::")
@@ -146,6 +147,11 @@ class TextView:
         if self._code is None:
             self._code = code_lines(self.stripped_lines)
         return self._code
+
+    @property
+    def has_code(self) -> bool:
+        """A page with code: at least CODE_PAGE_SHARE of its non-blank lines are code (documentation)."""
+        return sum(self.code) >= CODE_PAGE_SHARE * max(len(self.lines), 1)
 
     @property
     def prose_lines(self) -> list[str]:
