@@ -10,6 +10,9 @@ are not installed). For each, in one process and alternating, `REPEATS` times:
 - read + extract: FastWARC records -> resiliparse main-content text (what the stage cannot go faster than);
 - filter stage: read -> extract -> language -> every default gate (`pipeline.process_task`).
 
+Then the learned gate's cost: a floret classifier (`kiln data classifier train`, 60 sample pages as
+positives against their words shuffled) scores every extracted page of the input; ms/doc of CPU.
+
 The ratio is docs/s of the filter stage over docs/s of read + extract (medians), both in CPU seconds
 of this process (`time.process_time`: one worker, and on a shared machine what other processes take
 does not count); wall-clock docs/s are printed too. The per-step seconds come from the stage's own
@@ -65,6 +68,40 @@ def measure(path: Path) -> dict:
             "gates_ms_per_doc": 1000 * f * share / n}
 
 
+def classifier_cost(path: Path, folder: Path) -> float | None:
+    """CPU ms per document of the classifier gate on the input's extracted pages (None without floret)."""
+    import json
+    import random
+
+    from kiln.config import ClassifierConfig, DataConfig
+    from kiln.data.document import ReadReport
+    from kiln.data.extract import extract
+    from kiln.data.pipeline import Task, read_task
+
+    try:
+        from kiln.data.gates.classifier import classifier_gate, train
+    except ImportError:
+        return None
+    cfg = DataConfig()
+    texts = [d.text for d in extract(read_task(Task(0, str(path)), cfg, ReadReport()), cfg.max_page_bytes)
+             if d.rejection is None]
+    rng = random.Random(0)
+    pos, neg = folder / "pos.jsonl", folder / "neg.jsonl"
+    pos.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:60]))
+    neg.write_text("".join(json.dumps({"text": " ".join(rng.sample(t.split(), len(t.split())))}) + "\n"
+                           for t in texts[:60]))
+    try:
+        train([str(pos)], [str(neg)], folder / "quality.bin")
+    except Exception:  # floret missing: ConfigError
+        return None
+    gate = classifier_gate(ClassifierConfig(model=str(folder / "quality.bin"), threshold=0.5))
+    t0 = time.process_time()
+    for _ in range(REPEATS):
+        for t in texts:
+            gate(t)
+    return 1000 * (time.process_time() - t0) / (REPEATS * len(texts))
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-bench-filter-") as tmp:
         inputs = {"sample": SAMPLE, "debian-docs": docs_crawl(Path(tmp))}
@@ -78,3 +115,5 @@ def main() -> None:
             print(f"{name:<12} {r['docs']:>5} {r['read_extract_docs_s']:>15.1f} {r['filter_docs_s']:>9.1f} "
                   f"{r['ratio']:>6.2f} {r['wall_ratio']:>5.2f} {r['gates_ms_per_doc']:>12.2f}  "
                   + " ".join(f"{k}={v:.2f}" for k, v in r["steps_s"].items()))
+        cost = classifier_cost(SAMPLE, Path(tmp))
+        print("classifier gate: " + ("floret not installed" if cost is None else f"{cost:.2f} ms/doc (CPU) on the sample"))

@@ -446,3 +446,12 @@ def test_pages_with_code_get_the_documentation_limits_and_prose_pages_the_publis
     assert fineweb_rules(FW)(text + "\n\n" + code) is None  # documentation: 0.03
     reason, s = fineweb_rules(FW)("\n\n".join([note] * 40) + "\n\n" + code)
     assert reason == "fineweb_dup_line_chars" and s["max"] == 0.03  # past the documentation limit it still goes
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(max_size=200))
+def test_count_letters_is_str_isalpha(text):
+    from kiln.data.gates.basic import count_letters
+
+    assert count_letters(text) == sum(map(str.isalpha, text))
+    assert count_letters(text + "\U0001d49c\ud800²❸") == sum(map(str.isalpha, text)) + 1  # math A, lone surrogate

@@ -118,8 +118,9 @@ class _Grams:
     """
 
     def __init__(self, ws: list[str]) -> None:
-        ids = {w: i for i, w in enumerate(dict.fromkeys(ws))}
-        self.ids = np.array(list(map(ids.__getitem__, ws)), dtype=np.uint64)
+        # a word's id is its str hash (computed in C, cached on the string): only equality matters, and the
+        # rules' answers depend on positions, not on the ids' values, so they are the same in every process
+        self.ids = np.fromiter(map(hash, ws), dtype=np.int64, count=len(ws)).view(np.uint64)
         self.cum = np.concatenate([[0], np.cumsum(np.fromiter(map(len, ws), dtype=np.int64, count=len(ws)))])
         self.cum_list = self.cum.tolist()  # for the one rule that must walk the words in Python
         self._repeated: dict[int, np.ndarray] = {}  # n -> positions whose n-gram occurs more than once

@@ -40,7 +40,7 @@ _ASSIGNED = re.compile(r"[\w.-]+=")  # FZF_COMPLETION_PATH=/usr/share/...: a set
 _SPACELESS = re.compile(f"[{SPACELESS_SCRIPTS}]")
 _CODE_PUNCT = re.compile(r"[{}()\[\];=,:!&|<>+*?.]")
 _HEX_GROUP = re.compile(r"[0-9a-fA-F]{2,8}:?")
-_HEX_RUN = re.compile(r"(?<!\S)(?:[0-9a-fA-F]{2,8}:?\s+){7}[0-9a-fA-F]{2,8}:?(?!\S)")  # 8 groups in a row
+_HEX_RUN = re.compile(r"(?<!\S)(?:[0-9a-fA-F]{2,8}:?[ \t]+){7}[0-9a-fA-F]{2,8}:?(?!\S)")  # 8 groups in a row
 _HEX_LETTER = re.compile(r"[a-fA-F]")
 PACKED_LINE_CHARS = 100  # in a line this long, a token this long with this share of code punctuation is packed
 PACKED_LINE_PUNCT_FRAC = 0.15  # prose has ~3% of these characters, minified JavaScript ~30%
@@ -76,22 +76,12 @@ def token_noise(cfg) -> Gate:
             and len(_CODE_PUNCT.findall(tok)) >= PACKED_PUNCT_FRAC * len(tok)
 
     def gate(text: "str | TextView") -> "Verdict | Edit":
-        text = as_view(text).text
-        toks = text.split()
-        kinds = [_HEX_RUN.pattern] if len(toks) >= 8 else []
-        if toks and max(map(len, toks)) >= long:
-            kinds.append(f"\\S{{{long},}}")
-        if any(c in text for c in _MARKUP_STARTS):
-            kinds.append(_MARKUP.pattern)
-        if not kinds:
-            return None
-        suspect = re.compile("|".join(kinds))  # re caches the few combinations
+        view = as_view(text)
+        text = view.text
+        toks = view.words if not view.has_cjk else text.split()  # the words other gates split already
         out, noisy, cut_lines, cut_chars = [], 0, 0, 0
         done = 0  # text[:done] is judged (and in `out`)
-        while (m := suspect.search(text, done)) is not None:  # only the lines that hold a suspect are split
-            start = text.rfind("\n", 0, m.start()) + 1
-            end = text.find("\n", m.start())
-            end = len(text) if end < 0 else end
+        for start, end in _suspect_lines(text, toks, long):  # only the lines that hold a suspect are split
             out.append(text[done:start])
             line, done = text[start:end], end
             line_toks = line.split()
@@ -122,6 +112,28 @@ def token_noise(cfg) -> Gate:
             return drop("token_noise_truncated_away", s | {"chars_left": len(new)}, min_keep_chars=cfg.min_keep_chars)
         return Edit(new, {"noise_truncated_lines": cut_lines, "noise_truncated_chars": cut_chars})
     return gate
+
+
+def _suspect_lines(text: str, toks: list[str], long: int) -> list[tuple[int, int]]:
+    """(start, end) of each line holding a long token, markup or a hex run, in order: found by C scans (the
+    long tokens among the words, `in` before the markup regex), so a clean document costs no Python loop."""
+    at: list[int] = []
+    cursor = 0
+    for tok in [t for t in toks if len(t) >= long]:
+        cursor = text.find(tok, cursor)
+        at.append(cursor)
+        cursor += len(tok)
+    if any(c in text for c in _MARKUP_STARTS):
+        at += [m.start() for m in _MARKUP.finditer(text)]
+    if len(toks) >= 8:
+        at += [m.start() for m in _HEX_RUN.finditer(text)]
+    spans: dict[int, int] = {}
+    for pos in sorted(at):
+        start = text.rfind("\n", 0, pos) + 1
+        if start not in spans:
+            end = text.find("\n", pos)
+            spans[start] = len(text) if end < 0 else end
+    return list(spans.items())
 
 
 def _token_start(line: str, index: int) -> int:
