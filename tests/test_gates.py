@@ -455,3 +455,16 @@ def test_count_letters_is_str_isalpha(text):
 
     assert count_letters(text) == sum(map(str.isalpha, text))
     assert count_letters(text + "\U0001d49c\ud800²❸") == sum(map(str.isalpha, text)) + 1  # math A, lone surrogate
+
+
+@settings(max_examples=300, deadline=None)
+@given(words=st.lists(st.sampled_from(["a", "bb", "ccc", "dd"]), max_size=80), n=st.integers(1, 8),
+       limit=st.floats(0, 1))
+def test_duplicated_ngram_bound_never_hides_a_drop(words, n, limit):
+    # None means "at most the limit": it must never be said of a document that exceeds it
+    from kiln.data.gates.gopher import _duplicated_ngram_chars, _Grams
+
+    exact = _walk_duplicated_ngram_chars(words, n)
+    total = sum(map(len, words))
+    got = _duplicated_ngram_chars(_Grams(words), n, at_most=limit * total)
+    assert got == exact or (got is None and exact <= limit * total)

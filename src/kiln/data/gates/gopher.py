@@ -173,7 +173,7 @@ def _top_ngram_chars(g: _Grams, n: int) -> int:
     return int(g.chars(pos[first[counts == top]], n).max()) * int(top)
 
 
-def _duplicated_ngram_chars(g: _Grams, n: int) -> int:
+def _duplicated_ngram_chars(g: _Grams, n: int, at_most: float | None = None) -> int | None:
     """Characters of words inside n-grams seen before (Gopher, as datatrove counts it: walking the n-grams in
     order, a repeat is counted and the n-1 n-grams overlapping it are skipped, unseen).
 
@@ -181,12 +181,20 @@ def _duplicated_ngram_chars(g: _Grams, n: int) -> int:
     cannot be repeats, only make their value seen unless a skip covers them. So a candidate is a repeat
     when its value was seen at an earlier candidate that was walked, or at its first occurrence, unless a
     skipped span covers that.
+
+    With `at_most`, None when the answer is at most that: the counted spans start at later occurrences and do
+    not overlap, so the characters their union covers (numpy) bound it, and most pages need no walk.
     """
     pos, first, inverse, _ = g.groups(n)
     if not len(pos):
         return 0
     first_of = pos[first[inverse]]
     later = first_of != pos
+    if at_most is not None:
+        starts, size = pos[later], len(g.ids)
+        depth = np.cumsum(np.bincount(starts, minlength=size + n) - np.bincount(starts + n, minlength=size + n))
+        if int(np.diff(g.cum)[depth[:size] > 0].sum()) <= at_most:
+            return None
     cum = g.cum_list
     skipped: list[int] = []  # starts of the skipped spans (i, i + n), in order
     seen_at_candidate: set[int] = set()
@@ -227,10 +235,18 @@ def gopher_repetition(cfg) -> Gate:
             frac = s[f"top_{n}_gram_char_frac"] = ratio(_top_ngram_chars(grams, n * scale), word_chars)
             if frac > limit:
                 return drop("gopher_top_ngram", s, n=n * scale, max=limit)
+        bounded = []  # n-grams found within their limit by the bound: walked only if the document is dropped
         for n, limit in sorted(cfg.dup_ngram_max_char_frac.items()):
             limit = min(1.0, limit * relax)
-            frac = s[f"dup_{n}_gram_char_frac"] = ratio(_duplicated_ngram_chars(grams, n * scale), word_chars)
+            chars = _duplicated_ngram_chars(grams, n * scale, at_most=limit * word_chars)
+            if chars is None:
+                s[f"dup_{n}_gram_char_frac"] = None
+                bounded.append(n)
+                continue
+            frac = s[f"dup_{n}_gram_char_frac"] = ratio(chars, word_chars)
             if frac > limit:
+                for m in bounded:  # the drop's signals hold every value
+                    s[f"dup_{m}_gram_char_frac"] = ratio(_duplicated_ngram_chars(grams, m * scale), word_chars)
                 return drop("gopher_dup_ngrams", s, n=n * scale, max=limit)
         return None
     return gate

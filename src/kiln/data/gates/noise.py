@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
+
 from kiln.data.gates.text import SPACELESS_SCRIPTS, TextView, as_view, ratio
 from kiln.data.gates.types import Edit, Gate, Verdict, drop
 
@@ -119,7 +121,8 @@ def _suspect_lines(text: str, toks: list[str], long: int) -> list[tuple[int, int
     long tokens among the words, `in` before the markup regex), so a clean document costs no Python loop."""
     at: list[int] = []
     cursor = 0
-    for tok in [t for t in toks if len(t) >= long]:
+    lengths = np.fromiter(map(len, toks), dtype=np.int64, count=len(toks))
+    for tok in map(toks.__getitem__, np.flatnonzero(lengths >= long).tolist()):
         cursor = text.find(tok, cursor)
         at.append(cursor)
         cursor += len(tok)
