@@ -132,6 +132,20 @@ class ClassifierConfig(Section):
         return self
 
 
+class SemanticConfig(Section):
+    """SEEDS semantic gate: cosine of a document to the keywords' centroid in word-vector space."""
+    keywords: list[str] = Field(default_factory=list, description="the domain's words or phrases; empty = off")
+    min_cosine: float = Field(0.25, ge=-1, le=1, description="documents scoring below this are set aside or dropped")
+    action: Literal["review", "drop"] = Field("review", description="review: written to docs/review/ with the "
+                                              "score (and counted as quality/semantic_review); drop: rejected")
+    vectors: str | None = Field(None, description="a floret/fastText model file; null = skipgram vectors trained "
+                                "on the corpus")
+    sample_docs: int = Field(2000, ge=10, description="documents the corpus vectors are trained on")
+    dim: int = Field(64, ge=8, description="dimensions of the corpus vectors")
+    epoch: int = Field(5, ge=1, description="epochs of the corpus vectors")
+    max_chars: int = Field(10_000, ge=100, description="characters of each document embedded")
+
+
 class QualityConfig(Section):
     gopher_quality: GopherQualityConfig = Field(default_factory=GopherQualityConfig)
     gopher_repetition: GopherRepetitionConfig = Field(default_factory=GopherRepetitionConfig)
@@ -141,6 +155,7 @@ class QualityConfig(Section):
     residue: ResidueConfig = Field(default_factory=ResidueConfig)
     pii: PiiConfig = Field(default_factory=PiiConfig)
     classifier: ClassifierConfig = Field(default_factory=ClassifierConfig)
+    semantic: SemanticConfig = Field(default_factory=SemanticConfig)
 
 
 class BlocklistConfig(Section):

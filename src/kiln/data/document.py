@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-SCORE_FIELDS = ("quality_score",)  # record fields that scoring gates write
+SCORE_FIELDS = ("quality_score", "semantic_score")  # record fields that scoring gates write
 
 
 @dataclass
@@ -59,9 +59,10 @@ class Document:
             **({"edits": self.edits} if self.edits else {}), **self.scores,
         }
 
-    def reject_record(self) -> dict[str, Any]:
+    def reject_record(self, with_text: bool = False) -> dict[str, Any]:
+        """The rejection; `with_text` adds the text (a task's outcome for a document set aside for review)."""
         assert self.rejection is not None
-        return {
+        return ({"text": self.text} if with_text else {}) | {
             "id": self.id, "url": self.url, "source": self.source, "offset": self.offset,
             "length": self.length, "stage": self.rejection.stage, "reason": self.rejection.reason,
             "signals": self.rejection.signals, "date": self.date, "record_id": self.record_id,

@@ -33,6 +33,8 @@ from kiln.data.document import Document, ReadReport
 from kiln.data.executor import run_tasks
 from kiln.data.extract import extract
 from kiln.data.gates import apply_gates, default_gates
+from kiln.data.gates.semantic import REVIEW as SEMANTIC_REVIEW
+from kiln.data.gates.semantic import prepare as prepare_semantic
 from kiln.data.language import check_model, identify_language
 from kiln.data.read import read_warc, splittable
 from kiln.data.sources import expand_inputs as _expand, input_format, input_identity, input_size, read_jsonl, read_parquet
@@ -175,7 +177,8 @@ def _run_task_once(task: Task, cfg: DataConfig) -> tuple[dict[str, Any], bytes]:
                 kept += doc.rejection is None
                 if doc.rejection is None and "quality_score" in doc.scores:
                     scores.append(doc.scores["quality_score"])
-                rec = doc.kept_record() if doc.rejection is None else doc.reject_record()
+                rec = doc.kept_record() if doc.rejection is None else \
+                    doc.reject_record(with_text=doc.rejection.reason == SEMANTIC_REVIEW)
                 zw.write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
         except KilnError as exc:
             error = str(exc)
@@ -236,6 +239,11 @@ def check_config(cfg: DataConfig) -> None:
         from kiln.data.gates.classifier import check
 
         check(cfg.quality.classifier)
+    if cfg.quality.semantic.keywords:
+        from kiln.data.gates.classifier import _floret
+        from kiln.data.gates.semantic import _model
+
+        _model(cfg.quality.semantic.vectors) if cfg.quality.semantic.vectors else _floret()
     if cfg.extractor == "trafilatura":
         from kiln.data.extract import trafilatura_text
 
@@ -255,6 +263,7 @@ def run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None 
     work = out.parent / f".{out.name}-work-{work_key(fp, tasks)}"
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    cfg = prepare_semantic(cfg, files, work)  # vectors trained on the corpus, when the semantic gate needs them
 
     todo = [t for t in tasks if not (work / f"{t.name}.done.json").exists()]
     workers = workers or cfg.workers
@@ -317,6 +326,8 @@ def _documents(work: Path, summaries: list[dict[str, Any]]) -> Iterator[Document
 
 def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConfig) -> dict[str, Any]:
     kept_w, rej_w = PartWriter(out, cfg.docs_per_part), PartWriter(out / "rejects", cfg.docs_per_part)
+    review_w = PartWriter(out / "review", cfg.docs_per_part) if cfg.quality.semantic.action == "review" \
+        and cfg.quality.semantic.keywords else None
     timer = StepTimer()
     docs = timer.wrap("tasks", _documents(work, summaries))
     t_index = time.perf_counter()
@@ -345,10 +356,14 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
             counts["kept"] += 1
         else:
             rej_w.add(doc.reject_record())
+            if review_w is not None and doc.rejection.reason == SEMANTIC_REVIEW:  # set aside, with its score
+                review_w.add(doc.kept_record() | {"semantic_score": doc.rejection.signals["semantic_score"]})
             reasons[f"{doc.rejection.stage}/{doc.rejection.reason}"] += 1
             counts["rejected"] += 1
     kept_w.flush()
     rej_w.flush()
+    if review_w is not None:
+        review_w.flush()
     rejected = sum(reasons.values())
     assert read == kept + rejected, "accounting broke: every document must be kept or rejected"
 

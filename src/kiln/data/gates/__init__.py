@@ -48,7 +48,14 @@ def default_gates(cfg) -> list[Gate]:
         too_short(cfg.min_chars), low_letters(cfg.min_letter_frac), repetitive_lines(cfg.max_dup_line_frac),
         *on(q.pii, redact_pii),
         *(_classifier(q.classifier) if q.classifier.model else []),  # last: it scores the text as written out
+        *(_semantic(q.semantic) if q.semantic.keywords else []),
     ]
+
+
+def _semantic(cfg) -> list[Gate]:
+    from kiln.data.gates.semantic import semantic_gate  # floret is imported only when keywords are set
+
+    return [semantic_gate(cfg)]
 
 
 def _classifier(cfg) -> list[Gate]:

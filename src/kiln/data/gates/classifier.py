@@ -147,10 +147,11 @@ def _texts(path: str) -> Iterator[str]:
 
 
 def train(positive: list[str], negative: list[str], out: Path, *, max_chars: int = 10_000, epoch: int = 10,
-          word_ngrams: int = 2, dim: int = 64, seed: int = 1) -> dict[str, int]:
+          word_ngrams: int = 2, dim: int = 64, bucket: int = 200_000, seed: int = 1) -> dict[str, int]:
     """Train a floret supervised model (positives `__label__hq`, negatives `__label__lq`) and save it to `out`.
 
-    Memory: the training examples (`max_chars` each) are held once to shuffle them, then written for floret.
+    Memory: the training examples (`max_chars` each) are held once to shuffle them, then written for floret;
+    the model holds (vocabulary + `bucket`) x `dim` floats (~50 MB by default), in each worker that scores.
     """
     floret = _floret()
     out = Path(out)
@@ -173,8 +174,9 @@ def train(positive: list[str], negative: list[str], out: Path, *, max_chars: int
         raise KilnError(f"kiln data classifier train: {counts[POSITIVE]} positive and {counts[NEGATIVE]} negative "
                         "documents; give both --positive and --negative files with text")
     try:
-        model = floret.train_supervised(str(lines), epoch=epoch, wordNgrams=word_ngrams, dim=dim, seed=seed,
-                                        thread=1, verbose=0)
+        # bucket: rows for the word bigrams (fastText's default 2M x dim would be 0.5 GB in every worker)
+        model = floret.train_supervised(str(lines), epoch=epoch, wordNgrams=word_ngrams, dim=dim, bucket=bucket,
+                                        seed=seed, thread=1, verbose=0)
         tmp = out.with_name(out.name + ".tmp")
         model.save_model(str(tmp))
         tmp.replace(out)
