@@ -10,8 +10,9 @@ are not installed). For each, in one process and alternating, `REPEATS` times:
 - read + extract: FastWARC records -> resiliparse main-content text (what the stage cannot go faster than);
 - filter stage: read -> extract -> language -> every default gate (`pipeline.process_task`).
 
-Then the learned gate's cost: a floret classifier (`kiln data classifier train`, 60 sample pages as
-positives against their words shuffled) scores every extracted page of the input; ms/doc of CPU.
+Then the learned gates' cost, ms/doc of CPU over every extracted page of the sample: a floret classifier
+(`kiln data classifier train`, 60 sample pages as positives against their words shuffled), and the
+semantic gate (skipgram vectors trained on the sample as `kiln data` trains them, five keywords).
 
 The ratio is docs/s of the filter stage over docs/s of read + extract (medians), both in CPU seconds
 of this process (`time.process_time`: one worker, and on a shared machine what other processes take
@@ -68,19 +69,19 @@ def measure(path: Path) -> dict:
             "gates_ms_per_doc": 1000 * f * share / n}
 
 
-def classifier_cost(path: Path, folder: Path) -> float | None:
-    """CPU ms per document of the classifier gate on the input's extracted pages (None without floret)."""
+def learned_gate_costs(path: Path, folder: Path) -> dict[str, float] | None:
+    """CPU ms per document of the classifier and semantic gates on the input's pages (None without floret)."""
     import json
     import random
 
-    from kiln.config import ClassifierConfig, DataConfig
     from kiln.data.document import ReadReport
     from kiln.data.extract import extract
     from kiln.data.pipeline import Task, read_task
 
     try:
+        from kiln.config import ClassifierConfig, DataConfig
         from kiln.data.gates.classifier import classifier_gate, train
-    except ImportError:
+    except ImportError:  # a Kiln without the learned gates
         return None
     cfg = DataConfig()
     texts = [d.text for d in extract(read_task(Task(0, str(path)), cfg, ReadReport()), cfg.max_page_bytes)
@@ -94,12 +95,20 @@ def classifier_cost(path: Path, folder: Path) -> float | None:
         train([str(pos)], [str(neg)], folder / "quality.bin")
     except Exception:  # floret missing: ConfigError
         return None
-    gate = classifier_gate(ClassifierConfig(model=str(folder / "quality.bin"), threshold=0.5))
-    t0 = time.process_time()
-    for _ in range(REPEATS):
-        for t in texts:
-            gate(t)
-    return 1000 * (time.process_time() - t0) / (REPEATS * len(texts))
+    from kiln.config import SemanticConfig
+    from kiln.data.gates.semantic import prepare, semantic_gate
+
+    sem = prepare(DataConfig(quality={"semantic": {"keywords": ["debian", "package", "apt", "kernel", "system"]}}),
+                  [str(path)], folder).quality.semantic
+    out = {}
+    for name, gate in (("classifier", classifier_gate(ClassifierConfig(model=str(folder / "quality.bin"), threshold=0.5))),
+                       ("semantic", semantic_gate(SemanticConfig(**sem.model_dump())))):
+        t0 = time.process_time()
+        for _ in range(REPEATS):
+            for t in texts:
+                gate(t)
+        out[name] = 1000 * (time.process_time() - t0) / (REPEATS * len(texts))
+    return out
 
 
 def main() -> None:
@@ -115,5 +124,6 @@ def main() -> None:
             print(f"{name:<12} {r['docs']:>5} {r['read_extract_docs_s']:>15.1f} {r['filter_docs_s']:>9.1f} "
                   f"{r['ratio']:>6.2f} {r['wall_ratio']:>5.2f} {r['gates_ms_per_doc']:>12.2f}  "
                   + " ".join(f"{k}={v:.2f}" for k, v in r["steps_s"].items()))
-        cost = classifier_cost(SAMPLE, Path(tmp))
-        print("classifier gate: " + ("floret not installed" if cost is None else f"{cost:.2f} ms/doc (CPU) on the sample"))
+        costs = learned_gate_costs(SAMPLE, Path(tmp))
+        print("learned gates: " + ("floret not installed" if costs is None else
+                                   ", ".join(f"{k} {v:.2f} ms/doc" for k, v in costs.items()) + " (CPU, the sample)"))
