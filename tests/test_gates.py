@@ -468,3 +468,18 @@ def test_duplicated_ngram_bound_never_hides_a_drop(words, n, limit):
     total = sum(map(len, words))
     got = _duplicated_ngram_chars(_Grams(words), n, at_most=limit * total)
     assert got == exact or (got is None and exact <= limit * total)
+
+
+def test_noise_cuts_no_chinese_or_japanese_prose_from_the_sample(sample_pages):
+    # the old long-token rule cut 4,420 Han/kana characters from these pages (and dropped pure-Chinese text)
+    from kiln.data.gates.text import _CJK_CHAR
+
+    gate = token_noise(NoiseConfig())
+    cut = 0
+    for lang, text in sample_pages:
+        if lang in ("ja", "zh"):
+            result = gate(text)
+            assert not (isinstance(result, tuple) and not isinstance(result, Edit)), result
+            if isinstance(result, Edit):
+                cut += len(_CJK_CHAR.findall(text)) - len(_CJK_CHAR.findall(result.text))
+    assert cut == 0
