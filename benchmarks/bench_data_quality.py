@@ -84,7 +84,7 @@ def near_copy(html: bytes, rng: random.Random, low: float = 0.80, high: float = 
     for k in range(20, 400, 5):
         counter = iter(range(10**9))
 
-        def edit(m: re.Match) -> str:
+        def edit(m: re.Match, k: int = k, counter=counter) -> str:
             return ">" + " ".join(w + "x" if w.isalpha() and next(counter) % k == k // 2 else w
                                   for w in m.group(1).split(" ")) + "<"
 
@@ -103,7 +103,7 @@ def junk_pages(rng: random.Random) -> dict[str, tuple[str, bytes]]:
     def page(body: str, title: str = "page") -> bytes:
         return f"<html><head><title>{title}</title></head><body>{body}</body></html>".encode()
 
-    words = "buy cheap pills online best price casino bonus free win money now deal".split()
+    words = ["buy", "cheap", "pills", "online", "best", "price", "casino", "bonus", "free", "win", "money", "now", "deal"]
     kinds = {
         "spam": lambda: page("<p>" + " ".join(rng.choice(words) for _ in range(2500)) + "</p>"),
         "base64": lambda: page("".join(f"<p>{base64.b64encode(rng.randbytes(500)).decode()}</p>" for _ in range(30))),
@@ -113,8 +113,8 @@ def junk_pages(rng: random.Random) -> dict[str, tuple[str, bytes]]:
                                                     + "</tr>" for _ in range(200)) + "</table>"),
         "boilerplate": lambda: page("".join("<p>Welcome to our shop. Add this product to your cart now.</p>"
                                             "<p>Free shipping on every order over ten dollars.</p>" for _ in range(40))),
-        "lorem": lambda: page("<p>" + " ".join(["Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do "
-                                                "eiusmod tempor incididunt ut labore et dolore magna aliqua."] * 30) + "</p>"),
+        "lorem": lambda: page("<p>" + " ".join([("Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do "
+                                                "eiusmod tempor incididunt ut labore et dolore magna aliqua.")] * 30) + "</p>"),
         "mojibake": lambda: page("<p>" + " ".join("Ã©tÃ© Ã  cÃ´tÃ© â€™ Â©" for _ in range(300)) + "</p>"),
         "hexdump": lambda: page("<pre>" + "\n".join(f"{i * 16:08x}  " + " ".join(f"{b:02x}" for b in rng.randbytes(16))
                                                     for i in range(200)) + "</pre>"),
@@ -194,7 +194,7 @@ def score(result: dict, truth: dict) -> dict:
 def run(inputs: list[str], out: Path, src: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(src))
     r = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(inputs), str(out)], capture_output=True, text=True,
-                       env=env, cwd=ROOT)
+                       env=env, cwd=ROOT, check=False)
     if r.returncode:
         raise SystemExit(f"kiln data failed ({src}):\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])

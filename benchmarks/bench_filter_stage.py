@@ -77,6 +77,7 @@ def learned_gate_costs(path: Path, folder: Path) -> dict[str, float] | None:
     from kiln.data.document import ReadReport
     from kiln.data.extract import extract
     from kiln.data.pipeline import Task, read_task
+    from kiln.errors import KilnError
 
     try:
         from kiln.config import ClassifierConfig, DataConfig
@@ -93,7 +94,7 @@ def learned_gate_costs(path: Path, folder: Path) -> dict[str, float] | None:
                            for t in texts[:60]))
     try:
         train([str(pos)], [str(neg)], folder / "quality.bin")
-    except Exception:  # floret missing: ConfigError
+    except KilnError:  # floret missing: ConfigError
         return None
     from kiln.config import SemanticConfig
     from kiln.data.gates.semantic import prepare, semantic_gate

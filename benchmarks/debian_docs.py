@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from io import BytesIO
 from pathlib import Path
 
@@ -28,7 +28,7 @@ CORPORA = {
     "python": ("usr/share/doc/python3.11/html/*/*.html", "https://docs.python.org/3.11/"),
 }
 _LANG = re.compile(r"\.([a-z]{2}(?:-[a-z]{2})?)\.html$")
-START = datetime(2026, 11, 1, tzinfo=timezone.utc)
+START = datetime(2026, 11, 1, tzinfo=UTC)
 NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://kiln.invalid/debian-docs")
 
 

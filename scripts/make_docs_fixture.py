@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.debian_docs import page_url, write_warc  # noqa: E402
+from benchmarks.debian_docs import page_url, write_warc
 
 PAGES = [
     ("debian-faq", "usr/share/doc/debian/FAQ/de/basic-defs.de.html"),

@@ -11,8 +11,8 @@ import random
 from pathlib import Path
 
 import pytest
-
 from conftest import write_warc
+
 from kiln.config import DataConfig
 from kiln.data.extract import resiliparse_text
 from kiln.data.gates.text import TextView
@@ -52,7 +52,7 @@ def run(tmp_path_factory):
 
 
 def test_every_documentation_page_is_kept_with_its_language(run):
-    stats, kept, rejects = run
+    _, kept, rejects = run
     docs = {u: r for u, r in {**kept, **rejects}.items() if "example" not in u}
     assert len(docs) == 16
     assert set(kept) == set(docs), {u: (r["reason"], r["signals"]) for u, r in rejects.items() if u in docs}
