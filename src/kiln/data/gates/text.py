@@ -63,10 +63,6 @@ def word_count(text: str) -> float:
     return spaced + cjk / CJK_CHARS_PER_WORD
 
 
-def is_cjk(word: str) -> bool:
-    return len(word) == 1 and _CJK_CHAR.match(word) is not None
-
-
 def spaceless(text: "str | TextView") -> bool:
     """True when over 30% of the visible characters are Han or kana (Japanese pages are full of ASCII commands)."""
     return as_view(text).spaceless
