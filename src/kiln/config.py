@@ -167,6 +167,15 @@ class DistributionConfig(Section):
     enabled: bool = True
     top_tokens: int = Field(1000, ge=1)
     max_z: float = Field(3.0, gt=0, description="sources beyond this z-score get weight max_z / z")
+    source_key: str = Field("file", description="what a source is: file (the input file), host (the URL's host), "
+                                                "or field:NAME (a JSONL/Parquet record field)")
+
+    @model_validator(mode="after")
+    def _source_key(self) -> "DistributionConfig":
+        key = self.source_key
+        if key not in ("file", "host") and not (key.startswith("field:") and key[len("field:"):]):
+            raise ValueError(f"data.distribution.source_key must be file, host or field:NAME, got {key!r}")
+        return self
 
 
 class DedupConfig(Section):

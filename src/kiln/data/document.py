@@ -44,6 +44,7 @@ class Document:
     rejection: Rejection | None = None
     edits: dict[str, int] = field(default_factory=dict)  # what rewriting gates changed, e.g. {"pii_email": 2}
     scores: dict[str, float] = field(default_factory=dict)  # what scoring gates gave, e.g. {"quality_score": 0.93}
+    source_group: str | None = None  # the distribution gate's source (data.distribution.source_key)
 
     def reject(self, stage: str, reason: str, **signals: Any) -> "Document":
         self.rejection = Rejection(stage, reason, signals)
@@ -57,6 +58,7 @@ class Document:
             "lang_score": None if self.lang_score is None else round(self.lang_score, 4),
             "date": self.date, "record_id": self.record_id, "content_type": self.content_type,
             **({"edits": self.edits} if self.edits else {}), **self.scores,
+            **({"source_group": self.source_group} if self.source_group is not None else {}),
         }
 
     def reject_record(self, with_text: bool = False) -> dict[str, Any]:
@@ -72,7 +74,8 @@ class Document:
     @classmethod
     def from_record(cls, rec: dict[str, Any]) -> "Document":
         """A kept or reject record (as a task wrote it) back into a Document."""
-        names = ("id", "source", "offset", "length", "url", "date", "content_type", "record_id", "text", "lang", "lang_score")
+        names = ("id", "source", "offset", "length", "url", "date", "content_type", "record_id", "text", "lang",
+                 "lang_score", "source_group")
         doc = cls(**{k: rec.get(k) for k in names}, edits=rec.get("edits") or {},
                   scores={k: rec[k] for k in SCORE_FIELDS if rec.get(k) is not None})
         if "reason" in rec:

@@ -28,7 +28,7 @@ import zstandard
 
 from kiln.config import DataConfig
 from kiln.data.dedup import LEDGER, ExactDedup, drop_near_duplicates, near_dedup, near_duplicate_ledger, write_ledger
-from kiln.data.gates.distribution import SourceProfiles
+from kiln.data.gates.distribution import Composition, SourceProfiles, record_field, source_group
 from kiln.data.document import Document, ReadReport
 from kiln.data.executor import run_tasks
 from kiln.data.extract import extract
@@ -123,7 +123,7 @@ class StepTimer:
 
 def read_task(task: Task, cfg: DataConfig, report: ReadReport) -> Iterator[Document]:
     kind = input_format(task.source)
-    fields = (cfg.text_field, cfg.id_field, cfg.url_field)
+    fields = (cfg.text_field, cfg.id_field, cfg.url_field, record_field(cfg.distribution.source_key))
     if kind == "jsonl":
         return read_jsonl(task.source, report, fields, cfg.storage_options)
     if kind == "parquet":
@@ -336,6 +336,7 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
     t_index = time.perf_counter() - t_index
     docs = timer.wrap("dedup", docs)
     profiles = SourceProfiles(cfg.distribution.top_tokens, cfg.distribution.max_z)
+    composition = Composition()
     edits: Counter[str] = Counter()
 
     reasons: Counter[str] = Counter()
@@ -347,8 +348,10 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
         counts = by_source[doc.source]
         counts["read"] += 1
         if doc.rejection is None:
+            doc.source_group = source_group(cfg.distribution.source_key, doc.source, doc.url, doc.source_group)
             kept_w.add(doc.kept_record())
-            profiles.add(doc.source, doc.text or "")
+            profiles.add(doc.source_group, doc.text or "")
+            composition.add(doc.source_group, doc.lang, len(doc.text or ""))
             edits.update(doc.edits)
             kept += 1
             chars += len(doc.text or "")
@@ -393,6 +396,7 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
         "edits": dict(sorted(edits.items())),
         # per-source sampling weights: a source whose top tokens drift is down-weighted, never dropped
         "source_weights": profiles.report(),
+        "composition": composition.report(),  # kept documents and chars by source_group and by language
         "parts": kept_w.parts,
         "timings_s": {"steps": {**{k: round(steps[k], 3) for k in STEPS}, "dedup": round(timer.own().get("dedup", 0.0) + t_index, 3)}},
     }
