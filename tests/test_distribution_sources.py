@@ -25,8 +25,16 @@ from kiln.train.loader import Loader
 
 BASIC_GATES_ONLY = {name: {"enabled": False} for name in
                     ("gopher_quality", "gopher_repetition", "c4", "fineweb", "noise", "residue", "pii")}
-EN = ["river", "garden", "harbour", "bridge", "market", "doctor", "farmer", "painter", "sailor", "village", "school", "church", "tower", "orchard", "kitchen", "window", "letter", "story", "song", "winter", "summer", "morning", "evening", "storm", "lantern", "wagon", "horse", "basket"]
-DE = ["Fluss", "Garten", "Hafen", "Brücke", "Markt", "Arzt", "Bauer", "Maler", "Seemann", "Dorf", "Schule", "Kirche", "Turm", "Obstgarten", "Küche", "Fenster", "Brief", "Geschichte", "Lied", "Winter", "Sommer", "Morgen", "Abend", "Sturm", "Laterne", "Wagen", "Pferd", "Korb"]
+EN = [
+    "river", "garden", "harbour", "bridge", "market", "doctor", "farmer", "painter", "sailor", "village", "school",
+    "church", "tower", "orchard", "kitchen", "window", "letter", "story", "song", "winter", "summer", "morning",
+    "evening", "storm", "lantern", "wagon", "horse", "basket",
+]
+DE = [
+    "Fluss", "Garten", "Hafen", "Brücke", "Markt", "Arzt", "Bauer", "Maler", "Seemann", "Dorf", "Schule", "Kirche",
+    "Turm", "Obstgarten", "Küche", "Fenster", "Brief", "Geschichte", "Lied", "Winter", "Sommer", "Morgen", "Abend",
+    "Sturm", "Laterne", "Wagen", "Pferd", "Korb",
+]
 
 
 def prose(seed: int, german: bool = False, sentences: int = 10) -> str:
