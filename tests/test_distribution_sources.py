@@ -99,6 +99,18 @@ def test_kiln_data_groups_sources_by_source_key(tmp_path, key, expected):
     assert by_lang["en"]["char_share"] == round(by_lang["en"]["chars"] / sum(len(d["text"]) for d in docs), 4)
 
 
+def test_parquet_field_groups_and_a_missing_column_is_one_source(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"text": [prose(1), prose(2), prose(3)], "site": ["docs", None, "forum"]}), src)
+    run_data([str(src)], tmp_path / "docs", data_cfg(source_key="field:site"))
+    assert [d["source_group"] for d in read_docs(tmp_path / "docs")] == ["docs", "(no site)", "forum"]
+    run_data([str(src)], tmp_path / "docs2", data_cfg(source_key="field:lang_code"))  # no such column
+    assert {d["source_group"] for d in read_docs(tmp_path / "docs2")} == {"(no lang_code)"}
+
+
 def test_report_shows_the_composition_with_weights():
     stats = {"composition": {"by_source": {"forum": {"documents": 3, "chars": 900, "doc_share": 0.75,
                                                      "char_share": 0.9}},
