@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
-from kiln.config import DataConfig, build_config
+from kiln.config import DataConfig, SourceConfig, build_config
 from kiln.data.gates.distribution import NO_HOST, source_group
 from kiln.data.pipeline import read_docs, run_data
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, KilnError
 from kiln.ops.report import composition_table
 from kiln.shards.format import ShardSet
 from kiln.train.data import open_splits
@@ -195,3 +195,22 @@ def test_the_trainer_draws_a_drifting_source_by_its_weight(drifting_corpus):
     sample_share = drawn["forum"] / total
     print(f"forum: weight {weight}, doc share {doc_share}, shard-sample share {n_forum / total:.4f}, "
           f"drawn share {sample_share:.4f}")
+
+
+def test_a_grouped_source_with_a_given_weight_keeps_it_in_total(drifting_corpus):
+    """loader.sources weights 3 and 1 over the same grouped shards: 3/4 and 1/4 of the draws, each
+    split between its groups by samples times group weight."""
+    cfg, stats, manifest = drifting_corpus
+    shards = str(cfg.out / "shards")
+    run = cfg.model_copy(update={"loader": cfg.loader.model_copy(update={"sources": [
+        SourceConfig(path=shards, weight=3.0), SourceConfig(path=shards, weight=1.0)]})})
+    train, _ = open_splits(run, manifest["tokenizer_sha256"])
+    w = stats["source_weights"]["forum"]["weight"]
+    n_rest, n_forum = (g["samples"] for g in manifest["splits"]["train"]["groups"])
+    total = 2 * (n_rest + n_forum)
+    assert len(train.counts) == 4 and int(train.counts.sum()) == total
+    expected = [f * total * part / (n_rest + w * n_forum) for f in (0.75, 0.25) for part in (n_rest, w * n_forum)]
+    assert all(abs(c - e) < 1 for c, e in zip(train.counts.tolist(), expected))
+    with pytest.raises(KilnError, match=r"loader.sources\[1\].weight is missing"):
+        open_splits(run.model_copy(update={"loader": run.loader.model_copy(update={"sources": [
+            SourceConfig(path=shards, weight=3.0), SourceConfig(path=shards)]})}), manifest["tokenizer_sha256"])

@@ -115,6 +115,8 @@ class ShardGroups:
     only on the weight, and a group per source would cost a dropped tail and a shard per source. Without
     a down-weighted source the shards are exactly the ungrouped ones. A split's manifest then lists every
     file as before, plus `groups`: [{group, weight, files, samples}] (group null: the weight-1 sources).
+    Memory: each down-weighted source's writers buffer up to a shard each, so the gate's few drifting
+    sources are cheap; a key giving thousands of them wants a coarser `data.distribution.source_key`.
     """
 
     def __init__(self, folder: Path, header: ShardHeader, cfg: PackConfig, pad: int | None,

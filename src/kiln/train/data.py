@@ -102,11 +102,11 @@ def open_splits(cfg: Config, tokenizer_sha256: str) -> tuple[Mixture, Mixture]:
     # 'data': the source's size times the weight the data stage's distribution check gave its documents.
     weights = [len(t) * t.manifest.get("data_weight", 1.0) if s.weight == "data" else s.weight
                for s, t in zip(chosen, train)]
-    if any(t.manifest["splits"]["train"].get("groups") for t in train):
-        train, weights = by_shard_group(chosen, train, weights, tokenizer_sha256, cache)
     if None in weights and any(w is not None for w in weights):
         raise KilnError(f"loader.sources[{weights.index(None)}].weight is missing; give every source a weight, or none "
                         "(then each source counts by its number of samples)")
+    if any(t.manifest["splits"]["train"].get("groups") for t in train):
+        train, weights = by_shard_group(chosen, train, weights, tokenizer_sha256, cache)
     return Mixture(train, None if None in weights else weights), Mixture(val)
 
 
@@ -121,7 +121,7 @@ def by_shard_group(chosen: list[SourceConfig], train: list[ShardSet], weights: l
         groups = t.manifest["splits"]["train"].get("groups")
         if not groups:
             sets.append(t)
-            out.append(len(t) if w is None and all(c.weight is None for c in chosen) else w)
+            out.append(len(t) if w is None else w)  # every weight unset: counts by its samples
             continue
         parts = [ShardSet(s.path, "train", tokenizer_sha256, cache, group=k) for k in range(len(groups))]
         share = [len(p) * g["weight"] for p, g in zip(parts, groups)]
