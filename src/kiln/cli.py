@@ -75,6 +75,8 @@ def cmd_data(args) -> int:
 
     if args.inputs[:1] == ["explain"]:  # `kiln data explain DOC_ID_OR_URL --out DIR` (a file named explain: ./explain)
         return cmd_data_explain(args.inputs[1:], Path(args.out))  # a URL may hold '=': not an override here
+    if args.inputs[:2] == ["classifier", "train"]:
+        return cmd_data_classifier_train(args)
     inputs, overrides = (args.inputs, []) if args.explicit else _split_overrides(args.inputs)
     overrides += args.set_overrides
     if args.lang_model:
@@ -89,6 +91,18 @@ def cmd_data(args) -> int:
     for err in stats["file_errors"]:  # also in stats.json; a line each, where the user looks
         print(f"kiln: warning: {err['error']}", file=sys.stderr)
     return 1 if stats["file_errors"] and len(stats["file_errors"]) == stats["files"] else 0
+
+
+def cmd_data_classifier_train(args) -> int:
+    """`kiln data classifier train --positive PATHS --negative PATHS --out MODEL`."""
+    from kiln.data.gates.classifier import train
+
+    if not args.positive or not args.negative or len(args.inputs) > 2:
+        raise KilnError("kiln data classifier train: give --positive PATHS and --negative PATHS (docs folders, "
+                        "JSONL or text files) and --out MODEL")
+    counts = train(args.positive, args.negative, Path(args.out))
+    print(json.dumps({"model": args.out, **counts}))
+    return 0
 
 
 def cmd_data_explain(keys: list[str], docs_dir: Path) -> int:
@@ -356,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config")
     s.add_argument("--workers", type=int, default=None, help="processes (or Ray tasks at once); default data.workers")
     s.add_argument("--lang-model", metavar="PATH", help="your own fastText language-ID model (sets data.lang_model)")
+    s.add_argument("--positive", nargs="+", metavar="PATH", help="`kiln data classifier train --positive PATHS "
+                   "--negative PATHS --out MODEL`: good documents (docs folders, JSONL or text files)")
+    s.add_argument("--negative", nargs="+", metavar="PATH", help="classifier train: the documents to score low")
     s.set_defaults(fn=cmd_data)
 
     tok = sub.add_parser("tokenizer", help="tokenizer commands").add_subparsers(dest="tok_command", required=True, metavar="ACTION")

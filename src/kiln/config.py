@@ -77,6 +77,8 @@ class GopherRepetitionConfig(Section):
     dup_ngram_max_char_frac: dict[int, float] = Field(
         default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10})
     cjk_ngram_scale: int = Field(2, ge=1, description="n-grams of text without spaces are n x this characters")
+    code_page_ngram_scale: float = Field(1.5, ge=1, description="on pages with code (documentation) the duplicated "
+                                         "n-gram limits are this many times higher: API references repeat their phrasing")
 
 
 class C4Config(Section):
@@ -99,6 +101,9 @@ class FineWebConfig(Section):
     max_short_line_ratio: float = Field(0.67, ge=0, le=1)
     short_line_chars: int = Field(30, ge=1)
     max_dup_line_char_ratio: float = Field(0.01, ge=0, le=1, description="chars in duplicated lines / all chars")
+    max_dup_line_char_ratio_code: float = Field(
+        0.03, ge=0, le=1, description="the same on pages with code (documentation: notes such as 'New in version 3.5.' "
+                                      "repeat once per entry)")
     max_list_ratio: float = Field(0.3, ge=0, description="FineWeb's new_line_ratio: newlines per word")
 
 
@@ -125,6 +130,36 @@ class PiiConfig(Section):
     ip_replacement: str = "|||IP_ADDRESS|||"
 
 
+class ClassifierConfig(Section):
+    """A learned quality gate (fastText-style, floret): `kiln data classifier train` makes the model."""
+    model: str | None = Field(None, description="a floret/fastText supervised model file; null = off")
+    label: str = Field("__label__hq", description="the positive label; the score is its probability")
+    threshold: float | None = Field(None, ge=0, le=1, description="drop documents scoring below this")
+    keep_top_fraction: float | None = Field(None, gt=0, le=1, description="keep this fraction of the "
+                                            "corpus with the highest scores (DCLM: 0.1)")
+    max_chars: int = Field(10_000, ge=100, description="characters of each document the model reads")
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> "ClassifierConfig":
+        if self.model and (self.threshold is None) == (self.keep_top_fraction is None):
+            raise ValueError("data.quality.classifier: set exactly one of threshold and keep_top_fraction")
+        return self
+
+
+class SemanticConfig(Section):
+    """SEEDS semantic gate: cosine of a document to the keywords' centroid in word-vector space."""
+    keywords: list[str] = Field(default_factory=list, description="the domain's words or phrases; empty = off")
+    min_cosine: float = Field(0.25, ge=-1, le=1, description="documents scoring below this are set aside or dropped")
+    action: Literal["review", "drop"] = Field("review", description="review: written to docs/review/ with the "
+                                              "score (and counted as quality/semantic_review); drop: rejected")
+    vectors: str | None = Field(None, description="a floret/fastText model file; null = skipgram vectors trained "
+                                "on the corpus")
+    sample_docs: int = Field(2000, ge=10, description="documents the corpus vectors are trained on")
+    dim: int = Field(64, ge=8, description="dimensions of the corpus vectors")
+    epoch: int = Field(5, ge=1, description="epochs of the corpus vectors")
+    max_chars: int = Field(10_000, ge=100, description="characters of each document embedded")
+
+
 class QualityConfig(Section):
     gopher_quality: GopherQualityConfig = Field(default_factory=GopherQualityConfig)
     gopher_repetition: GopherRepetitionConfig = Field(default_factory=GopherRepetitionConfig)
@@ -133,6 +168,8 @@ class QualityConfig(Section):
     noise: NoiseConfig = Field(default_factory=NoiseConfig)
     residue: ResidueConfig = Field(default_factory=ResidueConfig)
     pii: PiiConfig = Field(default_factory=PiiConfig)
+    classifier: ClassifierConfig = Field(default_factory=ClassifierConfig)
+    semantic: SemanticConfig = Field(default_factory=SemanticConfig)
 
 
 class BlocklistConfig(Section):
@@ -144,6 +181,15 @@ class DistributionConfig(Section):
     enabled: bool = True
     top_tokens: int = Field(1000, ge=1)
     max_z: float = Field(3.0, gt=0, description="sources beyond this z-score get weight max_z / z")
+    source_key: str = Field("file", description="what a source is: file (the input file), host (the URL's host), "
+                                                "or field:NAME (a JSONL/Parquet record field)")
+
+    @model_validator(mode="after")
+    def _source_key(self) -> "DistributionConfig":
+        key = self.source_key
+        if key not in ("file", "host") and not (key.startswith("field:") and key[len("field:"):]):
+            raise ValueError(f"data.distribution.source_key must be file, host or field:NAME, got {key!r}")
+        return self
 
 
 class DedupConfig(Section):

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+SCORE_FIELDS = ("quality_score", "semantic_score")  # record fields that scoring gates write
+
+
 @dataclass
 class Rejection:
     stage: str  # the step that dropped it: read, extract, language, quality, dedup
@@ -41,6 +44,8 @@ class Document:
     rejection: Rejection | None = None
     edits: dict[str, int] = field(default_factory=dict)  # what rewriting gates changed, e.g. {"pii_email": 2}
     text_chars: int | None = None  # a reject record's text length (its text is not kept), for the report
+    scores: dict[str, float] = field(default_factory=dict)  # what scoring gates gave, e.g. {"quality_score": 0.93}
+    source_group: str | None = None  # the distribution gate's source (data.distribution.source_key)
 
     def reject(self, stage: str, reason: str, **signals: Any) -> "Document":
         self.rejection = Rejection(stage, reason, signals)
@@ -53,12 +58,14 @@ class Document:
             "offset": self.offset, "length": self.length, "lang": self.lang,
             "lang_score": None if self.lang_score is None else round(self.lang_score, 4),
             "date": self.date, "record_id": self.record_id, "content_type": self.content_type,
-            **({"edits": self.edits} if self.edits else {}),
+            **({"edits": self.edits} if self.edits else {}), **self.scores,
+            **({"source_group": self.source_group} if self.source_group is not None else {}),
         }
 
-    def reject_record(self) -> dict[str, Any]:
+    def reject_record(self, with_text: bool = False) -> dict[str, Any]:
+        """The rejection; `with_text` adds the text (a task's outcome for a document set aside for review)."""
         assert self.rejection is not None
-        return {
+        return ({"text": self.text} if with_text else {}) | {
             "id": self.id, "url": self.url, "source": self.source, "offset": self.offset,
             "length": self.length, "stage": self.rejection.stage, "reason": self.rejection.reason,
             "signals": self.rejection.signals, "date": self.date, "record_id": self.record_id,
@@ -69,8 +76,10 @@ class Document:
     @classmethod
     def from_record(cls, rec: dict[str, Any]) -> "Document":
         """A kept or reject record (as a task wrote it) back into a Document."""
-        names = ("id", "source", "offset", "length", "url", "date", "content_type", "record_id", "text", "lang", "lang_score")
-        doc = cls(**{k: rec.get(k) for k in names}, edits=rec.get("edits") or {}, text_chars=rec.get("chars"))
+        names = ("id", "source", "offset", "length", "url", "date", "content_type", "record_id", "text", "lang",
+                 "lang_score", "source_group")
+        doc = cls(**{k: rec.get(k) for k in names}, edits=rec.get("edits") or {}, text_chars=rec.get("chars"),
+                  scores={k: rec[k] for k in SCORE_FIELDS if rec.get(k) is not None})
         if "reason" in rec:
             doc.rejection = Rejection(rec["stage"], rec["reason"], rec["signals"])
         return doc

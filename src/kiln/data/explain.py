@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
+from kiln.data.document import SCORE_FIELDS
 from kiln.data.pipeline import read_part
 from kiln.errors import KilnError
 from kiln.manifest import read_manifest
@@ -93,6 +94,7 @@ def describe(rec: dict[str, Any]) -> str:
     if rec["outcome"] == "kept":
         lines.append(f"  {'outcome:':<13} kept in {rec['part']} (lang {rec.get('lang')}, score {rec.get('lang_score')}, "
                      f"{len(rec.get('text') or '')} chars)")
+        lines += [f"  {k + ':':<13} {rec[k]}" for k in SCORE_FIELDS if rec.get(k) is not None]
     else:
         lines.append(f"  {'outcome:':<13} dropped by {rec['stage']}: {rec['reason']} (in {rec['part']})")
         lines += [f"    {k} = {json.dumps(v, ensure_ascii=False)}" for k, v in (rec.get("signals") or {}).items()]

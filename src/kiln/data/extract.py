@@ -4,6 +4,11 @@ resiliparse's main-content extraction by default (~20x faster than trafilatura
 here, see NOTES); `data.extractor: trafilatura` for its more conservative
 boilerplate removal. Documents that arrive with text (JSONL, Parquet) skip
 extraction.
+
+Navigation is skipped before resiliparse extracts (`NAVIGATION`): its main-content heuristics keep
+a page's table of contents and its header/footer navigation bars (DocBook's `div.toc`, `div.navheader`,
+Sphinx's `role="navigation"` bars), which repeat the page's headings and titles, so that every chapter
+of a manual looked like boilerplate to the duplicated-line rules (FineWeb, Gopher).
 """
 
 from __future__ import annotations
@@ -49,8 +54,13 @@ def decode_html(payload: bytes, content_type: str | None) -> str:
         return bytes_to_str(payload, detect_encoding(payload, from_html_meta=True), errors="replace")
 
 
+# <nav>, ARIA navigation, class names starting with "nav" (navbar, navheader, navigation), and in-page
+# tables of contents as DocBook, MediaWiki and Sphinx/docutils write them
+NAVIGATION = ["nav", "[role=navigation]", "[class^=nav]", ".toc", "#toc", ".toctree-wrapper", "div.topic.contents"]
+
+
 def resiliparse_text(html: str) -> str:
-    return extract_plain_text(HTMLTree.parse(html), main_content=True, alt_texts=False)
+    return extract_plain_text(HTMLTree.parse(html), main_content=True, alt_texts=False, skip_elements=NAVIGATION)
 
 
 def trafilatura_text(html: str) -> str:

@@ -31,11 +31,13 @@ from kiln.config import DataConfig
 from kiln.data.dedup import LEDGER, write_ledger
 from kiln.data.dedup.index import add_run, runs_before
 from kiln.data.dedup.stages import Signer, Verdicts, dedup_layout, run_stages
-from kiln.data.gates.distribution import SourceProfiles
+from kiln.data.gates.distribution import Composition, SourceProfiles, record_field, source_group
 from kiln.data.document import Document, ReadReport
 from kiln.data.executor import engine, run_tasks
 from kiln.data.extract import extract
 from kiln.data.gates import apply_gates, default_gates
+from kiln.data.gates.semantic import REVIEW as SEMANTIC_REVIEW
+from kiln.data.gates.semantic import prepare as prepare_semantic
 from kiln.data.language import check_model, identify_language
 from kiln.data.read import read_warc, splittable
 from kiln.data.shape import CorpusShape
@@ -134,7 +136,7 @@ class StepTimer:
 
 def read_task(task: Task, cfg: DataConfig, report: ReadReport) -> Iterator[Document]:
     kind = input_format(task.source)
-    fields = (cfg.text_field, cfg.id_field, cfg.url_field)
+    fields = (cfg.text_field, cfg.id_field, cfg.url_field, record_field(cfg.distribution.source_key))
     if kind == "jsonl":
         return read_jsonl(task.source, report, fields, cfg.storage_options, cfg.max_record_bytes)
     if kind == "parquet":
@@ -183,6 +185,7 @@ def _run_task_once(task: Task, cfg: DataConfig) -> tuple[dict[str, Any], dict[st
     error = None
     read = kept = 0
     sign_s = 0.0
+    scores: list[float] = []  # kept documents' classifier scores, for keep_top_fraction (one task's worth)
     with zstandard.ZstdCompressor(level=3).stream_writer(buf, closefd=False) as zw:
         try:
             for doc in process_task(task, cfg, report, timer):
@@ -192,7 +195,10 @@ def _run_task_once(task: Task, cfg: DataConfig) -> tuple[dict[str, Any], dict[st
                     t_sign = time.perf_counter()
                     signer.add(doc.id, doc.text or "")
                     sign_s += time.perf_counter() - t_sign
-                rec = doc.kept_record() if doc.rejection is None else doc.reject_record()
+                    if "quality_score" in doc.scores:
+                        scores.append(doc.scores["quality_score"])
+                rec = doc.kept_record() if doc.rejection is None else \
+                    doc.reject_record(with_text=doc.rejection.reason == SEMANTIC_REVIEW)
                 zw.write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
         except KilnError as exc:
             error = str(exc)
@@ -202,6 +208,10 @@ def _run_task_once(task: Task, cfg: DataConfig) -> tuple[dict[str, Any], dict[st
     summary = {**asdict(task), "records_by_type": report.records_by_type, "truncated_at": report.truncated_at,
                "error": error, "documents": read, "kept": kept, "seconds": round(time.perf_counter() - t0, 3),
                "steps_s": timer.own() | {"signatures": round(sign_s, 4)}}
+    if cfg.quality.classifier.keep_top_fraction:
+        from kiln.data.gates.classifier import histogram
+
+        summary |= {"score_histogram": histogram(scores), "keep_top_fraction": cfg.quality.classifier.keep_top_fraction}
     return summary, files
 
 
@@ -249,6 +259,15 @@ class PartWriter:
 def check_config(cfg: DataConfig) -> None:
     """What can be checked before any work starts."""
     check_model(cfg.lang_model)
+    if cfg.quality.classifier.model:
+        from kiln.data.gates.classifier import check
+
+        check(cfg.quality.classifier)
+    if cfg.quality.semantic.keywords:
+        from kiln.data.gates.classifier import _floret
+        from kiln.data.gates.semantic import _model
+
+        _model(cfg.quality.semantic.vectors) if cfg.quality.semantic.vectors else _floret()
     if cfg.extractor == "trafilatura":
         from kiln.data.extract import trafilatura_text
 
@@ -269,6 +288,7 @@ def run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None 
     work = out.parent / f".{out.name}-work-{work_key(fp, tasks)}"
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    cfg = prepare_semantic(cfg, files, work)  # vectors trained on the corpus, when the semantic gate needs them
 
     todo = [t for t in tasks if not (work / f"{t.name}.done.json").exists()]
     workers = workers or cfg.workers
@@ -340,7 +360,8 @@ def profile_task(args: tuple[str, int, list[int], DataConfig]) -> tuple[int, dic
         if "reason" in rec:  # a rejection
             continue
         if local not in gone:
-            profiles.add(rec["source"], rec.get("text") or "")
+            group = source_group(cfg.distribution.source_key, rec["source"], rec.get("url"), rec.get("source_group"))
+            profiles.add(group, rec.get("text") or "")
         local += 1
     return index, {"docs": profiles.docs, "sum_f": profiles.sum_f, "sum_f2": profiles.sum_f2}
 
@@ -375,20 +396,40 @@ def source_profiles(work: Path, summaries: list[dict[str, Any]], layout, verdict
     return total
 
 
+def top_fraction_cut(docs: Iterator[Document], summaries: list[dict[str, Any]]) -> Iterator[Document]:
+    """data.quality.classifier.keep_top_fraction: the cut at the score that keeps the top fraction, from the
+    tasks' score histograms. After dedup: the dedup stages number the tasks' kept documents, before any cut."""
+    fraction = summaries[0].get("keep_top_fraction") if summaries else None
+    if not fraction:
+        return docs
+    from kiln.data.gates.classifier import cut_below, top_fraction_bin
+
+    return cut_below(docs, top_fraction_bin((s["score_histogram"] for s in summaries), fraction), fraction)
+
+
 def _documents(work: Path, summaries: list[dict[str, Any]]) -> Iterator[Document]:
-    for s in summaries:
-        for rec in read_part(work / f"task-{s['index']:05d}.jsonl.zst"):
-            yield Document.from_record(rec)
+    """Every task's outcomes in canonical order (with the classifier's top-fraction cut, when set)."""
+    docs = (Document.from_record(rec) for s in summaries for rec in read_part(work / f"task-{s['index']:05d}.jsonl.zst"))
+    fraction = summaries[0].get("keep_top_fraction") if summaries else None
+    if fraction:
+        from kiln.data.gates.classifier import cut_below, top_fraction_bin
+
+        docs = cut_below(docs, top_fraction_bin((s["score_histogram"] for s in summaries), fraction), fraction)
+    yield from docs
 
 
 def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConfig, verdicts: Verdicts,
            first: int, profiles: SourceProfiles) -> dict[str, Any]:
     kept_w, rej_w = PartWriter(out, cfg.docs_per_part), PartWriter(out / "rejects", cfg.docs_per_part)
+    review_w = PartWriter(out / "review", cfg.docs_per_part) if cfg.quality.semantic.action == "review" \
+        and cfg.quality.semantic.keywords else None
     timer = StepTimer()
     docs = timer.wrap("tasks", _documents(work, summaries))
     if cfg.dedup.method != "none":
         write_ledger(out / LEDGER, verdicts.ledger)
     docs = timer.wrap("dedup", apply_verdicts(docs, verdicts, first))
+    docs = top_fraction_cut(docs, summaries)
+    composition = Composition()
     edits: Counter[str] = Counter()
 
     reasons: Counter[str] = Counter()
@@ -402,7 +443,9 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
         counts = by_source[doc.source]
         counts["read"] += 1
         if doc.rejection is None:
+            doc.source_group = source_group(cfg.distribution.source_key, doc.source, doc.url, doc.source_group)
             kept_w.add(doc.kept_record())
+            composition.add(doc.source_group, doc.lang, len(doc.text or ""))
             edits.update(doc.edits)
             kept += 1
             chars += len(doc.text or "")
@@ -410,10 +453,14 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
             counts["kept"] += 1
         else:
             rej_w.add(doc.reject_record())
+            if review_w is not None and doc.rejection.reason == SEMANTIC_REVIEW:  # set aside, with its score
+                review_w.add(doc.kept_record() | {"semantic_score": doc.rejection.signals["semantic_score"]})
             reasons[f"{doc.rejection.stage}/{doc.rejection.reason}"] += 1
             counts["rejected"] += 1
     kept_w.flush()
     rej_w.flush()
+    if review_w is not None:
+        review_w.flush()
     rejected = sum(reasons.values())
     assert read == kept + rejected, "accounting broke: every document must be kept or rejected"
 
@@ -444,6 +491,7 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
         "edits": dict(sorted(edits.items())),
         # per-source sampling weights: a source whose top tokens drift is down-weighted, never dropped
         "source_weights": profiles.report(),
+        "composition": composition.report(),  # kept documents and chars by source_group and by language
         "parts": kept_w.parts,
         "dedup": verdicts.stats(),
         "timings_s": {"steps": {**{k: round(steps[k], 3) for k in STEPS}, "dedup": round(

@@ -212,14 +212,16 @@ def _field(rec: dict[str, Any], name: str) -> str | None:
     return None if value is None or value == "" else str(value)
 
 
-def _record_doc(rec: Any, source: str, offset: int, length: int, where: str, fields: tuple[str, str, str]) -> Document:
+def _record_doc(rec: Any, source: str, offset: int, length: int, where: str, fields: tuple[str, ...]) -> Document:
     """A JSONL line or Parquet row -> a Document (rejected when it has no text)."""
-    text_field, id_field, url_field = fields
+    text_field, id_field, url_field, group_field = (*fields, "")[:4]
     doc = Document(id=f"{Path(source).name}:{where}", source=source, offset=offset, length=length, content_type="text/plain")
     if not isinstance(rec, dict):
         return doc.reject("read", "invalid_json", error=f"a JSON {type(rec).__name__}, not an object")
     raw_id = _field(rec, id_field)
     doc.id, doc.record_id, doc.url = raw_id or doc.id, raw_id, _field(rec, url_field)
+    if group_field:  # data.distribution.source_key field:NAME; a record without it is its own source
+        doc.source_group = _field(rec, group_field) or f"(no {group_field})"
     text = rec.get(text_field)
     if not isinstance(text, str):
         return doc.reject("read", "missing_text", field=text_field, found=type(text).__name__ if text_field in rec else "absent")
@@ -227,7 +229,7 @@ def _record_doc(rec: Any, source: str, offset: int, length: int, where: str, fie
     return doc
 
 
-def read_jsonl(source: str, report: ReadReport, fields: tuple[str, str, str],
+def read_jsonl(source: str, report: ReadReport, fields: tuple[str, ...],
                storage_options: dict[str, Any] | None = None, max_record_bytes: int | None = None) -> Iterator[Document]:
     if input_size(source, storage_options) == 0:
         raise KilnError(f"{source}: empty file (0 bytes), nothing to read; remove it from the inputs")
@@ -257,7 +259,7 @@ def read_jsonl(source: str, report: ReadReport, fields: tuple[str, str, str],
 
 # --- Parquet --------------------------------------------------------------------------------
 
-def read_parquet(source: str, report: ReadReport, fields: tuple[str, str, str],
+def read_parquet(source: str, report: ReadReport, fields: tuple[str, ...],
                  storage_options: dict[str, Any] | None = None, max_record_bytes: int | None = None) -> Iterator[Document]:
     """Rows as Documents; a row whose text is over `max_record_bytes` (UTF-8) is a `read/too_large` rejection."""
     import pyarrow.parquet as pq
@@ -273,7 +275,7 @@ def read_parquet(source: str, report: ReadReport, fields: tuple[str, str, str],
         names = pf.schema_arrow.names
         if fields[0] not in names:
             raise KilnError(f"{source}: no column {fields[0]!r} (data.text_field); columns are {names}")
-        columns = [c for c in dict.fromkeys(fields) if c in names]
+        columns = [c for c in dict.fromkeys(fields) if c and c in names]
         row = 0
         try:
             for batch in pf.iter_batches(batch_size=1024, columns=columns):

@@ -374,6 +374,23 @@ def _table(rows: list[dict], columns: list[str]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def composition_table(stats: dict, top: int = 20) -> str:
+    """The corpus by source (data.distribution.source_key) and by language, with each source's sampling
+    weight: stats.json's `composition` and `source_weights`; "" when the data stage wrote no composition."""
+    comp, weights = stats.get("composition") or {}, stats.get("source_weights") or {}
+    out = []
+    for axis, label in (("by_source", "source"), ("by_lang", "language")):
+        rows = [{label: name, "documents": r["documents"], "chars": r["chars"], "doc share": r["doc_share"],
+                 "char share": r["char_share"], **({"weight": weights.get(name, {}).get("weight")}
+                                                    if axis == "by_source" else {})}
+                for name, r in list((comp.get(axis) or {}).items())[:top]]
+        if rows:
+            columns = [label, "documents", "chars", "doc share", "char share"]
+            columns += ["weight"] if axis == "by_source" else []
+            out.append(f"<h3>Corpus by {label}</h3>" + _table(rows, columns))
+    return "".join(out)
+
+
 def _summary(records: Records) -> list[dict]:
     steps = [r for r in records if r.get("event") == "step"]
     evals = [r for r in records if r.get("event") == "eval"]
@@ -539,6 +556,7 @@ def render(run_dir: Path) -> str:
         docs = stats.get("documents") or {}
         parts.append(f"<p>{html.escape(str(stats_file))}: read {docs.get('read')}, kept {docs.get('kept')}, "
                      f"rejected {docs.get('rejected')}.</p>")
+        parts.append(composition_table(stats))
         for title, plot in DATA_PLOTS:
             if (fig := plot(stats)) is not None:
                 parts.append(_figure_html(title, fig))

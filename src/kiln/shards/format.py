@@ -160,7 +160,8 @@ class ShardSet:
     """
 
     def __init__(self, folder: Path | str, split: str, tokenizer_sha256: str | None = None,
-                 cache: ShardCache | None = None) -> None:
+                 cache: ShardCache | None = None, group: int | None = None) -> None:
+        """`group`: only the files of the split's shard group at that index (manifest `groups`, see pack.py)."""
         self.location = str(folder).rstrip("/")
         if is_url(folder):
             if cache is None:
@@ -176,7 +177,8 @@ class ShardSet:
                 f"{folder}: shards were encoded with tokenizer {self.manifest['tokenizer_sha256'][:12]}…, "
                 f"the run uses {tokenizer_sha256[:12]}…; re-run `kiln pack` with this tokenizer")
         self.sample_len = int(self.manifest["sample_len"])
-        self.names: list[str] = list(self.manifest["splits"][split]["files"])
+        listed = self.manifest["splits"][split]
+        self.names: list[str] = list(listed["files"] if group is None else listed["groups"][group]["files"])
         self._arrays: dict[int, np.ndarray] = {}
         self._paths: dict[int, Path] = {}
         if isinstance(self.source, LocalFolder):  # cheap: sizes and headers now, each file's hash on first use

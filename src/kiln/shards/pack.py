@@ -15,6 +15,7 @@ grows with the corpus except per-source token counts (one number per input file)
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
@@ -42,8 +43,10 @@ def split_of(doc_id: str, val_fraction: float) -> str:
 class SplitWriter:
     """Accumulates one split's token stream from its packer and writes full shards as they fill."""
 
-    def __init__(self, folder: Path, split: str, header: ShardHeader, samples_per_shard: int, packer: Packer) -> None:
+    def __init__(self, folder: Path, split: str, header: ShardHeader, samples_per_shard: int, packer: Packer,
+                 prefix: str = "") -> None:
         self.folder, self.split, self.header, self.packer = folder / split, split, header, packer
+        self.prefix = prefix  # a shard group's files: {split}/{prefix}NNNNN.bin
         self.folder.mkdir(parents=True, exist_ok=True)
         self.shard_tokens = samples_per_shard * header.sample_len
         self.tokens: list[np.ndarray] = []
@@ -78,7 +81,7 @@ class SplitWriter:
             if start + length > n:
                 cut = max(start, n)
                 carry.append((cut - n, start + length - cut, doc))
-        name = f"{self.split}/{len(self.files):05d}.bin"
+        name = f"{self.split}/{self.prefix}{len(self.files):05d}.bin"
         header = ShardHeader(self.header.token_bytes, self.header.vocab_size, self.header.sample_len, n, self.header.tokenizer_sha256)
         write_shard(self.folder.parent / name, head, header, np.array(index, dtype=IDX_ENTRY))
         in_shard = dict.fromkeys(doc for _, _, doc in index)  # each document once, in order of appearance
@@ -120,6 +123,48 @@ def data_weight(train_tokens: dict[str | None, int], source_weights: dict[str, d
     return sum(n * source_weights.get(src, {}).get("weight", 1.0) for src, n in train_tokens.items()) / tokens
 
 
+class ShardGroups:
+    """Per-source shard groups, so the loader can sample a down-weighted source less (train/data.py).
+
+    Every source the data stage's distribution gate gave a weight below 1 gets its own writers (files
+    `{split}/{slug}-NNNNN.bin`); all the others share the plain ones, since the loader's sampling depends
+    only on the weight, and a group per source would cost a dropped tail and a shard per source. Without
+    a down-weighted source the shards are exactly the ungrouped ones. A split's manifest then lists every
+    file as before, plus `groups`: [{group, weight, files, samples}] (group null: the weight-1 sources).
+    Memory: each down-weighted source's writers buffer up to a shard each, so the gate's few drifting
+    sources are cheap; a key giving thousands of them wants a coarser `data.distribution.source_key`.
+    """
+
+    def __init__(self, folder: Path, header: ShardHeader, cfg: PackConfig, pad: int | None,
+                 source_weights: dict[str, dict] | None) -> None:
+        self.folder, self.header, self.cfg, self.pad = folder, header, cfg, pad
+        self.weights = {src: w["weight"] for src, w in (source_weights or {}).items() if w.get("weight", 1.0) < 1.0}
+        self.own: dict[tuple[str, str], SplitWriter] = {}
+
+    def writer(self, split: str, source: str | None, shared: dict[str, SplitWriter]) -> SplitWriter:
+        if source not in self.weights:
+            return shared[split]
+        if (split, source) not in self.own:
+            slug = re.sub(r"[^A-Za-z0-9._-]+", "_", source)[-40:] + "-" + xxhash.xxh64_hexdigest(source.encode())[:8]
+            self.own[split, source] = SplitWriter(self.folder, split, self.header, self.cfg.samples_per_shard,
+                                                  make_packer(self.cfg, self.pad), prefix=slug + "-")
+        return self.own[split, source]
+
+    def close(self, shared: dict[str, SplitWriter]) -> dict[str, dict[str, Any]]:
+        splits = {s: w.close() for s, w in shared.items()}
+        for split in SPLITS:
+            parts = [(None, 1.0, splits[split])] + [(src, self.weights[src], w.close())
+                                                    for (s, src), w in sorted(self.own.items()) if s == split]
+            if len(parts) == 1:
+                continue
+            merged = {k: ([f for *_, p in parts for f in p[k]] if k == "files" else sum(p[k] for *_, p in parts))
+                      for k in splits[split]}
+            merged["groups"] = [{"group": src, "weight": w, "files": p["files"], "samples": p["samples"]}
+                                for src, w, p in parts if p["samples"]]  # the loader samples only groups with samples
+            splits[split] = merged
+        return splits
+
+
 @writes_folder("pack", out="out", inputs=("docs", "tokenizer_dir"))
 def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, fingerprint: str = "",
          progress: bool | None = None, source_weights: dict[str, dict] | None = None) -> dict[str, Any]:
@@ -140,6 +185,7 @@ def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, 
     header = ShardHeader(dtype.itemsize, vocab, cfg.seq_len + 1, 0, tokenizer_sha256(tokenizer_dir))
     train_tokens: dict[str | None, int] = {}
     with staging_dir(out) as tmp, PackProgress(progress) as advance:
+        groups = ShardGroups(tmp, header, cfg, pad, source_weights)
         writers = {s: SplitWriter(tmp, s, header, cfg.samples_per_shard, make_packer(cfg, pad)) for s in SPLITS}
         text_bytes, tokens_by_lang = {s: 0 for s in SPLITS}, Counter()  # for bytes/token and the report
         encoded = encode_documents(docs, tokenizer_file, cfg.batch_docs, cfg.workers, dtype, eos, advance)
@@ -147,12 +193,14 @@ def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, 
             split = split_of(doc["id"], cfg.val_fraction)
             text_bytes[split] += len(doc["text"].encode("utf-8", "replace"))
             tokens_by_lang[doc.get("lang") or "unknown"] += len(ids)
-            writers[split].add(ids, number, {"id": doc["id"], "split": split, "source": doc.get("source"),
-                                             "offset": doc.get("offset"), "length": doc.get("length"),
-                                             "url": doc.get("url")})
+            group = doc.get("source_group") or doc.get("source")
+            groups.writer(split, group, writers).add(ids, number, {
+                "id": doc["id"], "split": split, "source": doc.get("source"), "offset": doc.get("offset"),
+                "length": doc.get("length"), "url": doc.get("url"),
+                **({"source_group": doc["source_group"]} if "source_group" in doc else {})})
             if split == "train":
-                train_tokens[doc.get("source")] = train_tokens.get(doc.get("source"), 0) + len(ids)
-        splits = {s: w.close() for s, w in writers.items()}
+                train_tokens[group] = train_tokens.get(group, 0) + len(ids)
+        splits = groups.close(writers)
         if splits["train"]["samples"] == 0:
             raise KilnError(f"too few tokens to fill one training sample of {cfg.seq_len + 1}; lower pack.seq_len or add data")
         manifest = write_manifest(

@@ -105,4 +105,27 @@ def open_splits(cfg: Config, tokenizer_sha256: str) -> tuple[Mixture, Mixture]:
     if None in weights and any(w is not None for w in weights):
         raise KilnError(f"loader.sources[{weights.index(None)}].weight is missing; give every source a weight, or none "
                         "(then each source counts by its number of samples)")
+    if any(t.manifest["splits"]["train"].get("groups") for t in train):
+        train, weights = by_shard_group(chosen, train, weights, tokenizer_sha256, cache)
     return Mixture(train, None if None in weights else weights), Mixture(val)
+
+
+def by_shard_group(chosen: list[SourceConfig], train: list[ShardSet], weights: list, tokenizer_sha256: str,
+                   cache: ShardCache) -> tuple[list[ShardSet], list[float]]:
+    """Each source packed in shard groups (pack.py `ShardGroups`) becomes one set per group, drawn in
+    proportion to its samples times its group's weight: a drifting source's share of samples drops by
+    its weight. A source given a number keeps that weight in total, split between its groups that way;
+    with every weight unset, an ungrouped source counts by its samples, as without groups."""
+    sets, out = [], []
+    for s, t, w in zip(chosen, train, weights):
+        groups = t.manifest["splits"]["train"].get("groups")
+        if not groups:
+            sets.append(t)
+            out.append(len(t) if w is None else w)  # every weight unset: counts by its samples
+            continue
+        parts = [ShardSet(s.path, "train", tokenizer_sha256, cache, group=k) for k in range(len(groups))]
+        share = [len(p) * g["weight"] for p, g in zip(parts, groups)]
+        scale = s.weight / sum(share) if isinstance(s.weight, float) else 1.0
+        sets += parts
+        out += [x * scale for x in share]
+    return sets, out

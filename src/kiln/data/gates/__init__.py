@@ -4,6 +4,9 @@
 basic (length, letters, duplicate lines), gopher, c4, fineweb, noise, residue, blocklist, pii;
 `distribution` is the corpus-wide source check that runs after the merge.
 
+Gates read a `TextView` (kiln.data.gates.text): the text split once into lines, tokens, words and
+paragraphs, shared by every gate until an edit changes the text; a gate also accepts a plain string.
+
 Edits (line removal, truncation, redaction) change the text; what they counted is kept in
 `doc.edits` and, when a later gate drops the document, in its signals under "edits".
 """
@@ -22,7 +25,8 @@ from kiln.data.gates.gopher import gopher_quality, gopher_repetition
 from kiln.data.gates.noise import token_noise
 from kiln.data.gates.pii import redact_pii
 from kiln.data.gates.residue import format_residue
-from kiln.data.gates.types import Edit, Gate, Verdict
+from kiln.data.gates.text import TextView
+from kiln.data.gates.types import Edit, Gate, Score, Verdict
 
 __all__ = ["Edit", "Gate", "Verdict", "SourceProfiles", "apply_gates", "default_gates", "low_letters",
            "repetitive_lines", "source_weights", "too_short"]
@@ -43,21 +47,40 @@ def default_gates(cfg) -> list[Gate]:
         # after the edits, so that every kept document meets them as written out
         too_short(cfg.min_chars), low_letters(cfg.min_letter_frac), repetitive_lines(cfg.max_dup_line_frac),
         *on(q.pii, redact_pii),
+        *(_classifier(q.classifier) if q.classifier.model else []),  # last: it scores the text as written out
+        *(_semantic(q.semantic) if q.semantic.keywords else []),
     ]
 
 
+def _semantic(cfg) -> list[Gate]:
+    from kiln.data.gates.semantic import semantic_gate  # floret is imported only when keywords are set
+
+    return [semantic_gate(cfg)]
+
+
+def _classifier(cfg) -> list[Gate]:
+    from kiln.data.gates.classifier import classifier_gate  # floret is imported only when a model is set
+
+    return [classifier_gate(cfg)]
+
+
 def apply_gates(docs: Iterator[Document], gates: list[Gate]) -> Iterator[Document]:
+    """Each gate reads one shared TextView of the document (split once); an edit makes a new view."""
     for doc in docs:
         if doc.rejection is None:
             edits = doc.edits
+            view = TextView(doc.text or "", doc.lang)
             for gate in gates:
-                result = gate(doc.url if getattr(gate, "reads_url", False) else doc.text or "")
+                result = gate(doc.url if getattr(gate, "reads_url", False) else view)
                 if isinstance(result, Edit):
                     doc.text = result.text
+                    view = result.view or TextView(doc.text, doc.lang)
                     for k, v in result.counts.items():
                         edits[k] = edits.get(k, 0) + v
+                elif isinstance(result, Score):
+                    doc.scores[result.field] = result.value
                 elif result is not None:
                     reason, signals = result
-                    doc.reject("quality", reason, **signals, **({"edits": dict(edits)} if edits else {}))
+                    doc.reject("quality", reason, **doc.scores, **signals, **({"edits": dict(edits)} if edits else {}))
                     break
         yield doc

@@ -12,6 +12,10 @@ is mostly noise): 0 for a source that looks like the corpus, large when its comm
 not the corpus's. A source with z > max_z
 gets sampling weight max_z / z (recorded in the manifest; nothing is dropped). Accumulating
 per-source sums of f and f^2 keeps this one pass and O(sources x vocabulary) in memory.
+
+What a source is, `data.distribution.source_key`: the input file (default), the URL's host, or a
+JSONL/Parquet record field (`field:NAME`). Each kept document carries its `source_group`; `kiln pack`
+packs every down-weighted source into its own shard group, which the loader samples by weight.
 """
 
 from __future__ import annotations
@@ -19,8 +23,51 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from typing import Iterable
+from urllib.parse import urlsplit
 
 from kiln.data.gates.text import words
+
+# data.distribution.source_key for a document without the URL or field it names: one source for all of them
+NO_HOST = "(no host)"
+
+
+def record_field(source_key: str) -> str:
+    """The JSONL/Parquet field that `field:NAME` names ("" for file and host): the reader keeps its value."""
+    return source_key[len("field:"):] if source_key.startswith("field:") else ""
+
+
+def source_group(source_key: str, source: str, url: str | None, field_value: str | None) -> str:
+    """Which source a document counts for: its input file, its URL's host (lower case, no port) or the
+    value the reader took from its record field (`field:NAME`; WARC input has no fields: its file)."""
+    if source_key == "host":
+        return (urlsplit(url).hostname if url else None) or NO_HOST
+    if source_key.startswith("field:"):
+        return field_value if field_value is not None else source
+    return source
+
+
+class Composition:
+    """Kept documents and characters by source and by language: O(sources + languages) in memory."""
+
+    def __init__(self) -> None:
+        self.by_source: dict[str, Counter[str]] = defaultdict(Counter)
+        self.by_lang: dict[str, Counter[str]] = defaultdict(Counter)
+
+    def add(self, source: str, lang: str | None, chars: int) -> None:
+        for row in (self.by_source[source], self.by_lang[lang or "unknown"]):
+            row["documents"] += 1
+            row["chars"] += chars
+
+    def report(self) -> dict[str, dict[str, dict[str, float | int]]]:
+        """{"by_source"|"by_lang": {name: {documents, chars, doc_share, char_share}}}, largest first."""
+        out = {}
+        for axis, rows in (("by_source", self.by_source), ("by_lang", self.by_lang)):
+            docs, chars = sum(r["documents"] for r in rows.values()), sum(r["chars"] for r in rows.values())
+            out[axis] = {name: {"documents": r["documents"], "chars": r["chars"],
+                                "doc_share": round(r["documents"] / max(docs, 1), 4),
+                                "char_share": round(r["chars"] / max(chars, 1), 4)}
+                         for name, r in sorted(rows.items(), key=lambda kv: (-kv[1]["chars"], kv[0]))}
+        return out
 
 
 class SourceProfiles:

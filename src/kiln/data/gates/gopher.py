@@ -2,57 +2,80 @@
 
 Thresholds are the published ones (config: data.quality.gopher_quality / gopher_repetition).
 Choices where the paper is English-only:
-- stop words: Gopher asks for 2 of {the, be, to, of, and, that, have, with}; Kiln accepts the
-  same handful of function words in the other languages of the corpus too (de, fr, es, it, pt),
-  so the rule keeps meaning "this is prose" outside English;
+- stop words: Gopher asks for 2 of {the, be, to, of, and, that, have, with}; Kiln has the same
+  handful of function words for de, fr, es, it, pt, nl, ru and pl, and asks for them in the
+  document's language (all of them when the language is not known); a language without a list
+  (Korean, whose particles are glued to the words) skips the rule rather than fail every page;
 - text without spaces (ja, zh): a "word" is one Han/kana character. Mean word length is taken
   over the other words only, and with the stop-word rule skipped when such characters dominate;
   the repetition rules use character n-grams with n times `cjk_ngram_scale` (a Chinese word is
   ~1.5 characters, a Japanese one ~2: with n unscaled, 13 of the 15 Japanese Debian Reference
   pages fail the 5-gram rule, with n doubled none does).
+- code: on a page with code (documentation, `TextView.has_code`) the duplicated n-gram limits are
+  `code_page_ngram_scale` (1.5) times Gopher's: an API reference repeats its phrasing per entry ("Return
+  value: New reference.", "Raises an auditing event"); pages without code keep the published limits.
+- code: the repetition rules read the prose (`TextView.prose_lines`, `prose_words`), not the code lines of
+  a documentation page, which repeat by nature (see kiln.data.gates.text).
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import re
 
 import numpy as np
 
-from kiln.data.gates.text import is_cjk, lines, paragraphs, ratio, spaceless, words
+from kiln.data.gates.text import _CJK, TextView, as_view, code_paragraph, ratio
 from kiln.data.gates.types import Gate, Verdict, drop
 
-STOP_WORDS = frozenset(
-    "the be to of and that have with "      # Gopher's English list
-    "der die das und ist zu nicht mit "     # de
-    "le la les et est des une pour "        # fr
-    "el los las y que del por con "         # es
-    "il di che è per una con non "          # it
-    "o os as e que do da para".split()      # pt
-)
+STOP_WORDS_BY_LANG = {lang: frozenset(ws.split()) for lang, ws in {
+    "en": "the be to of and that have with",  # Gopher's list
+    "de": "der die das und ist zu nicht mit",
+    "fr": "le la les et est des une pour",
+    "es": "el los las y que del por con",
+    "it": "il di che è per una con non",
+    "pt": "o os as e que do da para",
+    "nl": "de het een en van is dat op",
+    "ru": "и в не на что с по как",
+    "pl": "i w nie na się z jest to",
+}.items()}
+STOP_WORDS = frozenset().union(*STOP_WORDS_BY_LANG.values())
+_SPACED_WORD = re.compile(f"[^\\s{_CJK}]+")
 _LETTER = re.compile(r"[^\W\d_]")
+
+
+def _words_with_letters(ws: list[str]) -> int:
+    """Words with at least one letter: all-letter words are counted in C, only the others searched."""
+    mixed = list(itertools.filterfalse(str.isalpha, ws))
+    return len(ws) - len(mixed) + sum(1 for w in mixed if _LETTER.search(w))
 BULLETS = ("-", "*", "\u2022", "\u2023", "\u25e6", "\u2043", "\u2219", "\u25aa", "\u25cf")
 
 
 def gopher_quality(cfg) -> Gate:
-    def gate(text: str) -> Verdict:
-        ws = words(text)
-        n = len(ws)
-        ls = lines(text)
+    def gate(text: "str | TextView") -> Verdict:
+        view = as_view(text)
+        text = view.text
+        n = len(view.words)
+        ls = view.lines
         s: dict = {"words": n}
         if n < cfg.min_words:
             return drop("gopher_short_doc", s, min_words=cfg.min_words)
         if n > cfg.max_words:
             return drop("gopher_long_doc", s, max_words=cfg.max_words)
-        cjk = spaceless(text)
-        s["alpha_words_frac"] = ratio(sum(1 for w in ws if _LETTER.search(w)), n)
+        cjk = view.spaceless
+        s["alpha_words_frac"] = ratio(_words_with_letters(view.words), n)
         s["bullet_lines_frac"] = ratio(sum(ln.startswith(BULLETS) for ln in ls), len(ls))
         s["ellipsis_lines_frac"] = ratio(sum(ln.endswith(("...", "\u2026")) for ln in ls), len(ls))
         s["symbol_word_ratio"] = ratio(text.count("#") + text.count("...") + text.count("\u2026"), n)
+        stop_words = STOP_WORDS_BY_LANG.get(view.lang) if view.lang else STOP_WORDS
         if not cjk:
-            spaced = [w for w in ws if not is_cjk(w)]
+            has_cjk = view.has_cjk  # without Han/kana the words are the spaced words
+            spaced = _SPACED_WORD.findall(text) if has_cjk else view.words
             s["mean_word_len"] = ratio(sum(map(len, spaced)), len(spaced))
-            s["stop_words"] = sum(w.lower() in STOP_WORDS for w in spaced)
+            if stop_words:
+                lowered = _SPACED_WORD.findall(text.lower()) if has_cjk else text.lower().split()
+                s["stop_words"] = sum(map(stop_words.__contains__, lowered))
             if not cfg.min_mean_word_len <= s["mean_word_len"] <= cfg.max_mean_word_len:
                 return drop("gopher_mean_word_len", s, min=cfg.min_mean_word_len, max=cfg.max_mean_word_len)
         if s["symbol_word_ratio"] > cfg.max_symbol_word_ratio:
@@ -63,43 +86,73 @@ def gopher_quality(cfg) -> Gate:
             return drop("gopher_ellipsis_lines", s, max=cfg.max_ellipsis_lines_frac)
         if s["alpha_words_frac"] < cfg.min_alpha_words_frac:
             return drop("gopher_alpha_words", s, min=cfg.min_alpha_words_frac)
-        if not cjk and s["stop_words"] < cfg.min_stop_words:
+        if "stop_words" in s and s["stop_words"] < cfg.min_stop_words:
             return drop("gopher_stop_words", s, min=cfg.min_stop_words)
         return None
     return gate
 
 
-def _duplicates(items: list[str]) -> tuple[int, int]:
-    """How many items repeat an earlier one, and their characters."""
+def _duplicates(items: list[str], skip=None) -> tuple[int, int]:
+    """How many items repeat an earlier one, and their characters (not counting repeats `skip` says to)."""
+    if len(set(items)) == len(items):
+        return 0, 0  # the usual case, decided in C
     seen: set[str] = set()
     count = chars = 0
     for it in items:
         if it in seen:
-            count += 1
-            chars += len(it)
+            if skip is None or not skip(it):
+                count += 1
+                chars += len(it)
         else:
             seen.add(it)
     return count, chars
 
 
 class _Grams:
-    """A document's words as ids, with 64-bit hashes of their n-grams: the n-gram rules in numpy."""
+    """A document's words as ids, with 64-bit hashes of their n-grams: the n-gram rules in numpy.
+
+    An n-gram can occur twice only where its first n-1 words do, so once the rules have grouped the
+    shorter n-grams, the longer ones are hashed and sorted only at the positions whose shorter n-gram
+    repeats (a few percent of a real page); every other n-gram occurs once, which is all the rules need
+    to know of it. Memory: a few arrays of the document's word count.
+    """
 
     def __init__(self, ws: list[str]) -> None:
-        ids: dict[str, int] = {}
-        self.ids = np.fromiter((ids.setdefault(w, len(ids)) for w in ws), dtype=np.uint64, count=len(ws))
+        # a word's id is its str hash (computed in C, cached on the string): only equality matters, and the
+        # rules' answers depend on positions, not on the ids' values, so they are the same in every process
+        self.ids = np.fromiter(map(hash, ws), dtype=np.int64, count=len(ws)).view(np.uint64)
         self.cum = np.concatenate([[0], np.cumsum(np.fromiter(map(len, ws), dtype=np.int64, count=len(ws)))])
         self.cum_list = self.cum.tolist()  # for the one rule that must walk the words in Python
+        self._repeated: dict[int, np.ndarray] = {}  # n -> positions whose n-gram occurs more than once
 
-    def hashes(self, n: int) -> np.ndarray:
+    def hashes(self, n: int, at: np.ndarray | None = None) -> np.ndarray:
+        """Hashes of the n-grams starting at `at` (default: every position)."""
         m = len(self.ids) - n + 1
         if m <= 0:
             return np.empty(0, dtype=np.uint64)
-        acc = self.ids[:m] * _MIX
+        at = np.arange(m) if at is None else at
+        acc = self.ids[at] * _MIX
         with np.errstate(over="ignore"):
             for j in range(1, n):
-                acc = (acc ^ self.ids[j:m + j]) * _MIX
+                acc = (acc ^ self.ids[at + j]) * _MIX
         return acc
+
+    def groups(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(positions, first, inverse, counts) as np.unique gives them for the n-grams at `positions`: every
+        n-gram that can repeat (all of them, or those whose shorter n-gram, grouped before, repeats)."""
+        m = len(self.ids) - n + 1
+        shorter = [k for k in self._repeated if k < n]
+        if m <= 0:
+            pos = np.empty(0, dtype=np.int64)
+        elif shorter:
+            pos = self._repeated[max(shorter)]
+            pos = pos[pos < m]
+        else:
+            pos = np.arange(m)
+        _, first, inverse, counts = np.unique(self.hashes(n, pos), return_index=True, return_inverse=True,
+                                              return_counts=True)
+        self._repeated[n] = pos[counts[inverse] > 1]
+        return pos, first, inverse, counts
 
     def chars(self, start: np.ndarray | int, n: int):
         """Characters of the n words starting at `start`."""
@@ -111,17 +164,16 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)
 
 def _top_ngram_chars(g: _Grams, n: int) -> int:
     """Characters covered by the most frequent n-gram (its length times its count; 0 if none repeats)."""
-    h = g.hashes(n)
-    if not len(h):
+    pos, first, _, counts = g.groups(n)
+    if not len(pos):
         return 0
-    _, first, counts = np.unique(h, return_index=True, return_counts=True)
     top = counts.max()
     if top < 2:
         return 0
-    return int(g.chars(first[counts == top], n).max()) * int(top)
+    return int(g.chars(pos[first[counts == top]], n).max()) * int(top)
 
 
-def _duplicated_ngram_chars(g: _Grams, n: int) -> int:
+def _duplicated_ngram_chars(g: _Grams, n: int, at_most: float | None = None) -> int | None:
     """Characters of words inside n-grams seen before (Gopher, as datatrove counts it: walking the n-grams in
     order, a repeat is counted and the n-1 n-grams overlapping it are skipped, unseen).
 
@@ -129,18 +181,25 @@ def _duplicated_ngram_chars(g: _Grams, n: int) -> int:
     cannot be repeats, only make their value seen unless a skip covers them. So a candidate is a repeat
     when its value was seen at an earlier candidate that was walked, or at its first occurrence, unless a
     skipped span covers that.
+
+    With `at_most`, None when the answer is at most that: the counted spans start at later occurrences and do
+    not overlap, so the characters their union covers (numpy) bound it, and most pages need no walk.
     """
-    h = g.hashes(n)
-    if not len(h):
+    pos, first, inverse, _ = g.groups(n)
+    if not len(pos):
         return 0
-    _, first, inverse = np.unique(h, return_index=True, return_inverse=True)
-    first_of = first[inverse]
-    candidates = np.flatnonzero(first_of != np.arange(len(h)))
+    first_of = pos[first[inverse]]
+    later = first_of != pos
+    if at_most is not None:
+        starts, size = pos[later], len(g.ids)
+        depth = np.cumsum(np.bincount(starts, minlength=size + n) - np.bincount(starts + n, minlength=size + n))
+        if int(np.diff(g.cum)[depth[:size] > 0].sum()) <= at_most:
+            return None
     cum = g.cum_list
     skipped: list[int] = []  # starts of the skipped spans (i, i + n), in order
     seen_at_candidate: set[int] = set()
     chars, walk_from = 0, 0
-    for i, value, f in zip(candidates.tolist(), inverse[candidates].tolist(), first_of[candidates].tolist()):
+    for i, value, f in zip(pos[later].tolist(), inverse[later].tolist(), first_of[later].tolist()):
         if i < walk_from:
             continue  # inside the span of the last repeat
         k = bisect.bisect_left(skipped, f) - 1  # the last span starting before f
@@ -154,30 +213,40 @@ def _duplicated_ngram_chars(g: _Grams, n: int) -> int:
 
 
 def gopher_repetition(cfg) -> Gate:
-    def gate(text: str) -> Verdict:
-        total = len(text)
-        paras = paragraphs(text)
-        n_dup_para, para_chars = _duplicates(paras)
+    def gate(text: "str | TextView") -> Verdict:
+        view = as_view(text)
+        total = len(view.text)
+        paras = view.paragraphs
+        n_dup_para, para_chars = _duplicates(paras, skip=code_paragraph)
         s: dict = {"dup_para_frac": ratio(n_dup_para, len(paras)), "dup_para_char_frac": ratio(para_chars, total)}
         if s["dup_para_frac"] > cfg.max_dup_para_frac:
             return drop("gopher_dup_paragraphs", s, max=cfg.max_dup_para_frac)
         if s["dup_para_char_frac"] > cfg.max_dup_para_char_frac:
             return drop("gopher_dup_paragraph_chars", s, max=cfg.max_dup_para_char_frac)
-        _, line_chars = _duplicates(lines(text))
+        _, line_chars = _duplicates(view.prose_lines or view.lines)
         s["dup_line_char_frac"] = ratio(line_chars, total)
         if s["dup_line_char_frac"] > cfg.max_dup_line_char_frac:
             return drop("gopher_dup_line_chars", s, max=cfg.max_dup_line_char_frac)
-        ws = words(text)
-        grams = _Grams(ws)
+        grams = _Grams(view.prose_words or view.words)
         word_chars = int(grams.cum[-1])
-        scale = cfg.cjk_ngram_scale if spaceless(text) else 1
+        scale = cfg.cjk_ngram_scale if view.spaceless else 1
+        relax = cfg.code_page_ngram_scale if view.has_code else 1
         for n, limit in sorted(cfg.top_ngram_max_char_frac.items()):
             frac = s[f"top_{n}_gram_char_frac"] = ratio(_top_ngram_chars(grams, n * scale), word_chars)
             if frac > limit:
                 return drop("gopher_top_ngram", s, n=n * scale, max=limit)
+        bounded = []  # n-grams found within their limit by the bound: walked only if the document is dropped
         for n, limit in sorted(cfg.dup_ngram_max_char_frac.items()):
-            frac = s[f"dup_{n}_gram_char_frac"] = ratio(_duplicated_ngram_chars(grams, n * scale), word_chars)
+            limit = min(1.0, limit * relax)
+            chars = _duplicated_ngram_chars(grams, n * scale, at_most=limit * word_chars)
+            if chars is None:
+                s[f"dup_{n}_gram_char_frac"] = None
+                bounded.append(n)
+                continue
+            frac = s[f"dup_{n}_gram_char_frac"] = ratio(chars, word_chars)
             if frac > limit:
+                for m in bounded:  # the drop's signals hold every value
+                    s[f"dup_{m}_gram_char_frac"] = ratio(_duplicated_ngram_chars(grams, m * scale), word_chars)
                 return drop("gopher_dup_ngrams", s, n=n * scale, max=limit)
         return None
     return gate

@@ -9,14 +9,17 @@ from __future__ import annotations
 import ipaddress
 import re
 
+from kiln.data.gates.text import TextView, as_view
 from kiln.data.gates.types import Edit, Gate
 
 EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@(?:[A-Za-z0-9-]+\.)+[A-Za-z]{2,}\b")
-IPV4 = re.compile(r"(?<![\d.])\d{1,3}(?:\.\d{1,3}){3}(?![\d.])")  # ipaddress then checks the octets
+# ipaddress then checks the octets; the lookbehind after the first digit lets re skip to digits in C
+IPV4 = re.compile(r"\d(?<![\d.]\d)\d{0,2}(?:\.\d{1,3}){3}(?![\d.])")
 
 
 def redact_pii(cfg) -> Gate:
-    def gate(text: str) -> Edit | None:
+    def gate(view: "str | TextView") -> Edit | None:
+        text = as_view(view).text
         emails = ips = 0
         if "@" in text:
             text, emails = EMAIL.subn(cfg.email_replacement, text)

@@ -11,6 +11,7 @@ import json
 import re
 
 from kiln.data.gates.noise import _ENTITY, _TAG
+from kiln.data.gates.text import TextView, as_view
 from kiln.data.gates.types import Gate, Verdict, drop
 
 _TAGS = re.compile(_TAG)
@@ -44,11 +45,14 @@ def _ragged_table_rows(text: str) -> int:
 
 
 def format_residue(cfg) -> Gate:
-    def gate(text: str) -> Verdict:
+    def gate(view: "str | TextView") -> Verdict:
+        text = as_view(view).text
         if "<" not in text and "&" not in text and '":' not in text and "|" not in text:
             return None
-        s = {"tags": len(_TAGS.findall(text)), "entities": len(_ENTITIES.findall(text)),
-             "broken_json": _broken_json(text), "ragged_table_rows": _ragged_table_rows(text)}
+        s = {"tags": len(_TAGS.findall(text)) if "<" in text else 0,
+             "entities": len(_ENTITIES.findall(text)) if "&" in text else 0,
+             "broken_json": _broken_json(text) if '":' in text else 0,
+             "ragged_table_rows": _ragged_table_rows(text) if "|" in text else 0}
         s["per_kchar"] = round(sum(s.values()) * 1000 / max(len(text), 1), 3)
         return drop("format_residue", s, max=cfg.max_per_kchar) if s["per_kchar"] > cfg.max_per_kchar else None
     return gate

@@ -4,6 +4,19 @@ Japanese and Chinese are written without spaces, so splitting on whitespace
 gives one "word" per sentence. `words` counts each Han/kana character as a word
 instead (the usual character-level equivalent), and `spaceless` tells a gate
 that rules about word length or words per line do not apply.
+
+`TextView` splits one version of a document's text once (lines, tokens, words, paragraphs) for
+every gate that reads it; `apply_gates` makes a new one only when a step rewrites the text.
+
+Code lines. Documentation repeats code by nature (`import asyncio`, `try:`, `>>> parser.print_help()`,
+`}`), and code lines end without a full stop, so the rules FineWeb and Gopher wrote for web prose (duplicated
+lines, duplicated n-grams, punctuated lines) read a page of examples as boilerplate. `TextView.code` marks
+code lines by shape, so that those rules judge the prose around them (junk is prose-shaped: spam, link farms,
+tables and navigation stay measured). A line is code-shaped when it starts with a prompt (`>>>`, `...`, `$`,
+`#`, `%`), ends with code punctuation (`{ } ( ) [ ] ; , : \\ =`), or, without terminal punctuation,
+holds an assignment, a call, brackets or `--`; and every line of a block (lines with no blank line
+between them) is code when at least half of the block's lines are code-shaped, which takes in
+`import sys` and `pass` beside them.
 """
 
 from __future__ import annotations
@@ -13,12 +26,28 @@ import re
 _CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f"
 _WORD = re.compile(f"[{_CJK}]|[^\\s{_CJK}]+")
 _CJK_CHAR = re.compile(f"[{_CJK}]")
+# scripts whose sentences run without spaces, or whose words are written as one run (for the noise gate):
+# CJK punctuation, kana, Han, Hangul, Thai, Lao, Tibetan, Myanmar, Khmer, full-width forms
+SPACELESS_SCRIPTS = ("\u3000-\u303f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uac00-\ud7af"
+                     "\u1100-\u11ff\u0e00-\u0eff\u0f00-\u0fff\u1000-\u109f\u1780-\u17ff\uff00-\uffef")
+CODE_PAGE_SHARE = 0.05
+_PROMPTS = (">>>", "...", "$ ", "# ", "% ")
+_CODE_ENDS = tuple("{}()[];,:\\=")
+_CODE_SIGN = re.compile(r"=|\w\(|[{}\[\]<>]|--|::")
 TERMINAL_PUNCT = (".", "!", "?", '"', "'", "\u201d", "\u3002", "\uff01", "\uff1f", "\u300d", "\u300f")
 
 
 def words(text: str) -> list[str]:
     """Whitespace-separated words, with each CJK character a word of its own."""
-    return _WORD.findall(text)
+    if _CJK_CHAR.search(text) is None:
+        return text.split()  # the same words (\\s is str.isspace), split in C several times faster
+    out: list[str] = []
+    for tok in text.split():  # Chinese and Japanese have few spaces: few, long tokens
+        if tok.isascii():
+            out.append(tok)
+        else:
+            out.extend(_WORD.findall(tok))
+    return out
 
 
 CJK_CHARS_PER_WORD = 2  # a Chinese word averages ~1.5 characters, a Japanese one ~2
@@ -34,18 +63,18 @@ def word_count(text: str) -> float:
     return spaced + cjk / CJK_CHARS_PER_WORD
 
 
-def is_cjk(word: str) -> bool:
-    return len(word) == 1 and _CJK_CHAR.match(word) is not None
-
-
-def spaceless(text: str) -> bool:
+def spaceless(text: "str | TextView") -> bool:
     """True when over 30% of the visible characters are Han or kana (Japanese pages are full of ASCII commands)."""
-    visible = len("".join(text.split()))
-    return visible > 0 and len(_CJK_CHAR.findall(text)) / visible > 0.3
+    return as_view(text).spaceless
 
 
 def lines(text: str) -> list[str]:
     return [ln.strip() for ln in text.split("\n") if ln.strip()]
+
+
+def code_paragraph(paragraph: str) -> bool:
+    """A paragraph all of whose lines are code (by `code_lines`, judged within the paragraph alone)."""
+    return all(code_lines([ln.strip() for ln in paragraph.split("\n")]))
 
 
 def paragraphs(text: str) -> list[str]:
@@ -54,3 +83,130 @@ def paragraphs(text: str) -> list[str]:
 
 def ratio(part: float, whole: float) -> float:
     return round(part / whole, 4) if whole else 0.0
+
+
+class TextView:
+    """One version of a document's text, split on demand and at most once per way of splitting it.
+
+    Memory: the splits of one document (a few times its size), dropped with the view.
+    """
+
+    __slots__ = ("text", "lang", "_raw_lines", "_stripped", "_lines", "_words", "_paragraphs", "_spaceless",
+                 "_visible", "_code", "_prose_lines", "_prose_words", "_has_cjk")
+
+    def __init__(self, text: str, lang: str | None = None, raw_lines: list[str] | None = None,
+                 code: list[bool] | None = None) -> None:
+        """`raw_lines` and `code`, when given, must be `text.split("\\n")` and its code marks (an edit that kept
+        some lines knows both)."""
+        self.text, self.lang = text, lang  # lang: what language ID said (None: not known)
+        self._raw_lines, self._code = raw_lines, code
+        self._stripped = self._lines = self._words = self._paragraphs = None
+        self._spaceless = self._visible = self._prose_lines = self._prose_words = self._has_cjk = None
+
+    @property
+    def raw_lines(self) -> list[str]:
+        """`text.split("\\n")`: every line as written, blank ones too."""
+        if self._raw_lines is None:
+            self._raw_lines = self.text.split("\n")
+        return self._raw_lines
+
+    @property
+    def stripped_lines(self) -> list[str]:
+        """Every raw line, stripped (blank ones become "")."""
+        if self._stripped is None:
+            self._stripped = list(map(str.strip, self.raw_lines))
+        return self._stripped
+
+    @property
+    def lines(self) -> list[str]:
+        """Non-blank lines, stripped (`lines(text)`)."""
+        if self._lines is None:
+            self._lines = [s for s in self.stripped_lines if s]
+        return self._lines
+
+    @property
+    def words(self) -> list[str]:
+        if self._words is None:
+            self._words = words(self.text) if self.has_cjk else self.text.split()
+        return self._words
+
+    @property
+    def paragraphs(self) -> list[str]:
+        """Blocks of lines between blank lines, stripped (`paragraphs(text)`)."""
+        if self._paragraphs is None:
+            self._paragraphs = paragraphs(self.text)
+        return self._paragraphs
+
+    @property
+    def code(self) -> list[bool]:
+        """For each raw line: is it code (see the module docstring)? Blank lines are not."""
+        if self._code is None:
+            self._code = code_lines(self.stripped_lines)
+        return self._code
+
+    @property
+    def has_code(self) -> bool:
+        """A page with code: at least CODE_PAGE_SHARE of its non-blank lines are code (documentation)."""
+        return sum(self.code) >= CODE_PAGE_SHARE * max(len(self.lines), 1)
+
+    @property
+    def prose_lines(self) -> list[str]:
+        """The non-blank lines that are not code, stripped."""
+        if self._prose_lines is None:
+            self._prose_lines = [s for s, c in zip(self.stripped_lines, self.code) if s and not c]
+        return self._prose_lines
+
+    @property
+    def prose_words(self) -> list[str]:
+        """`words` of the prose lines (all the words when there is no code)."""
+        if self._prose_words is None:
+            self._prose_words = self.words if not any(self.code) else words("\n".join(self.prose_lines))
+        return self._prose_words
+
+    @property
+    def visible_chars(self) -> int:
+        """Characters that are not whitespace (as str.isspace has it)."""
+        if self._visible is None:
+            self._visible = len("".join(self.text.split()))
+        return self._visible
+
+    @property
+    def has_cjk(self) -> bool:
+        """Any Han or kana at all (one C scan; most documents have none, and then words split in C)."""
+        if self._has_cjk is None:
+            self._has_cjk = _CJK_CHAR.search(self.text) is not None
+        return self._has_cjk
+
+    @property
+    def spaceless(self) -> bool:
+        if self._spaceless is None:
+            self._spaceless = self.has_cjk and len(_CJK_CHAR.findall(self.text)) / self.visible_chars > 0.3
+        return self._spaceless
+
+
+def code_shaped(line: str) -> bool:
+    """One stripped, non-blank line looks like code (the module docstring says how)."""
+    if line.startswith(_PROMPTS) or line.endswith(_CODE_ENDS):
+        return True
+    return not line.endswith(TERMINAL_PUNCT) and _CODE_SIGN.search(line) is not None
+
+
+def code_lines(stripped: list[str]) -> list[bool]:
+    """Which lines (each stripped, blank ones "") are code: code-shaped ones, every line of a block that is
+    at least half code-shaped, and a lone unpunctuated line right before code (`import asyncio`, cut from its
+    example by a blank line)."""
+    out = [bool(s) and code_shaped(s) for s in stripped]
+    blank = [i for i, s in enumerate(stripped) if not s]
+    blocks = [(a + 1, b) for a, b in zip([-1] + blank, blank + [len(stripped)]) if b > a + 1]
+    for a, b in blocks:
+        if b - a >= 2 and 2 * sum(out[a:b]) >= b - a:
+            out[a:b] = [True] * (b - a)
+    for (a, b), (c, _) in zip(reversed(blocks[:-1]), reversed(blocks[1:])):  # backwards: chains of such lines
+        if b - a == 1 and out[c] and not out[a] and not stripped[a].endswith(TERMINAL_PUNCT):
+            out[a] = True
+    return out
+
+
+def as_view(text: "str | TextView") -> TextView:
+    """The view a gate reads: the one apply_gates shares, or a new one for a gate called on a string."""
+    return text if isinstance(text, TextView) else TextView(text)

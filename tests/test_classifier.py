@@ -1,0 +1,141 @@
+"""The classifier gate end to end through `kiln data`: a floret model trained with
+`kiln data classifier train` on planted good pages (real Debian Reference chapters) and bad ones
+(fluent sales copy that passes every heuristic gate), then `kiln data` keeps the held-out good pages,
+drops the sales pages with their score, and records `quality_score` in every kept document;
+keep_top_fraction keeps that share of the corpus, deciding in the merge."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+pytest.importorskip("floret")
+
+from conftest import SAMPLE_WARC, write_warc
+
+from kiln.cli import main as kiln
+from kiln.data.pipeline import read_docs, read_part
+
+SALES = ["amazing", "deal", "offer", "discount", "price", "buy", "today", "limited", "best", "quality", "product", "customers", "love", "our", "store", "shipping", "free", "order", "now", "save", "money", "premium", "brand", "exclusive", "bonus", "gift", "satisfaction", "guaranteed"]
+
+
+def sales_copy(rng: random.Random, paragraphs: int = 12) -> str:
+    out = []
+    for _ in range(paragraphs):
+        sentences = []
+        for _ in range(4):
+            ws = [rng.choice(SALES) for _ in range(rng.randint(8, 13))]
+            ws.insert(2, "the")
+            ws.insert(5, "and")
+            sentences.append(" ".join(ws).capitalize() + ".")
+        out.append(" ".join(sentences))
+    return "\n\n".join(out)
+
+
+def english_pages() -> list[tuple[str, bytes]]:
+    from fastwarc.warc import ArchiveIterator, WarcRecordType
+
+    with open(SAMPLE_WARC, "rb") as f:
+        return [(r.headers.get("WARC-Target-URI"), r.reader.read())
+                for r in ArchiveIterator(f, record_types=WarcRecordType.response)
+                if r.headers.get("WARC-Target-URI").endswith(".en.html") and "index" not in r.headers.get("WARC-Target-URI")]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("clf")
+    rng = random.Random(0)
+    from kiln.data.extract import resiliparse_text
+
+    pages = english_pages()
+    train_pages, held_out = pages[:9], pages[9:]
+    pos, neg = tmp / "pos.jsonl", tmp / "neg.jsonl"
+    pos.write_text("".join(json.dumps({"text": resiliparse_text(p.decode())}) + "\n" for _, p in train_pages))
+    neg.write_text("".join(json.dumps({"text": sales_copy(rng)}) + "\n" for _ in range(30)))
+    model = tmp / "quality.bin"
+    assert kiln(["data", "classifier", "train", "--positive", str(pos), "--negative", str(neg), "--out", str(model)]) == 0
+    sales = [(f"http://shop{i}.example/", f"<html><body><p>{sales_copy(rng)}</p></body></html>".encode().replace(
+        b"\n\n", b"</p><p>")) for i in range(4)]
+    warc = write_warc(tmp / "crawl.warc.gz", [(u, p, "text/html") for u, p in held_out + sales])
+    return tmp, model, warc, {u for u, _ in held_out}, {u for u, _ in sales}
+
+
+def rejects(out):
+    return {r["url"]: r for part in sorted((out / "rejects").glob("part-*.jsonl.zst")) for r in read_part(part)}
+
+
+def test_without_a_model_the_sales_pages_pass_the_heuristics(trained):
+    tmp, _, warc, good, sales = trained
+    out = tmp / "plain"
+    assert kiln(["data", str(warc), "--out", str(out), "data.dedup.method=none"]) == 0
+    assert {d["url"] for d in read_docs(out)} == good | sales  # what the learned gate is for
+
+
+def test_classifier_threshold_keeps_the_good_pages_and_scores_them(trained):
+    tmp, model, warc, good, sales = trained
+    out = tmp / "threshold"
+    assert kiln(["data", str(warc), "--out", str(out), "data.dedup.method=none",
+                 f"data.quality.classifier.model={model}", "data.quality.classifier.threshold=0.5"]) == 0
+    kept = {d["url"]: d for d in read_docs(out)}
+    assert set(kept) == good
+    assert all(0.5 <= d["quality_score"] <= 1 for d in kept.values())
+    rej = rejects(out)
+    for url in sales:
+        assert (rej[url]["stage"], rej[url]["reason"]) == ("quality", "classifier_below_threshold")
+        assert 0 <= rej[url]["signals"]["quality_score"] < 0.5 and rej[url]["signals"]["min"] == 0.5
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["rejected_by_reason"]["quality/classifier_below_threshold"] == len(sales)
+
+
+def test_explain_shows_the_score(trained, capsys):
+    tmp, _, _, good, sales = trained
+    out = tmp / "threshold"  # written by the test above
+    url = min(good)
+    assert kiln(["data", "explain", url, "--out", str(out)]) == 0
+    score = next(d["quality_score"] for d in read_docs(out) if d["url"] == url)
+    assert f"quality_score: {score}" in capsys.readouterr().out
+    assert kiln(["data", "explain", min(sales), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "dropped by quality: classifier_below_threshold" in text and "quality_score = " in text
+
+
+def test_keep_top_fraction_keeps_that_share_whatever_the_workers(trained):
+    tmp, model, _, good, _ = trained
+    pages = {u: p for u, p in english_pages()}
+    # two tasks, each with good and sales pages: the cut must use both tasks' scores
+    rng = random.Random(1)
+    shop = [(f"http://store{i}.example/", f"<html><body><p>{sales_copy(rng)}</p></body></html>".encode())
+            for i in range(4)]
+    urls = sorted(good)
+    a = write_warc(tmp / "a.warc.gz", [(u, pages[u], "text/html") for u in urls[:3]] + [(u, p, "text/html") for u, p in shop[:2]])
+    b = write_warc(tmp / "b.warc.gz", [(u, pages[u], "text/html") for u in urls[3:]] + [(u, p, "text/html") for u, p in shop[2:]])
+    outs = []
+    for workers in (1, 2):
+        out = tmp / f"top-{workers}"
+        assert kiln(["data", str(a), str(b), "--out", str(out), "--workers", str(workers),
+                     "data.dedup.method=none", f"data.quality.classifier.model={model}",
+                     "data.quality.classifier.keep_top_fraction=0.5"]) == 0
+        outs.append(out)
+    kept = {d["url"] for d in read_docs(outs[0])}
+    assert kept == good  # the top 5 of 9 (at least half) are the good pages
+    cut = [r for r in rejects(outs[0]).values() if r["reason"] == "classifier_below_top_fraction"]
+    assert {r["url"] for r in cut} == {u for u, _ in shop}
+    assert all(r["signals"]["keep_top_fraction"] == 0.5 and r["signals"]["quality_score"] < r["signals"]["min"]
+               for r in cut)
+    for x, y in zip(sorted(outs[0].rglob("part-*.jsonl.zst")), sorted(outs[1].rglob("part-*.jsonl.zst"))):
+        assert x.read_bytes() == y.read_bytes()
+
+
+def test_classifier_config_errors(trained, tmp_path, capsys):
+    _, model, warc, _, _ = trained
+    assert kiln(["data", str(warc), "--out", str(tmp_path / "x"), f"data.quality.classifier.model={tmp_path}/none.bin",
+                 "data.quality.classifier.threshold=0.5"]) == 2
+    assert "none.bin: no such file; train one with `kiln data classifier train" in capsys.readouterr().err
+    assert kiln(["data", str(warc), "--out", str(tmp_path / "y"), f"data.quality.classifier.model={model}"]) == 2
+    assert "set exactly one of threshold and keep_top_fraction" in capsys.readouterr().err
+    assert kiln(["data", str(warc), "--out", str(tmp_path / "z"), f"data.quality.classifier.model={model}",
+                 "data.quality.classifier.threshold=0.5", "data.quality.classifier.label=__label__good"]) == 2
+    assert "the model's labels are" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "z").exists()

@@ -1,0 +1,216 @@
+"""The distribution gate on real sources (issue 16, item 6): `data.distribution.source_key` groups
+documents into sources (input file, URL host, or a JSONL/Parquet field), the gate weights each source,
+`kiln pack` packs down-weighted sources into their own shard groups, and the trainer's loader draws
+from a drifting source its weight's share less. Real JSONL, real tokenizer, real shards and loader."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import tiny_config
+
+from kiln.config import DataConfig, SourceConfig, build_config
+from kiln.data.gates.distribution import NO_HOST, source_group
+from kiln.data.pipeline import read_docs, run_data
+from kiln.errors import ConfigError, KilnError
+from kiln.ops.report import composition_table
+from kiln.shards.format import ShardSet
+from kiln.train.data import open_splits
+from kiln.train.loader import Loader
+
+BASIC_GATES_ONLY = {name: {"enabled": False} for name in
+                    ("gopher_quality", "gopher_repetition", "c4", "fineweb", "noise", "residue", "pii")}
+EN = [
+    "river", "garden", "harbour", "bridge", "market", "doctor", "farmer", "painter", "sailor", "village", "school",
+    "church", "tower", "orchard", "kitchen", "window", "letter", "story", "song", "winter", "summer", "morning",
+    "evening", "storm", "lantern", "wagon", "horse", "basket",
+]
+DE = [
+    "Fluss", "Garten", "Hafen", "Brücke", "Markt", "Arzt", "Bauer", "Maler", "Seemann", "Dorf", "Schule", "Kirche",
+    "Turm", "Obstgarten", "Küche", "Fenster", "Brief", "Geschichte", "Lied", "Winter", "Sommer", "Morgen", "Abend",
+    "Sturm", "Laterne", "Wagen", "Pferd", "Korb",
+]
+
+
+def prose(seed: int, german: bool = False, sentences: int = 10) -> str:
+    """Distinct plain prose per seed; English and German share no common word."""
+    rng = random.Random(seed)
+    nouns = DE if german else EN
+    form = ("Der {} und die {} sahen den {} am {} im Jahr {}, und alle waren sehr froh darüber." if german else
+            "The {} and the {} watched a {} by the {} in {}, and everyone was glad of it.")
+    return " ".join(form.format(*rng.sample(nouns, 4), 1500 + rng.randrange(500)) for _ in range(sentences))
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def data_cfg(**distribution) -> DataConfig:
+    return DataConfig(min_chars=200, lang_threshold=0, quality=BASIC_GATES_ONLY, distribution=distribution)
+
+
+# --- grouping ------------------------------------------------------------------------------------
+
+
+def test_source_group_by_file_host_and_field():
+    assert source_group("file", "a.jsonl", "https://x.org/p", "s1") == "a.jsonl"
+    assert source_group("host", "a.jsonl", "https://Docs.Example.org:8443/p?q=1", None) == "docs.example.org"
+    assert source_group("host", "a.jsonl", None, None) == NO_HOST
+    assert source_group("host", "a.jsonl", "not a url", None) == NO_HOST
+    assert source_group("field:site", "a.jsonl", "https://x.org/p", "forum") == "forum"
+    assert source_group("field:site", "crawl.warc.gz", "https://x.org/p", None) == "crawl.warc.gz"  # WARC: no fields
+
+
+def test_bad_source_key_is_a_one_line_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="source_key must be file, host or field:NAME, got 'site'"):
+        build_config({"out_dir": str(tmp_path), "data": {"distribution": {"source_key": "site"}}})
+    with pytest.raises(ConfigError, match="source_key"):
+        build_config({"out_dir": str(tmp_path), "data": {"distribution": {"source_key": "field:"}}})
+
+
+@pytest.mark.parametrize("key, expected", [
+    ("field:site", {"docs": 2, "forum": 1, "(no site)": 1}),
+    ("host", {"a.example": 2, "b.example": 1, NO_HOST: 1}),
+    ("file", None),  # today's behaviour: the input file
+])
+def test_kiln_data_groups_sources_by_source_key(tmp_path, key, expected):
+    recs = [{"text": prose(1), "url": "https://a.example/1", "site": "docs"},
+            {"text": prose(2), "url": "https://A.example/2", "site": "docs"},
+            {"text": prose(3, german=True), "url": "https://b.example/3", "site": "forum"},
+            {"text": prose(4)}]
+    src = write_jsonl(tmp_path / "in.jsonl", recs)
+    expected = expected or {str(src): 4}
+    stats = run_data([str(src)], tmp_path / "docs", data_cfg(source_key=key))
+    docs = list(read_docs(tmp_path / "docs"))
+    assert Counter(d["source_group"] for d in docs) == expected
+    assert {s: w["docs"] for s, w in stats["source_weights"].items()} == expected
+    by_source = stats["composition"]["by_source"]
+    assert {s: r["documents"] for s, r in by_source.items()} == expected
+    for group in expected:  # characters: the kept texts of that source, exactly
+        assert by_source[group]["chars"] == sum(len(d["text"]) for d in docs if d["source_group"] == group)
+    by_lang = stats["composition"]["by_lang"]
+    assert {lang: r["documents"] for lang, r in by_lang.items()} == {"en": 3, "de": 1}
+    assert by_lang["en"]["char_share"] == round(by_lang["en"]["chars"] / sum(len(d["text"]) for d in docs), 4)
+
+
+def test_parquet_field_groups_and_a_missing_column_is_one_source(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"text": [prose(1), prose(2), prose(3)], "site": ["docs", None, "forum"]}), src)
+    run_data([str(src)], tmp_path / "docs", data_cfg(source_key="field:site"))
+    assert [d["source_group"] for d in read_docs(tmp_path / "docs")] == ["docs", "(no site)", "forum"]
+    run_data([str(src)], tmp_path / "docs2", data_cfg(source_key="field:lang_code"))  # no such column
+    assert {d["source_group"] for d in read_docs(tmp_path / "docs2")} == {"(no lang_code)"}
+
+
+def test_report_shows_the_composition_with_weights():
+    stats = {"composition": {"by_source": {"forum": {"documents": 3, "chars": 900, "doc_share": 0.75,
+                                                     "char_share": 0.9}},
+                             "by_lang": {"de": {"documents": 3, "chars": 900, "doc_share": 1.0, "char_share": 1.0}}},
+             "source_weights": {"forum": {"docs": 3, "z": 4.0, "weight": 0.75}}}
+    table = composition_table(stats)
+    assert "<h3>Corpus by source</h3>" in table and "<td>forum</td><td>3</td><td>900</td><td>0.75</td>" \
+        "<td>0.9</td><td>0.75</td>" in table
+    assert "<h3>Corpus by language</h3>" in table and "<td>de</td>" in table
+    assert composition_table({}) == ""
+
+
+# --- end to end: kiln data + pack + the training loader ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def drifting_corpus(tmp_path_factory):
+    """Three English sites of 60 documents and one German site of 8 (4% of the documents, so its
+    top tokens sit more than 3 sigma from the corpus), through the data, tokenizer and pack stages."""
+    from kiln.flow import run_data_stage, run_pack_stage, run_tokenizer_stage
+
+    root = tmp_path_factory.mktemp("drift")
+    recs = [{"id": f"{site}-{i}", "text": prose(1000 * k + i), "site": site}
+            for k, site in enumerate(("alpha", "beta", "gamma"), 1) for i in range(60)]
+    recs += [{"id": f"forum-{i}", "text": prose(9000 + i, german=True), "site": "forum"} for i in range(8)]
+    random.Random(0).shuffle(recs)
+    src = write_jsonl(root / "sites.jsonl", recs)
+    cfg = tiny_config(root / "out", data={"lang_threshold": 0, "quality": BASIC_GATES_ONLY,
+                                          "distribution": {"source_key": "field:site"}})
+    cfg.data.inputs = [str(src)]
+    quiet = lambda *_: None
+    stats = run_data_stage(cfg, quiet)
+    run_tokenizer_stage(cfg, quiet)
+    manifest = run_pack_stage(cfg, quiet)
+    return cfg, stats, manifest
+
+
+def test_a_drifting_source_is_packed_in_its_own_shard_group(drifting_corpus):
+    cfg, stats, manifest = drifting_corpus
+    weights = {s: w["weight"] for s, w in stats["source_weights"].items()}
+    assert weights["alpha"] == weights["beta"] == weights["gamma"] == 1.0
+    assert 0 < weights["forum"] < 0.9
+    groups = manifest["splits"]["train"]["groups"]
+    assert [(g["group"], g["weight"]) for g in groups] == [(None, 1.0), ("forum", weights["forum"])]
+    assert sum(g["samples"] for g in groups) == manifest["splits"]["train"]["samples"]
+    assert [f for g in groups for f in g["files"]] == manifest["splits"]["train"]["files"]
+    forum = ShardSet(cfg.out / "shards", "train", group=1)
+    assert len(forum) == groups[1]["samples"] and forum.names[0].startswith("train/forum-")
+    # every document of the forum is in its group, no other's
+    docs = [d for d in manifest["documents"] if d["split"] == "train"]
+    assert {d["source_group"] for d in docs} == {"alpha", "beta", "gamma", "forum"}
+
+
+def test_the_trainer_draws_a_drifting_source_by_its_weight(drifting_corpus):
+    """One epoch of the training loader: the forum's share of samples is its share of the shards'
+    samples scaled by its weight (odds ratio = weight), not its share of documents."""
+    cfg, stats, manifest = drifting_corpus
+    weight = stats["source_weights"]["forum"]["weight"]
+    train, _ = open_splits(cfg, manifest["tokenizer_sha256"])
+    groups = manifest["splits"]["train"]["groups"]
+    # which group each sample row comes from, by its tokens (independent of how the Mixture numbers them)
+    owner = {}
+    for k in range(len(groups)):
+        part = ShardSet(cfg.out / "shards", "train", group=k)
+        for i in range(len(part)):
+            owner[part.sample(i).tobytes()] = groups[k]["group"]
+    loader = Loader(train, global_batch=1, micro_batch=1, rank=0, world=1, seed=cfg.seed)
+    drawn = Counter()
+    for _ in range(len(train)):  # exactly one epoch
+        (batch,) = loader.next_batch()
+        drawn[owner[batch[0].numpy().astype(np.dtype(part.sample(0).dtype)).tobytes()]] += 1
+    n_forum, n_rest = groups[1]["samples"], groups[0]["samples"]
+    total = n_forum + n_rest
+    assert sum(drawn.values()) == total
+    expected = weight * n_forum / (weight * n_forum + n_rest) * total
+    assert abs(drawn["forum"] - expected) < 1  # largest-remainder rounding
+    assert drawn["forum"] < n_forum  # without the weight it would be drawn n_forum times an epoch
+    odds = (drawn["forum"] / drawn[None]) / (n_forum / n_rest)
+    assert odds == pytest.approx(weight, abs=1.5 / drawn["forum"])
+    doc_share = stats["composition"]["by_source"]["forum"]["doc_share"]
+    assert doc_share == round(8 / 188, 4)
+    sample_share = drawn["forum"] / total
+    print(f"forum: weight {weight}, doc share {doc_share}, shard-sample share {n_forum / total:.4f}, "
+          f"drawn share {sample_share:.4f}")
+
+
+def test_a_grouped_source_with_a_given_weight_keeps_it_in_total(drifting_corpus):
+    """loader.sources weights 3 and 1 over the same grouped shards: 3/4 and 1/4 of the draws, each
+    split between its groups by samples times group weight."""
+    cfg, stats, manifest = drifting_corpus
+    shards = str(cfg.out / "shards")
+    run = cfg.model_copy(update={"loader": cfg.loader.model_copy(update={"sources": [
+        SourceConfig(path=shards, weight=3.0), SourceConfig(path=shards, weight=1.0)]})})
+    train, _ = open_splits(run, manifest["tokenizer_sha256"])
+    w = stats["source_weights"]["forum"]["weight"]
+    n_rest, n_forum = (g["samples"] for g in manifest["splits"]["train"]["groups"])
+    total = 2 * (n_rest + n_forum)
+    assert len(train.counts) == 4 and int(train.counts.sum()) == total
+    expected = [f * total * part / (n_rest + w * n_forum) for f in (0.75, 0.25) for part in (n_rest, w * n_forum)]
+    assert all(abs(c - e) < 1 for c, e in zip(train.counts.tolist(), expected))
+    with pytest.raises(KilnError, match=r"loader.sources\[1\].weight is missing"):
+        open_splits(run.model_copy(update={"loader": run.loader.model_copy(update={"sources": [
+            SourceConfig(path=shards, weight=3.0), SourceConfig(path=shards)]})}), manifest["tokenizer_sha256"])
