@@ -78,7 +78,7 @@ def test_without_the_gate_the_bad_pages_pass_the_heuristics(reference):
     assert {d["url"] for d in read_docs(out)} == good | bad  # what the learned gate is for
 
 
-def test_perplexity_gate_keeps_the_reference_like_pages_and_records_bits_per_byte(reference):
+def test_perplexity_gate_keeps_the_reference_like_pages_and_records_bits_per_byte(reference, capsys):
     tmp, checkpoint, warc, good, bad = reference
     out = tmp / "gated"
     assert run(warc, out, checkpoint, f"data.quality.perplexity.max_bits_per_byte={MAX_BPB}") == 0
@@ -96,6 +96,9 @@ def test_perplexity_gate_keeps_the_reference_like_pages_and_records_bits_per_byt
     doc = kept[min(good)]
     assert len(doc["text"]) > 2000  # several windows of the model's 64-token context
     assert doc["perplexity_bpb"] == pytest.approx(bits_per_byte(checkpoint, doc["text"][:10_000]), abs=2e-4)
+    capsys.readouterr()
+    assert kiln(["data", "explain", doc["url"], "--out", str(out)]) == 0
+    assert f"perplexity_bpb: {doc['perplexity_bpb']}" in capsys.readouterr().out
 
 
 def test_scores_do_not_depend_on_the_batch_and_a_run_folder_resolves(reference):
