@@ -138,7 +138,8 @@ def perplexity_cost(path: Path, folder: Path) -> dict[str, float] | None:
     run_tokenizer_stage(cfg, quiet)
     run_pack_stage(cfg, quiet)
     Trainer(cfg, log=quiet).run()
-    ppl = cfg.data.quality.perplexity.model_copy(update={"checkpoint": str(list_checkpoints(cfg.out / "run" / "checkpoints")[-1])})
+    checkpoint = list_checkpoints(cfg.out / "run" / "checkpoints")[-1]
+    ppl = cfg.data.quality.perplexity.model_copy(update={"checkpoint": str(checkpoint)})
     texts = [d.text for d in extract(read_task(Task(0, str(path)), cfg.data, ReadReport()), cfg.data.max_page_bytes)
              if d.rejection is None]
     scorer(ppl.checkpoint)  # loaded once per worker: not a per-document cost

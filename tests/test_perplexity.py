@@ -15,8 +15,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, english_pages, tiny_config, warc_pages, write_warc
+
 from kiln.cli import main as kiln
 from kiln.data.pipeline import read_docs, read_part
 from kiln.eval import load_eval_model, summed_loss, text_windows
@@ -30,9 +30,10 @@ STOP = ["the", "and", "of", "to", "is", "in", "that", "with"]
 
 def word_salad(rng: random.Random) -> str:
     """Sentences of random-letter words around English stop words: passes the Gopher, C4 and FineWeb rules."""
-    word = lambda: "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8)))  # noqa: E731
-    return "</p><p>".join(" ".join(" ".join([word(), rng.choice(STOP), word(), rng.choice(STOP), word()]) for _ in range(5))
-                          .capitalize() + "." for _ in range(12))
+    word = lambda: "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8)))
+    sentence = lambda: " ".join(" ".join([word(), rng.choice(STOP), word(), rng.choice(STOP), word()])  # noqa: E731
+                                for _ in range(5)).capitalize() + "."
+    return "</p><p>".join(sentence() for _ in range(12))
 
 
 @pytest.fixture(scope="module")

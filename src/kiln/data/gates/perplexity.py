@@ -24,15 +24,16 @@ never loads torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from kiln.data.document import Document
 from kiln.errors import ConfigError, IntegrityError, KilnError
 
 FIELD = "perplexity_bpb"
 REASON = "perplexity_above_max"
-_SCORERS: dict[str, "Scorer"] = {}  # one model per worker process, not per task
+_SCORERS: dict[str, Scorer] = {}  # one model per worker process, not per task
 
 
 def checkpoint_folder(path: str) -> Path:
