@@ -112,6 +112,44 @@ def learned_gate_costs(path: Path, folder: Path) -> dict[str, float] | None:
     return out
 
 
+def perplexity_cost(path: Path, folder: Path) -> dict[str, float] | None:
+    """CPU ms per document of the perplexity gate on the input's pages, with a tiny Kiln model (dim 64, 2 layers,
+    64-token context, vocabulary 1,024) trained 20 steps on the input itself (None in a Kiln without the gate)."""
+    from kiln.config import build_config
+    from kiln.data.document import Document, ReadReport
+    from kiln.data.extract import extract
+    from kiln.data.pipeline import Task, read_task
+
+    try:
+        from kiln.data.gates.perplexity import score_perplexity, scorer
+    except ImportError:
+        return None
+    from kiln.flow import run_data_stage, run_pack_stage, run_tokenizer_stage
+    from kiln.train.checkpoint import list_checkpoints
+    from kiln.train.trainer import Trainer
+
+    quiet = lambda *_: None  # noqa: E731
+    cfg = build_config({"seed": 7, "out_dir": str(folder / "ref"), "data": {"inputs": [str(path)], "workers": 1},
+                        "tokenizer": {"vocab_size": 1024}, "pack": {"seq_len": 64, "val_fraction": 0.1},
+                        "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2},
+                        "train": {"max_steps": 20, "batch_size": 8, "warmup_steps": 2, "eval_every": 0, "threads": 1},
+                        "checkpoint": {"every": 20}})
+    run_data_stage(cfg, quiet)
+    run_tokenizer_stage(cfg, quiet)
+    run_pack_stage(cfg, quiet)
+    Trainer(cfg, log=quiet).run()
+    checkpoint = list_checkpoints(cfg.out / "run" / "checkpoints")[-1]
+    ppl = cfg.data.quality.perplexity.model_copy(update={"checkpoint": str(checkpoint)})
+    texts = [d.text for d in extract(read_task(Task(0, str(path)), cfg.data, ReadReport()), cfg.data.max_page_bytes)
+             if d.rejection is None]
+    scorer(ppl.checkpoint)  # loaded once per worker: not a per-document cost
+    t0 = time.process_time()
+    for _ in range(REPEATS):
+        docs = [Document(str(i), str(path), 0, 0, text=t) for i, t in enumerate(texts)]
+        assert sum(1 for _ in score_perplexity(iter(docs), ppl)) == len(texts)
+    return {"perplexity": 1000 * (time.process_time() - t0) / (REPEATS * len(texts))}
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-bench-filter-") as tmp:
         inputs = {"sample": SAMPLE, "debian-docs": docs_crawl(Path(tmp))}
@@ -128,3 +166,6 @@ def main() -> None:
         costs = learned_gate_costs(SAMPLE, Path(tmp))
         print("learned gates: " + ("floret not installed" if costs is None else
                                    ", ".join(f"{k} {v:.2f} ms/doc" for k, v in costs.items()) + " (CPU, the sample)"))
+        ppl = perplexity_cost(SAMPLE, Path(tmp))
+        if ppl is not None:
+            print(f"perplexity gate: {ppl['perplexity']:.2f} ms/doc (CPU, the sample, a dim-64 2-layer Kiln model)")

@@ -56,6 +56,20 @@ def write_warc(path: Path, pages: list[tuple[str, bytes, str]]) -> Path:
     return path
 
 
+def warc_pages(path: Path, keep=lambda url: True) -> list[tuple[str, bytes]]:
+    """(URL, HTTP body) of the response records of a WARC whose URL `keep` accepts."""
+    from fastwarc.warc import ArchiveIterator, WarcRecordType
+
+    with open(path, "rb") as f:
+        return [(r.headers.get("WARC-Target-URI"), r.reader.read())
+                for r in ArchiveIterator(f, record_types=WarcRecordType.response) if keep(r.headers.get("WARC-Target-URI"))]
+
+
+def english_pages() -> list[tuple[str, bytes]]:
+    """The sample's English pages, index pages left out."""
+    return warc_pages(SAMPLE_WARC, lambda url: url.endswith(".en.html") and "index" not in url)
+
+
 @pytest.fixture(scope="session")
 def sample_warc() -> Path:
     assert SAMPLE_WARC.is_file(), "examples/data/sample.warc.gz is missing"

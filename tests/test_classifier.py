@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("floret")
 
-from conftest import SAMPLE_WARC, write_warc
+from conftest import english_pages, write_warc
 
 from kiln.cli import main as kiln
 from kiln.data.pipeline import read_docs, read_part
@@ -32,15 +32,6 @@ def sales_copy(rng: random.Random, paragraphs: int = 12) -> str:
             sentences.append(" ".join(ws).capitalize() + ".")
         out.append(" ".join(sentences))
     return "\n\n".join(out)
-
-
-def english_pages() -> list[tuple[str, bytes]]:
-    from fastwarc.warc import ArchiveIterator, WarcRecordType
-
-    with open(SAMPLE_WARC, "rb") as f:
-        return [(r.headers.get("WARC-Target-URI"), r.reader.read())
-                for r in ArchiveIterator(f, record_types=WarcRecordType.response)
-                if r.headers.get("WARC-Target-URI").endswith(".en.html") and "index" not in r.headers.get("WARC-Target-URI")]
 
 
 @pytest.fixture(scope="module")

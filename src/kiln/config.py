@@ -160,6 +160,21 @@ class SemanticConfig(Section):
     max_chars: int = Field(10_000, ge=100, description="characters of each document embedded")
 
 
+class PerplexityConfig(Section):
+    """CCNet-style gate: bits per byte of each document under a small Kiln model trained on reference text."""
+    checkpoint: str | None = Field(None, description="a Kiln checkpoint folder (run/checkpoints/step-NNNNNNNN) "
+                                   "or a run folder (its newest valid checkpoint); null = off")
+    max_bits_per_byte: float | None = Field(None, gt=0, description="drop documents scoring above this; "
+                                            "null = keep all and record perplexity_bpb")
+    batch_size: int = Field(32, ge=1, description="windows of the model's context scored per forward pass")
+    max_chars: int = Field(10_000, ge=100, description="characters of each document the model scores")
+
+    @property
+    def on(self) -> bool:
+        """Either key turns it on, so that a threshold without a checkpoint is an error, not silently off."""
+        return self.checkpoint is not None or self.max_bits_per_byte is not None
+
+
 class QualityConfig(Section):
     gopher_quality: GopherQualityConfig = Field(default_factory=GopherQualityConfig)
     gopher_repetition: GopherRepetitionConfig = Field(default_factory=GopherRepetitionConfig)
@@ -170,6 +185,7 @@ class QualityConfig(Section):
     pii: PiiConfig = Field(default_factory=PiiConfig)
     classifier: ClassifierConfig = Field(default_factory=ClassifierConfig)
     semantic: SemanticConfig = Field(default_factory=SemanticConfig)
+    perplexity: PerplexityConfig = Field(default_factory=PerplexityConfig)
 
 
 class BlocklistConfig(Section):

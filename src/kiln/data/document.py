@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-SCORE_FIELDS = ("quality_score", "semantic_score")  # record fields that scoring gates write
+SCORE_FIELDS = ("quality_score", "semantic_score", "perplexity_bpb")  # record fields that scoring gates write
 
 
 @dataclass

@@ -148,7 +148,12 @@ def process_task(task: Task, cfg: DataConfig, report: ReadReport, timer: StepTim
     docs = timer.wrap("read", read_task(task, cfg, report))
     docs = timer.wrap("extract", extract(docs, cfg.max_page_bytes, cfg.extractor))
     docs = timer.wrap("language", identify_language(docs, cfg.languages, cfg.lang_threshold, cfg.lang_max_chars, cfg.lang_model))
-    return timer.wrap("gates", apply_gates(docs, default_gates(cfg)))
+    docs = timer.wrap("gates", apply_gates(docs, default_gates(cfg)))
+    if cfg.quality.perplexity.on:
+        from kiln.data.gates.perplexity import score_perplexity  # torch only when the gate is on
+
+        docs = timer.wrap("perplexity", score_perplexity(docs, cfg.quality.perplexity))
+    return docs
 
 
 READ_ATTEMPTS = 3
@@ -268,6 +273,10 @@ def check_config(cfg: DataConfig) -> None:
         from kiln.data.gates.semantic import _model
 
         _model(cfg.quality.semantic.vectors) if cfg.quality.semantic.vectors else _floret()
+    if cfg.quality.perplexity.on:
+        from kiln.data.gates.perplexity import check as check_perplexity
+
+        check_perplexity(cfg.quality.perplexity)
     if cfg.extractor == "trafilatura":
         from kiln.data.extract import trafilatura_text
 

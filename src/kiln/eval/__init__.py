@@ -68,6 +68,32 @@ def summed_loss(model: torch.nn.Module, batches: Iterable[torch.Tensor], device:
     return total, count
 
 
+@torch.no_grad()
+def row_losses(model: torch.nn.Module, batch: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Summed next-token loss (nats, fp32) of each row of `batch`, whose first `lengths[i]` tokens are real:
+    the right padding after them is never predicted, and causal attention keeps it out of the real positions."""
+    targets = batch[:, 1:].clone()
+    targets[torch.arange(targets.shape[1])[None, :] >= (lengths[:, None] - 1)] = -100
+    logits = model(batch[:, :-1])
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="none")
+    return losses.view(targets.shape).sum(1)
+
+
+def load_eval_model(folder: Path):
+    """(model in eval mode on the CPU, tokenizer, run config) of a verified checkpoint folder."""
+    from kiln.tokenizer import load_tokenizer
+    from kiln.train.checkpoint import checkpoint_config, load_checkpoint
+    from kiln.train.trainer import build_model
+
+    cfg = checkpoint_config(folder)
+    tok = load_tokenizer(Path(folder) / "tokenizer.json")
+    weights = load_checkpoint(folder)["model"]
+    # The embedding's rows, not the tokenizer's size: the model may pad its vocabulary.
+    model = build_model(cfg, weights["tok_embeddings.weight"].shape[0])
+    model.load_state_dict(weights)
+    return model.eval(), tok, cfg
+
+
 def sample_batches(samples, indices: np.ndarray, batch: int) -> Iterable[torch.Tensor]:
     for i in range(0, len(indices), batch):
         rows = np.stack([samples.sample(int(j)) for j in indices[i: i + batch]]).astype(np.int64)
@@ -96,14 +122,9 @@ def evaluate_checkpoint(folder: Path, text_file: Path | None = None, max_samples
     Bits per byte (the summed loss in bits over the UTF-8 bytes of the predicted text) compares runs with
     different tokenizers; on shards the bytes are those of the predicted tokens."""
     from kiln.shards.format import ShardSet
-    from kiln.tokenizer import load_tokenizer, tokenizer_sha256
-    from kiln.train.checkpoint import checkpoint_config, load_checkpoint
-    from kiln.train.trainer import build_model
+    from kiln.tokenizer import tokenizer_sha256
 
-    cfg = checkpoint_config(folder)
-    tok = load_tokenizer(Path(folder) / "tokenizer.json")
-    model = build_model(cfg, tok.get_vocab_size())
-    model.load_state_dict(load_checkpoint(folder)["model"])
+    model, tok, cfg = load_eval_model(folder)
     device = torch.device("cpu")
     if text_file is not None:
         try:
