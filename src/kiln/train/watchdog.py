@@ -114,7 +114,10 @@ class Watchdog:
     def _report(self, stalled: list[int], beats: dict, ticks: dict, now: float, store) -> None:
         """Blame the rank that is behind: one whose heartbeat stopped (stopped or dead), else the lowest
         step; the others are waiting for it in a collective."""
-        silent = [r for r in stalled if now - ticks.get(r, (0, 0.0))[1] > 3 * self.cfg.heartbeat_s]
+        # Any rank whose heartbeat stopped, stalled by its own clock yet or not: the others wait for it, and a
+        # waiting rank's progress stops first (it sees the silent rank's last progress up to a heartbeat late).
+        silent = [r for r in sorted(set(stalled) | set(ticks))
+                  if now - ticks.get(r, (0, 0.0))[1] > 3 * self.cfg.heartbeat_s]
         culprit = (silent or sorted(stalled, key=lambda r: beats.get(r, {}).get("step", -1)))[0]
         beat = beats.get(culprit, {"host": "unknown", "step": "unknown", "pid": "unknown"})
         report = {"rank": culprit, "host": beat["host"], "pid": beat["pid"], "step": beat["step"],
