@@ -278,6 +278,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _sigterm(proc, children: list[int]) -> bytes:
+    """SIGTERM to `proc`, its stderr once it ends (an orphaned worker would hold the pipes open); children
+    still alive afterwards are killed so a failing test leaves none behind."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.communicate(timeout=30)[1]
+    finally:
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_sigterm_to_kiln_data_ends_its_workers(tmp_path):
     inputs = [str(shutil.copy(SAMPLE_WARC, tmp_path / f"s{i}.warc.gz")) for i in range(6)]
     proc = subprocess.Popen([sys.executable, "-m", "kiln", "data", *inputs, "--out", str(tmp_path / "docs"),
@@ -288,13 +300,7 @@ def test_sigterm_to_kiln_data_ends_its_workers(tmp_path):
         assert proc.poll() is None and time.time() < deadline, "the workers never started"
         time.sleep(0.02)
     workers = _children(proc.pid)
-    proc.send_signal(signal.SIGTERM)
-    try:
-        _, err = proc.communicate(timeout=30)  # an orphaned worker would hold the pipes open
-    finally:
-        for pid in workers:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+    err = _sigterm(proc, workers)
     assert proc.returncode == 130 and b"interrupted" in err
     time.sleep(0.2)
     assert [pid for pid in workers if _alive(pid)] == []
@@ -714,13 +720,7 @@ def test_sigterm_to_kiln_pack_ends_its_encoding_workers(prepared, tmp_path):
         assert proc.poll() is None and time.time() < deadline, "the encoding workers never started"
         time.sleep(0.02)
     children = _children(proc.pid)  # the two workers and multiprocessing's resource tracker
-    proc.send_signal(signal.SIGTERM)
-    try:
-        _, err = proc.communicate(timeout=30)  # an orphaned worker would hold the pipes open
-    finally:
-        for pid in children:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+    err = _sigterm(proc, children)
     assert proc.returncode == 130 and b"interrupted" in err, err.decode()[-2000:]
     time.sleep(0.2)
     assert [pid for pid in children if _alive(pid)] == []

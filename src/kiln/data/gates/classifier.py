@@ -41,16 +41,22 @@ def _floret():
     return floret
 
 
-def load_model(path: str):
+def load_floret(path: str, key: str, missing: str):
+    """A floret/fastText model file, loaded once per process (the classifier's and the semantic gate's);
+    `key` names the config key in errors, `missing` says what to do when the file is not there."""
     if path not in _MODELS:
         if not Path(path).is_file():
-            raise ConfigError(f"data.quality.classifier.model {path}: no such file; train one with "
-                              "`kiln data classifier train --positive PATHS --negative PATHS --out MODEL`")
+            raise ConfigError(f"{key} {path}: no such file; {missing}")
         try:
             _MODELS[path] = _floret().load_model(path)
         except ValueError as exc:
-            raise ConfigError(f"data.quality.classifier.model {path}: not a floret/fastText model ({exc})") from None
+            raise ConfigError(f"{key} {path}: not a floret/fastText model ({exc})") from None
     return _MODELS[path]
+
+
+def load_model(path: str):
+    return load_floret(path, "data.quality.classifier.model", "train one with "
+                       "`kiln data classifier train --positive PATHS --negative PATHS --out MODEL`")
 
 
 def model_text(text: str, max_chars: int) -> str:

@@ -26,21 +26,11 @@ from kiln.data.gates.types import Gate, Score, drop
 from kiln.errors import ConfigError
 
 REVIEW = "semantic_review"
-_MODELS: dict[str, object] = {}
-
-
 def _model(path: str):
-    from kiln.data.gates.classifier import _floret
+    from kiln.data.gates.classifier import load_floret
 
-    if path not in _MODELS:
-        if not Path(path).is_file():
-            raise ConfigError(f"data.quality.semantic.vectors {path}: no such file; give a floret/fastText model "
-                              "file, or leave it null to train vectors on the corpus")
-        try:
-            _MODELS[path] = _floret().load_model(path)
-        except ValueError as exc:
-            raise ConfigError(f"data.quality.semantic.vectors {path}: not a floret/fastText model ({exc})") from None
-    return _MODELS[path]
+    return load_floret(path, "data.quality.semantic.vectors", "give a floret/fastText model file, or leave it "
+                       "null to train vectors on the corpus")
 
 
 def _unit(v) -> np.ndarray:
