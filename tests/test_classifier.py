@@ -130,3 +130,16 @@ def test_classifier_config_errors(trained, tmp_path, capsys):
                  "data.quality.classifier.threshold=0.5", "data.quality.classifier.label=__label__good"]) == 2
     assert "the model's labels are" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "z").exists()
+
+
+def test_classifier_train_replaces_only_a_model_and_leaves_no_temporary_files(trained, capsys):
+    tmp, model, _, _, _ = trained
+    pos, neg = tmp / "pos.jsonl", tmp / "neg.jsonl"
+    thesis = tmp / "thesis.txt"
+    thesis.write_text("my thesis\n")
+    args = ["data", "classifier", "train", "--positive", str(pos), "--negative", str(neg), "--out"]
+    assert kiln(args + [str(thesis)]) == 2
+    assert thesis.read_text() == "my thesis\n" and "is not a floret/fastText model" in capsys.readouterr().err
+    before = model.stat().st_mtime_ns
+    assert kiln(args + [str(model)]) == 0  # an earlier model is replaced
+    assert model.stat().st_mtime_ns >= before and not list(tmp.glob(".*tmp-*")) + list(tmp.glob(".*train-*"))

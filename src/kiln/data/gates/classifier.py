@@ -19,7 +19,9 @@ documents below it (`quality/classifier_below_top_fraction`): deterministic for 
 
 from __future__ import annotations
 
+import os
 import random
+import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -52,6 +54,24 @@ def load_floret(path: str, key: str, missing: str):
         except ValueError as exc:
             raise ConfigError(f"{key} {path}: not a floret/fastText model ({exc})") from None
     return _MODELS[path]
+
+
+FASTTEXT_MAGIC = (793712314).to_bytes(4, "little")  # the first 4 bytes of every fastText/floret model file
+
+
+def save_floret(model, out: Path) -> None:
+    """Write a floret model to `out` atomically (a temporary name of our own, then os.replace), replacing only
+    a floret/fastText model: any other file there is the user's and is refused."""
+    out = Path(out)
+    if out.is_dir() or (out.exists() and out.read_bytes()[:4] != FASTTEXT_MAGIC):
+        raise KilnError(f"{out} exists and is not a floret/fastText model; choose another --out or move it away")
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+    os.close(fd)
+    try:
+        model.save_model(tmp)
+        os.replace(tmp, out)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def load_model(path: str):
@@ -163,8 +183,11 @@ def train(positive: list[str], negative: list[str], out: Path, *, max_chars: int
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     counts = {POSITIVE: 0, NEGATIVE: 0}
-    lines = out.with_name(out.name + ".train.txt")
-    with open(lines, "w", encoding="utf-8") as f:
+    if out.exists() and (out.is_dir() or out.read_bytes()[:4] != FASTTEXT_MAGIC):  # before the work, not after
+        raise KilnError(f"{out} exists and is not a floret/fastText model; choose another --out or move it away")
+    fd, name = tempfile.mkstemp(prefix=f".{out.name}.train-", suffix=".txt", dir=out.parent)
+    lines = Path(name)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
         rows = []
         for label, paths in ((POSITIVE, positive), (NEGATIVE, negative)):
             for path in paths:
@@ -183,9 +206,7 @@ def train(positive: list[str], negative: list[str], out: Path, *, max_chars: int
         # bucket: rows for the word bigrams (fastText's default 2M x dim would be 0.5 GB in every worker)
         model = floret.train_supervised(str(lines), epoch=epoch, wordNgrams=word_ngrams, dim=dim, bucket=bucket,
                                         seed=seed, thread=1, verbose=0)
-        tmp = out.with_name(out.name + ".tmp")
-        model.save_model(str(tmp))
-        tmp.replace(out)
+        save_floret(model, out)
     finally:
         lines.unlink(missing_ok=True)
     return {"positive": counts[POSITIVE], "negative": counts[NEGATIVE]}

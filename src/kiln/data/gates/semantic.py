@@ -23,7 +23,6 @@ import numpy as np
 
 from kiln.data.gates.text import TextView, as_view
 from kiln.data.gates.types import Gate, Score, drop
-from kiln.errors import ConfigError
 
 REVIEW = "semantic_review"
 def _model(path: str):
@@ -88,7 +87,7 @@ def prepare(cfg, files: list[str], work: Path):
     sem = cfg.quality.semantic
     if not sem.keywords or sem.vectors:
         return cfg
-    from kiln.data.gates.classifier import _floret
+    from kiln.data.gates.classifier import _floret, save_floret
 
     path = work / "semantic-vectors.bin"
     if not path.is_file():
@@ -111,9 +110,7 @@ def prepare(cfg, files: list[str], work: Path):
         model = _floret().train_unsupervised(str(corpus), model="skipgram", mode="floret", bucket=50_000,
                                              hashCount=2, minn=3, maxn=5, dim=sem.dim, epoch=sem.epoch,
                                              minCount=2, thread=1, verbose=0)
-        tmp = path.with_name(path.name + ".tmp")
-        model.save_model(str(tmp))
-        tmp.replace(path)
+        save_floret(model, path)
         corpus.unlink()
     semantic = sem.model_copy(update={"vectors": str(path)})
     return cfg.model_copy(update={"quality": cfg.quality.model_copy(update={"semantic": semantic})})
