@@ -41,7 +41,9 @@ def run(script: str, args: dict) -> dict:
                "DATATROVE_COLORIZE_LOGS": "0"}
         path = Path(tmp) / "peer.py"
         path.write_text(script)
-        done = subprocess.run([python(), str(path), json.dumps(args | {"tmp": tmp})], env=env, capture_output=True, text=True)
+        done = subprocess.run(
+            [python(), str(path), json.dumps(args | {"tmp": tmp})], env=env, capture_output=True, text=True
+        )
         if done.returncode:
             raise RuntimeError(f"datatrove run failed:\n{done.stderr[-3000:]}")
         return json.loads(done.stdout.strip().splitlines()[-1])

@@ -162,7 +162,9 @@ def main() -> None:
         for r in range(3):
             for a in ((False, True) if r % 2 == 0 else (True, False)):
                 results[a].append(stall(tmp, model, opt, tokenizer, a, r))
-        print(f"\n{'save':6} {'stall s':>8} {'write s':>8} {'step s (no save)':>17} {'step s (during save)':>21} {'steps during':>13}")
+        print(
+            f"\n{'save':6} {'stall s':>8} {'write s':>8} {'step s (no save)':>17} {'step s (during save)':>21} {'steps during':>13}"
+        )
         for a, rs in results.items():
             m = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
             print(f"{'async' if a else 'sync':6} {m['stall_s']:8.3f} {m['write_s']:8.3f} {m['step_s']:17.3f} "

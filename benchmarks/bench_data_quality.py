@@ -103,25 +103,75 @@ def junk_pages(rng: random.Random) -> dict[str, tuple[str, bytes]]:
     def page(body: str, title: str = "page") -> bytes:
         return f"<html><head><title>{title}</title></head><body>{body}</body></html>".encode()
 
-    words = ["buy", "cheap", "pills", "online", "best", "price", "casino", "bonus", "free", "win", "money", "now", "deal"]
+    words = [
+        "buy",
+        "cheap",
+        "pills",
+        "online",
+        "best",
+        "price",
+        "casino",
+        "bonus",
+        "free",
+        "win",
+        "money",
+        "now",
+        "deal",
+    ]
     kinds = {
         "spam": lambda: page("<p>" + " ".join(rng.choice(words) for _ in range(2500)) + "</p>"),
         "base64": lambda: page("".join(f"<p>{base64.b64encode(rng.randbytes(500)).decode()}</p>" for _ in range(30))),
-        "link_farm": lambda: page("<ul>" + "".join(f'<li><a href="http://f{i}.example/">cheap loans {rng.randint(0, 999)}'
-                                                  f"</a></li>" for i in range(300)) + "</ul>"),
-        "numbers": lambda: page("<table>" + "".join("<tr>" + "".join(f"<td>{rng.randint(0, 99999)}</td>" for _ in range(8))
-                                                    + "</tr>" for _ in range(200)) + "</table>"),
-        "boilerplate": lambda: page("".join("<p>Welcome to our shop. Add this product to your cart now.</p>"
-                                            "<p>Free shipping on every order over ten dollars.</p>" for _ in range(40))),
-        "lorem": lambda: page("<p>" + " ".join([("Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do "
-                                                "eiusmod tempor incididunt ut labore et dolore magna aliqua.")] * 30) + "</p>"),
+        "link_farm": lambda: page(
+            "<ul>"
+            + "".join(
+                f'<li><a href="http://f{i}.example/">cheap loans {rng.randint(0, 999)}</a></li>' for i in range(300)
+            )
+            + "</ul>"
+        ),
+        "numbers": lambda: page(
+            "<table>"
+            + "".join(
+                "<tr>" + "".join(f"<td>{rng.randint(0, 99999)}</td>" for _ in range(8)) + "</tr>" for _ in range(200)
+            )
+            + "</table>"
+        ),
+        "boilerplate": lambda: page(
+            "".join(
+                "<p>Welcome to our shop. Add this product to your cart now.</p>"
+                "<p>Free shipping on every order over ten dollars.</p>"
+                for _ in range(40)
+            )
+        ),
+        "lorem": lambda: page(
+            "<p>"
+            + " ".join(
+                [
+                    (
+                        "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do "
+                        "eiusmod tempor incididunt ut labore et dolore magna aliqua."
+                    )
+                ]
+                * 30
+            )
+            + "</p>"
+        ),
         "mojibake": lambda: page("<p>" + " ".join("Ã©tÃ© Ã  cÃ´tÃ© â€™ Â©" for _ in range(300)) + "</p>"),
-        "hexdump": lambda: page("<pre>" + "\n".join(f"{i * 16:08x}  " + " ".join(f"{b:02x}" for b in rng.randbytes(16))
-                                                    for i in range(200)) + "</pre>"),
-        "minified_js": lambda: page("<p>" + "".join(f"var a{i}=function(e,t){{return e[t]||(e[t]={{i:{i},l:!1}})}};"
-                                                    f"if(a{i}(x,{i})){{y.push({i})}}" for i in range(300)) + "</p>"),
-        "navigation": lambda: page("".join(f"<div><a href='/{w}'>{w.title()}</a> | <a href='/{w}/more'>More {w}</a></div>"
-                                           for w in words * 8)),
+        "hexdump": lambda: page(
+            "<pre>"
+            + "\n".join(f"{i * 16:08x}  " + " ".join(f"{b:02x}" for b in rng.randbytes(16)) for i in range(200))
+            + "</pre>"
+        ),
+        "minified_js": lambda: page(
+            "<p>"
+            + "".join(
+                f"var a{i}=function(e,t){{return e[t]||(e[t]={{i:{i},l:!1}})}};if(a{i}(x,{i})){{y.push({i})}}"
+                for i in range(300)
+            )
+            + "</p>"
+        ),
+        "navigation": lambda: page(
+            "".join(f"<div><a href='/{w}'>{w.title()}</a> | <a href='/{w}/more'>More {w}</a></div>" for w in words * 8)
+        ),
     }
     out = {}
     for kind, make in kinds.items():

@@ -51,7 +51,28 @@ GATES = {} if os.environ.get("GATES") == "on" else {
 # at 4N): DISTRIBUTION=off leaves it out to measure the rest.
 if os.environ.get("DISTRIBUTION") == "off":
     GATES["distribution"] = {"enabled": False}
-STOP = ["the", "be", "to", "of", "and", "that", "have", "with", "a", "in", "is", "it", "for", "on", "as", "was", "at", "by", "this", "from"]
+STOP = [
+    "the",
+    "be",
+    "to",
+    "of",
+    "and",
+    "that",
+    "have",
+    "with",
+    "a",
+    "in",
+    "is",
+    "it",
+    "for",
+    "on",
+    "as",
+    "was",
+    "at",
+    "by",
+    "this",
+    "from",
+]
 SYLLABLES = [c + v for c in "bcdfghklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ea", "ou")]
 
 _CHILD = r"""
@@ -163,8 +184,9 @@ def run(corpus: Path, out: Path, workers: int) -> dict:
         "tokenizer": {"vocab_size": 4096, "max_docs": TOKENIZER_DOCS},
         "pack": {"seq_len": 1024, "samples_per_shard": SHARD_SAMPLES, "workers": workers}}))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(config)], capture_output=True, text=True, env=env, check=False,
-                          cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(config)], capture_output=True, text=True, env=env, check=False, cwd=ROOT
+    )
     if done.returncode:
         raise RuntimeError(f"kiln run failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])

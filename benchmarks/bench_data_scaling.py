@@ -71,7 +71,9 @@ def main() -> None:
         eight = _inputs(folder, 8)
         for label, inputs in (("1x (2 files)", one), ("4x (8 files)", eight)):
             rss = [_run(inputs, folder, 2)["worker_peak_rss_mb"] for _ in range(REPEATS)]
-            print(f"peak RSS per worker, {label}: median {statistics.median(rss):.0f} MB (runs: {', '.join(f'{x:.0f}' for x in rss)})")
+            print(
+                f"peak RSS per worker, {label}: median {statistics.median(rss):.0f} MB (runs: {', '.join(f'{x:.0f}' for x in rss)})"
+            )
 
 
 if __name__ == "__main__":

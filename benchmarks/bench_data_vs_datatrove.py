@@ -65,7 +65,9 @@ print(json.dumps({"docs": count["docs"], "seconds": time.perf_counter() - t0}))
 def kiln_once(folder: Path, out: Path) -> tuple[int, float]:
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
-    stats = run_data([str(p) for p in sorted(folder.glob("*.warc.gz"))], out, DataConfig(workers=1, dedup={"method": "none"}))
+    stats = run_data(
+        [str(p) for p in sorted(folder.glob("*.warc.gz"))], out, DataConfig(workers=1, dedup={"method": "none"})
+    )
     return stats["documents"]["read"], time.perf_counter() - t0
 
 
@@ -77,7 +79,9 @@ def main() -> None:
             shutil.copy(SAMPLE, folder / f"sample-{i}.warc.gz")
         kiln = [kiln_once(folder, Path(tmp) / "docs") for _ in range(RUNS)]
         kiln_rate = statistics.median(d / s for d, s in kiln)
-        print(f"kiln       {kiln[0][0]} docs, median {kiln_rate:8.1f} docs/s per core  (runs: {[round(d / s, 1) for d, s in kiln]})")
+        print(
+            f"kiln       {kiln[0][0]} docs, median {kiln_rate:8.1f} docs/s per core  (runs: {[round(d / s, 1) for d, s in kiln]})"
+        )
         if not _datatrove.python():
             print("datatrove  skipped: set DATATROVE_PYTHON to a python with datatrove 0.10.1")
             return

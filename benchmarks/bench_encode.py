@@ -78,7 +78,13 @@ def main() -> None:
         tmp = Path(t)
         docs_file, tok = prepare(tmp)
         mb = sum(len(json.loads(line)["text"].encode()) for line in open(docs_file, encoding="utf-8")) / 1e6
-        rows = [("encode_batch", 1, 1), ("kiln pack", 1, 1), ("encode_batch", 2, 1), ("kiln pack", 2, 1), ("kiln pack", 1, 2)]
+        rows = [
+            ("encode_batch", 1, 1),
+            ("kiln pack", 1, 1),
+            ("encode_batch", 2, 1),
+            ("kiln pack", 2, 1),
+            ("kiln pack", 1, 2),
+        ]
         results: dict[tuple, list[float]] = {r: [] for r in rows}
         for _ in range(RUNS):
             for mode, threads, workers in rows:  # interleaved, so load from elsewhere hits every row alike

@@ -102,8 +102,10 @@ def learned_gate_costs(path: Path, folder: Path) -> dict[str, float] | None:
     sem = prepare(DataConfig(quality={"semantic": {"keywords": ["debian", "package", "apt", "kernel", "system"]}}),
                   [str(path)], folder).quality.semantic
     out = {}
-    for name, gate in (("classifier", classifier_gate(ClassifierConfig(model=str(folder / "quality.bin"), threshold=0.5))),
-                       ("semantic", semantic_gate(SemanticConfig(**sem.model_dump())))):
+    for name, gate in (
+        ("classifier", classifier_gate(ClassifierConfig(model=str(folder / "quality.bin"), threshold=0.5))),
+        ("semantic", semantic_gate(SemanticConfig(**sem.model_dump()))),
+    ):
         t0 = time.process_time()
         for _ in range(REPEATS):
             for t in texts:

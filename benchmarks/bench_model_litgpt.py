@@ -78,7 +78,10 @@ def worker(dtype: str) -> dict:
             loss.item()
             t3 = time.perf_counter()
             times[name].append((t1 - t0, t2 - t1, t3 - t2, t3 - t0))
-    out = {n: {part: statistics.median(t[j] for t in ts[WARMUP:]) for j, part in enumerate(PARTS)} for n, ts in times.items()}
+    out = {
+        n: {part: statistics.median(t[j] for t in ts[WARMUP:]) for j, part in enumerate(PARTS)}
+        for n, ts in times.items()
+    }
     out["paired"] = statistics.median(b[3] / a[3] for a, b in zip(times["kiln"][WARMUP:], times["litgpt"][WARMUP:]))
     out["params"] = {n: sum(p.numel() for p in m.parameters()) for n, (m, _) in contenders.items()}
     return out
@@ -89,20 +92,31 @@ def main() -> None:
     if not python:
         print("skipping: set LITGPT_PYTHON to the python of an environment with litgpt installed")
         return
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
     for dtype in os.environ.get("KILN_BENCH_DTYPES", "fp32,bf16").split(","):
         runs = []
         for r in range(RUNS):
             done = subprocess.run([python, "-m", "benchmarks.bench_model_litgpt", "--worker", dtype], cwd=ROOT, env=env,
                                   capture_output=True, text=True, check=True)
             runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(f"  {dtype} run {r + 1}: kiln {runs[-1]['kiln']['step'] * 1e3:.1f} ms, litgpt "
-                  f"{runs[-1]['litgpt']['step'] * 1e3:.1f} ms; litgpt/kiln paired by step {runs[-1]['paired']:.3f}", flush=True)
-        print(f"{dtype}: litgpt/kiln paired (median of {RUNS} runs) {statistics.median(r['paired'] for r in runs):.3f}; "
-              f"per part, ms (kiln / litgpt): " + ", ".join(
-                  f"{part} {statistics.median(r['kiln'][part] for r in runs) * 1e3:.1f} / "
-                  f"{statistics.median(r['litgpt'][part] for r in runs) * 1e3:.1f}" for part in PARTS)
-              + f"; parameters {runs[0]['params']['kiln']:,} / {runs[0]['params']['litgpt']:,}")
+            print(
+                f"  {dtype} run {r + 1}: kiln {runs[-1]['kiln']['step'] * 1e3:.1f} ms, litgpt "
+                f"{runs[-1]['litgpt']['step'] * 1e3:.1f} ms; litgpt/kiln paired by step {runs[-1]['paired']:.3f}",
+                flush=True,
+            )
+        print(
+            f"{dtype}: litgpt/kiln paired (median of {RUNS} runs) {statistics.median(r['paired'] for r in runs):.3f}; "
+            f"per part, ms (kiln / litgpt): "
+            + ", ".join(
+                f"{part} {statistics.median(r['kiln'][part] for r in runs) * 1e3:.1f} / "
+                f"{statistics.median(r['litgpt'][part] for r in runs) * 1e3:.1f}"
+                for part in PARTS
+            )
+            + f"; parameters {runs[0]['params']['kiln']:,} / {runs[0]['params']['litgpt']:,}"
+        )
 
 
 if __name__ == "__main__":

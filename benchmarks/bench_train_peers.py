@@ -257,7 +257,9 @@ def main() -> None:
             warmup = COMPILE_WARMUP if compile else WARMUP
             for dtype in ("fp32", "bf16"):
                 mode = "compiled" if compile else "eager"
-                if os.environ.get("KILN_BENCH_MODES") and f"{mode}/{dtype}" not in os.environ["KILN_BENCH_MODES"].split(","):
+                if os.environ.get("KILN_BENCH_MODES") and f"{mode}/{dtype}" not in os.environ["KILN_BENCH_MODES"].split(
+                    ","
+                ):
                     continue
                 print(f"{mode} {dtype}: {RUNS} lockstep runs, {warmup} warm-up + {STEPS} timed steps", flush=True)
                 runs: list[dict[str, dict]] = []
@@ -273,7 +275,9 @@ def main() -> None:
                           flush=True)
                     if os.environ.get("KILN_BENCH_JSON"):  # every step time, for a second look
                         with open(os.environ["KILN_BENCH_JSON"], "a") as f:
-                            f.write(json.dumps({"mode": mode, "dtype": dtype, "run": r + 1, "results": runs[-1]}) + "\n")
+                            f.write(
+                                json.dumps({"mode": mode, "dtype": dtype, "run": r + 1, "results": runs[-1]}) + "\n"
+                            )
                 table.append((mode, dtype, runs))
         print(f"\n{'mode':9} {'dtype':5} " + " ".join(f"{c:>11}" for c in contenders)
               + "  kiln/fastest peer: of medians; paired by step (median of runs)")

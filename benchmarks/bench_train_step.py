@@ -117,8 +117,13 @@ class StepClock:
         other jobs in the middle of a run) and over the whole window."""
         times = self.durations[warmup:]
         tokens = BATCH * SEQ
-        return {"tokens_per_s": tokens / statistics.median(times), "window_tokens_per_s": tokens * len(times) / sum(times),
-                "peak_rss_mb": peak_rss_mb(), "skipped": skipped, "step_s": times}
+        return {
+            "tokens_per_s": tokens / statistics.median(times),
+            "window_tokens_per_s": tokens * len(times) / sum(times),
+            "peak_rss_mb": peak_rss_mb(),
+            "skipped": skipped,
+            "step_s": times,
+        }
 
 
 def kiln_worker(out: Path, dtype: str, compile: bool, warmup: int, steps: int) -> dict:
@@ -188,7 +193,10 @@ def worker_command(module: str, name: str, out: Path, dtype: str, compile: bool 
                    steps: int = STEPS, python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that run one contender's worker."""
     cmd = [python, "-m", module, "--worker", name, str(out), dtype, str(int(compile)), str(warmup), str(steps)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
     return cmd, env
 
 
@@ -266,19 +274,25 @@ def main() -> None:
                                 for c in order}, WARMUP + STEPS)
                 for c in res:
                     res[c].append(run[c])
-                print(f"  run {r + 1}: kiln {run['kiln']['tokens_per_s']:,.0f}, plain {run['plain']['tokens_per_s']:,.0f} tok/s",
-                      flush=True)
+                print(
+                    f"  run {r + 1}: kiln {run['kiln']['tokens_per_s']:,.0f}, plain {run['plain']['tokens_per_s']:,.0f} tok/s",
+                    flush=True,
+                )
             med = {c: statistics.median(r["tokens_per_s"] for r in v) for c, v in res.items()}
             mem = {c: statistics.median(r["peak_rss_mb"] for r in v) for c, v in res.items()}
             window = {c: statistics.median(r["window_tokens_per_s"] for r in v) for c, v in res.items()}
             skipped = sum(r["skipped"] for r in res["kiln"])
             table.append((dtype, med, mem, res, skipped, window))
-        print(f"\n{'dtype':6} {'kiln tok/s':>11} {'plain tok/s':>12} {'ratio':>6} {'kiln MB':>8} {'plain MB':>9} {'mem ratio':>9}")
+        print(
+            f"\n{'dtype':6} {'kiln tok/s':>11} {'plain tok/s':>12} {'ratio':>6} {'kiln MB':>8} {'plain MB':>9} {'mem ratio':>9}"
+        )
         for dtype, med, mem, res, skipped, window in table:
-            print(f"{dtype:6} {med['kiln']:11,.0f} {med['plain']:12,.0f} {med['kiln'] / med['plain']:6.3f} "
-                  f"{mem['kiln']:8.0f} {mem['plain']:9.0f} {mem['kiln'] / mem['plain']:9.3f}"
-                  + f"  (whole-window tok/s: {window['kiln']:,.0f} / {window['plain']:,.0f} = {window['kiln'] / window['plain']:.3f})"
-                  + (f"  ({skipped} kiln steps skipped by guards)" if skipped else ""))
+            print(
+                f"{dtype:6} {med['kiln']:11,.0f} {med['plain']:12,.0f} {med['kiln'] / med['plain']:6.3f} "
+                f"{mem['kiln']:8.0f} {mem['plain']:9.0f} {mem['kiln'] / mem['plain']:9.3f}"
+                + f"  (whole-window tok/s: {window['kiln']:,.0f} / {window['plain']:,.0f} = {window['kiln'] / window['plain']:.3f})"
+                + (f"  ({skipped} kiln steps skipped by guards)" if skipped else "")
+            )
             for c in ("kiln", "plain"):
                 print(f"       {c} runs: " + ", ".join(f"{r['tokens_per_s']:,.0f}" for r in res[c]))
 

@@ -37,7 +37,9 @@ def tiny_config(out_dir: Path, **sections):
 
 
 def html_page(body: str, title: str = "page", charset: str = "utf-8") -> bytes:
-    return f"<html><head><meta charset=\"{charset}\"><title>{title}</title></head><body><article>{body}</article></body></html>".encode(charset, "replace")
+    return f'<html><head><meta charset="{charset}"><title>{title}</title></head><body><article>{body}</article></body></html>'.encode(
+        charset, "replace"
+    )
 
 
 def write_warc(path: Path, pages: list[tuple[str, bytes, str]]) -> Path:
@@ -50,7 +52,9 @@ def write_warc(path: Path, pages: list[tuple[str, bytes, str]]) -> Path:
         for url, payload, ctype in pages:
             req = StatusAndHeaders("GET / HTTP/1.1", [("Host", url.split("/")[2])], is_http_request=True)
             w.write_record(w.create_warc_record(url, "request", http_headers=req))
-            headers = StatusAndHeaders("200 OK", [("Content-Type", ctype), ("Content-Length", str(len(payload)))], protocol="HTTP/1.1")
+            headers = StatusAndHeaders(
+                "200 OK", [("Content-Type", ctype), ("Content-Length", str(len(payload)))], protocol="HTTP/1.1"
+            )
             rec = w.create_warc_record(url, "response", payload=io.BytesIO(payload), http_headers=headers)
             w.write_record(rec)
     return path
@@ -61,8 +65,11 @@ def warc_pages(path: Path, keep=lambda url: True) -> list[tuple[str, bytes]]:
     from fastwarc.warc import ArchiveIterator, WarcRecordType
 
     with open(path, "rb") as f:
-        return [(r.headers.get("WARC-Target-URI"), r.reader.read())
-                for r in ArchiveIterator(f, record_types=WarcRecordType.response) if keep(r.headers.get("WARC-Target-URI"))]
+        return [
+            (r.headers.get("WARC-Target-URI"), r.reader.read())
+            for r in ArchiveIterator(f, record_types=WarcRecordType.response)
+            if keep(r.headers.get("WARC-Target-URI"))
+        ]
 
 
 def english_pages() -> list[tuple[str, bytes]]:

@@ -18,7 +18,36 @@ from conftest import english_pages, write_warc
 from kiln.cli import main as kiln
 from kiln.data.pipeline import read_docs, read_part
 
-SALES = ["amazing", "deal", "offer", "discount", "price", "buy", "today", "limited", "best", "quality", "product", "customers", "love", "our", "store", "shipping", "free", "order", "now", "save", "money", "premium", "brand", "exclusive", "bonus", "gift", "satisfaction", "guaranteed"]
+SALES = [
+    "amazing",
+    "deal",
+    "offer",
+    "discount",
+    "price",
+    "buy",
+    "today",
+    "limited",
+    "best",
+    "quality",
+    "product",
+    "customers",
+    "love",
+    "our",
+    "store",
+    "shipping",
+    "free",
+    "order",
+    "now",
+    "save",
+    "money",
+    "premium",
+    "brand",
+    "exclusive",
+    "bonus",
+    "gift",
+    "satisfaction",
+    "guaranteed",
+]
 
 
 def sales_copy(rng: random.Random, paragraphs: int = 12) -> str:
@@ -46,7 +75,9 @@ def trained(tmp_path_factory):
     pos.write_text("".join(json.dumps({"text": resiliparse_text(p.decode())}) + "\n" for _, p in train_pages))
     neg.write_text("".join(json.dumps({"text": sales_copy(rng)}) + "\n" for _ in range(30)))
     model = tmp / "quality.bin"
-    assert kiln(["data", "classifier", "train", "--positive", str(pos), "--negative", str(neg), "--out", str(model)]) == 0
+    assert (
+        kiln(["data", "classifier", "train", "--positive", str(pos), "--negative", str(neg), "--out", str(model)]) == 0
+    )
     sales = [(f"http://shop{i}.example/", f"<html><body><p>{sales_copy(rng)}</p></body></html>".encode().replace(
         b"\n\n", b"</p><p>")) for i in range(4)]
     warc = write_warc(tmp / "crawl.warc.gz", [(u, p, "text/html") for u, p in held_out + sales])
@@ -100,8 +131,12 @@ def test_keep_top_fraction_keeps_that_share_whatever_the_workers(trained):
     shop = [(f"http://store{i}.example/", f"<html><body><p>{sales_copy(rng)}</p></body></html>".encode())
             for i in range(4)]
     urls = sorted(good)
-    a = write_warc(tmp / "a.warc.gz", [(u, pages[u], "text/html") for u in urls[:3]] + [(u, p, "text/html") for u, p in shop[:2]])
-    b = write_warc(tmp / "b.warc.gz", [(u, pages[u], "text/html") for u in urls[3:]] + [(u, p, "text/html") for u, p in shop[2:]])
+    a = write_warc(
+        tmp / "a.warc.gz", [(u, pages[u], "text/html") for u in urls[:3]] + [(u, p, "text/html") for u, p in shop[:2]]
+    )
+    b = write_warc(
+        tmp / "b.warc.gz", [(u, pages[u], "text/html") for u in urls[3:]] + [(u, p, "text/html") for u, p in shop[2:]]
+    )
     outs = []
     for workers in (1, 2):
         out = tmp / f"top-{workers}"

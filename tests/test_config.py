@@ -48,7 +48,9 @@ def test_tiny_yaml_loads_with_its_values():
     from kiln.config import resolve_paths
 
     cfg = load_config(TINY_YAML)
-    raw = resolve_paths(yaml.safe_load(TINY_YAML.read_text()), TINY_YAML.resolve().parent)  # paths: relative to the file
+    raw = resolve_paths(
+        yaml.safe_load(TINY_YAML.read_text()), TINY_YAML.resolve().parent
+    )  # paths: relative to the file
     dumped, defaults = cfg.model_dump(), Config().model_dump()
     for name, value in dumped.items():
         if isinstance(value, dict):  # a section: keys in the file win, the others keep their defaults
@@ -124,8 +126,15 @@ def test_override_values_are_yaml_typed(override, get, expected):
 
 
 def test_parse_overrides_builds_nested_tree():
-    tree = parse_overrides(["train.lr=3.0e-4", "seed=1", "train.max_steps=5", "data.languages=[en]", "model.n_kv_heads=null"])
-    assert tree == {"train": {"lr": 3e-4, "max_steps": 5}, "seed": 1, "data": {"languages": ["en"]}, "model": {"n_kv_heads": None}}
+    tree = parse_overrides(
+        ["train.lr=3.0e-4", "seed=1", "train.max_steps=5", "data.languages=[en]", "model.n_kv_heads=null"]
+    )
+    assert tree == {
+        "train": {"lr": 3e-4, "max_steps": 5},
+        "seed": 1,
+        "data": {"languages": ["en"]},
+        "model": {"n_kv_heads": None},
+    }
 
 
 def test_later_override_wins():
@@ -150,7 +159,10 @@ def test_any_positive_int_override_round_trips(n):
 
 
 @FAST
-@given(x=st.floats(min_value=1e-12, max_value=1e6, allow_nan=False, allow_infinity=False), style=st.sampled_from(["repr", "e", "g"]))
+@given(
+    x=st.floats(min_value=1e-12, max_value=1e6, allow_nan=False, allow_infinity=False),
+    style=st.sampled_from(["repr", "e", "g"]),
+)
 def test_any_positive_float_override_round_trips(x, style):
     text = {"repr": repr(x), "e": f"{x:.17e}", "g": f"{x:.17g}"}[style]
     assert load_config(None, [f"train.lr={text}"]).train.lr == float(text)
@@ -166,7 +178,11 @@ _YAML11_WORDS = {"no", "on", "yes", "off", "y", "n"}  # YAML 1.1 reads these as 
 
 
 @FAST
-@given(codes=st.lists(st.text(string.ascii_lowercase, min_size=2, max_size=3).filter(lambda c: c not in _YAML11_WORDS), max_size=6))
+@given(
+    codes=st.lists(
+        st.text(string.ascii_lowercase, min_size=2, max_size=3).filter(lambda c: c not in _YAML11_WORDS), max_size=6
+    )
+)
 def test_language_list_override_round_trips(codes):
     assert load_config(None, [f"data.languages=[{', '.join(codes)}]"]).data.languages == codes
 
@@ -326,13 +342,27 @@ def test_invalid_yaml_message_says_where(tmp_path):
 # --- the CLI -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("command", ["run", "data", "tokenizer", "pack"])
-@pytest.mark.parametrize("typo, key, suggestion", [("train.max_step=5", "train.max_step", "train.max_steps"), ("trian.lr=1", "trian", "train")])
-def test_cli_misspelt_key_exits_2_with_one_line_before_any_work(tmp_path, capsys, sample_warc, command, typo, key, suggestion):
+@pytest.mark.parametrize(
+    "typo, key, suggestion",
+    [("train.max_step=5", "train.max_step", "train.max_steps"), ("trian.lr=1", "trian", "train")],
+)
+def test_cli_misspelt_key_exits_2_with_one_line_before_any_work(
+    tmp_path, capsys, sample_warc, command, typo, key, suggestion
+):
     out = tmp_path / "out"
     argv = {
         "run": ["run", str(TINY_YAML), f"out_dir={out}", typo],
         "data": ["data", str(sample_warc), typo, "--out", str(out), "--config", str(TINY_YAML)],
-        "tokenizer": ["tokenizer", "train", str(tmp_path / "docs"), typo, "--out", str(out), "--config", str(TINY_YAML)],
+        "tokenizer": [
+            "tokenizer",
+            "train",
+            str(tmp_path / "docs"),
+            typo,
+            "--out",
+            str(out),
+            "--config",
+            str(TINY_YAML),
+        ],
         "pack": ["pack", str(tmp_path / "docs"), typo, "--tokenizer", str(tmp_path / "tok"), "--out", str(out)],
     }[command]
     assert main(argv) == 2
@@ -348,7 +378,15 @@ def test_cli_misspelt_key_exits_2_with_one_line_before_any_work(tmp_path, capsys
 def test_cli_accepts_overrides_after_options(tmp_path, capsys):
     docs = tmp_path / "docs"
     docs.mkdir()
-    argv = ["pack", str(docs), "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "shards"), "pack.seq_len=64"]
+    argv = [
+        "pack",
+        str(docs),
+        "--tokenizer",
+        str(tmp_path / "tok"),
+        "--out",
+        str(tmp_path / "shards"),
+        "pack.seq_len=64",
+    ]
     assert main(argv) == 2  # the override is accepted; the command then fails on the missing tokenizer
     assert "no tokenizer at" in capsys.readouterr().err
 

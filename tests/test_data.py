@@ -65,8 +65,10 @@ def english(seed: int, sentences: int = 8) -> str:
     return " ".join(out)
 
 
-GERMAN = " ".join(f"Der Fluss fließt am alten Mühlrad vorbei und die Kinder spielen jeden Sommer am grünen Ufer, Nummer {i}."
-                  for i in range(8))
+GERMAN = " ".join(
+    f"Der Fluss fließt am alten Mühlrad vorbei und die Kinder spielen jeden Sommer am grünen Ufer, Nummer {i}."
+    for i in range(8)
+)
 
 
 def page(*paragraphs: str, charset: str = "utf-8") -> bytes:
@@ -80,7 +82,10 @@ def html(url: str, payload: bytes, ctype: str = "text/html; charset=utf-8") -> t
 # The published-rule gates (Gopher, C4, FineWeb, noise, residue, PII) have their own tests
 # (test_gates.py); here only the basic gates run, so these tests pin reading, extraction,
 # language, dedup and execution, whatever those gates' thresholds become.
-BASIC_GATES_ONLY = {name: {"enabled": False} for name in ("gopher_quality", "gopher_repetition", "c4", "fineweb", "noise", "residue", "pii")}
+BASIC_GATES_ONLY = {
+    name: {"enabled": False}
+    for name in ("gopher_quality", "gopher_repetition", "c4", "fineweb", "noise", "residue", "pii")
+}
 
 
 def cfg(**kw) -> DataConfig:
@@ -147,7 +152,9 @@ def assert_same_output(a: Path, b: Path) -> None:
     sa, sb = (json.loads(x["stats.json"]) for x in (fa, fb))
     assert {k: v for k, v in sa.items() if k not in volatile} == {k: v for k, v in sb.items() if k not in volatile}
     ma, mb = read_manifest(a), read_manifest(b)
-    assert {k: v for k, v in ma["files"].items() if k != "stats.json"} == {k: v for k, v in mb["files"].items() if k != "stats.json"}
+    assert {k: v for k, v in ma["files"].items() if k != "stats.json"} == {
+        k: v for k, v in mb["files"].items() if k != "stats.json"
+    }
     assert (ma["fingerprint"], ma["inputs"], ma["documents"]) == (mb["fingerprint"], mb["inputs"], mb["documents"])
 
 
@@ -274,7 +281,11 @@ def test_invalid_utf8_is_replaced_not_fatal(tmp_path):
     good = "Grüße aus Köln: 日本語のテキストもあります. "
     text = english(30)
     junk = [b"\xff\xfe", b"\xc0\xaf", b"\xed\xa0\x80", b"\x80", b"\xe6\x97"]  # stray, overlong, surrogate, lone, cut
-    body = good.encode() + b" ".join(text.encode()[i * 40:(i + 1) * 40] + j for i, j in enumerate(junk)) + text.encode()[200:]
+    body = (
+        good.encode()
+        + b" ".join(text.encode()[i * 40 : (i + 1) * 40] + j for i, j in enumerate(junk))
+        + text.encode()[200:]
+    )
     payload = b"<html><head><meta charset=\"utf-8\"></head><body><p>" + body + b"</p></body></html>"
     src = write_warc(tmp_path / "bad-utf8.warc.gz", [html("https://u.example/", payload)])
     out = tmp_path / "docs"
@@ -289,7 +300,11 @@ def test_invalid_utf8_is_replaced_not_fatal(tmp_path):
 @pytest.mark.parametrize(
     "charset, ctype, words",
     [
-        ("windows-1252", "text/html; charset=windows-1252", "Señor Muñoz pagó 5 € por el café, ¡qué día! «Sí», dijo él."),
+        (
+            "windows-1252",
+            "text/html; charset=windows-1252",
+            "Señor Muñoz pagó 5 € por el café, ¡qué día! «Sí», dijo él.",
+        ),
         ("iso-8859-1", "text/html; charset=ISO-8859-1", "Grüße aus Köln, sagte die Äbtissin: Straße, Maß und Fuß."),
         ("shift_jis", "text/html; charset=Shift_JIS", "会社概要：東京都港区の小さな会社です。お問い合わせはこちら。"),
         ("euc-kr", "text/html; charset=euc-kr", "한국어 페이지입니다. 회사 소개와 연락처를 확인하세요."),
@@ -376,7 +391,10 @@ def test_extract_and_quality_reasons(tmp_path, reasons_warc):
     assert reason("https://r.example/too-large") == ("extract", "too_large")
     assert signals("https://r.example/too-large") == {"bytes": MAX_PAGE + 1, "max_page_bytes": MAX_PAGE}
     assert reason("https://r.example/png") == ("extract", "binary_payload")
-    assert signals("https://r.example/png") == {"content_type": "text/html", "control_fraction": round(binary_fraction(PNG), 4)}
+    assert signals("https://r.example/png") == {
+        "content_type": "text/html",
+        "control_fraction": round(binary_fraction(PNG), 4),
+    }
     assert reason("https://r.example/nul") == ("extract", "binary_payload")
     assert signals("https://r.example/nul")["control_fraction"] == round(binary_fraction(NUL_BYTES), 4) > 0
     assert reason("https://r.example/image") == ("extract", "not_html")
@@ -386,7 +404,10 @@ def test_extract_and_quality_reasons(tmp_path, reasons_warc):
     assert signals("https://r.example/short") == {"chars": len(SHORT), "min_chars": 200}
     assert reason("https://r.example/digits") == ("quality", "low_letters")
     visible = DIGITS.replace(" ", "")
-    assert signals("https://r.example/digits") == {"letter_frac": round(sum(c.isalpha() for c in visible) / len(visible), 4), "min": 0.5}
+    assert signals("https://r.example/digits") == {
+        "letter_frac": round(sum(c.isalpha() for c in visible) / len(visible), 4),
+        "min": 0.5,
+    }
     assert reason("https://r.example/repeated") == ("quality", "repetitive_lines")
     assert signals("https://r.example/repeated") == {"dup_line_frac": round(1 - 2 / 11, 4), "max": 0.3}
 
@@ -420,17 +441,32 @@ def test_language_reasons(tmp_path, reasons_warc):
 
 def test_exact_duplicate_across_files(tmp_path):
     text = english(40)
-    a = write_warc(tmp_path / "a.warc.gz", [html("https://a.example/1", page(text)), html("https://a.example/2", page(english(41)))])
-    b = write_warc(tmp_path / "b.warc.gz", [
-        html("https://b.example/1", page(text.upper().replace(" ", "  \n\t "))),  # same text: case and whitespace differ
-        html("https://b.example/2", page(text[: len(text) // 2] + english(43)[len(text) // 2:])),  # shares half: no duplicate
-    ])
+    a = write_warc(
+        tmp_path / "a.warc.gz",
+        [html("https://a.example/1", page(text)), html("https://a.example/2", page(english(41)))],
+    )
+    b = write_warc(
+        tmp_path / "b.warc.gz",
+        [
+            html(
+                "https://b.example/1", page(text.upper().replace(" ", "  \n\t "))
+            ),  # same text: case and whitespace differ
+            html(
+                "https://b.example/2", page(text[: len(text) // 2] + english(43)[len(text) // 2 :])
+            ),  # shares half: no duplicate
+        ],
+    )
     out = tmp_path / "docs"
     stats = run_data([str(a), str(b)], out, cfg())
     assert stats["documents"] == {"read": 4, "kept": 3, "rejected": 1}
     kept = by_url(list(read_docs(out)))
     [dup] = rejects(out)
-    assert (dup["url"], dup["source"], dup["stage"], dup["reason"]) == ("https://b.example/1", str(b), "dedup", "exact_duplicate")
+    assert (dup["url"], dup["source"], dup["stage"], dup["reason"]) == (
+        "https://b.example/1",
+        str(b),
+        "dedup",
+        "exact_duplicate",
+    )
     assert dup["signals"] == {"duplicate_of": kept["https://a.example/1"]["id"]}
     assert dup["offset"] == responses(b)["https://b.example/1"]["offset"]
     assert set(kept) == {"https://a.example/1", "https://a.example/2", "https://b.example/2"}
@@ -502,7 +538,12 @@ def test_docs_folder_is_committed_atomically(tmp_path, three_inputs, monkeypatch
     manifest = verify_folder(out)
     assert manifest["stage"] == "data" and manifest["documents"] == stats["documents"]["kept"]
     assert manifest["inputs"] == three_inputs
-    assert set(manifest["files"]) == {"part-00000.jsonl.zst", "rejects/part-00000.jsonl.zst", "stats.json", "dedup_ledger.jsonl.zst"}
+    assert set(manifest["files"]) == {
+        "part-00000.jsonl.zst",
+        "rejects/part-00000.jsonl.zst",
+        "stats.json",
+        "dedup_ledger.jsonl.zst",
+    }
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs"]  # no .tmp- folder, no work folder
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
     before = output_files(out)
@@ -586,7 +627,11 @@ def test_decode_html_never_raises(payload, ctype):
 
 
 @PROPS
-@given(text=st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=200).filter(lambda t: not t.startswith("\ufeff")))
+@given(
+    text=st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=200).filter(
+        lambda t: not t.startswith("\ufeff")
+    )
+)
 def test_decode_html_round_trips_utf8(text):
     assert decode_html(text.encode("utf-8"), "text/html; charset=utf-8") == text
 
@@ -626,7 +671,11 @@ def test_text_key_ignores_case_and_whitespace(words, seps):
 
 
 @PROPS
-@given(lines=st.lists(st.text(alphabet="abcxyz \r\u2028", min_size=1, max_size=10).filter(str.strip), min_size=1, max_size=30))
+@given(
+    lines=st.lists(
+        st.text(alphabet="abcxyz \r\u2028", min_size=1, max_size=10).filter(str.strip), min_size=1, max_size=30
+    )
+)
 def test_quality_gates_signals(lines):
     # lines end at "\n" only, as in every other line rule (text.lines, Gopher's reference); "\r" and
     # U+2028 inside a line do not split it
@@ -634,7 +683,11 @@ def test_quality_gates_signals(lines):
     stripped = [ln.strip() for ln in lines]
     dup = round(1 - len(set(stripped)) / len(stripped), 4)
     verdict = repetitive_lines(0.3)(text)
-    assert verdict == (("repetitive_lines", {"dup_line_frac": dup, "max": 0.3}) if 1 - len(set(stripped)) / len(stripped) > 0.3 else None)
+    assert verdict == (
+        ("repetitive_lines", {"dup_line_frac": dup, "max": 0.3})
+        if 1 - len(set(stripped)) / len(stripped) > 0.3
+        else None
+    )
     assert too_short(len(text) + 1)(text) == ("too_short", {"chars": len(text), "min_chars": len(text) + 1})
     assert too_short(len(text))(text) is None
     assert low_letters(0.5)(text) is None  # letters only
@@ -657,8 +710,13 @@ def test_near_duplicates_across_files_are_removed_in_the_stage_with_a_ledger(tmp
     base = " ".join(english(seed) for seed in range(40, 46))
     words = base.split()
     edited = " ".join(f"zebra{i}" if i % 150 == 0 else w for i, w in enumerate(words))  # Jaccard well above 0.8
-    a = write_warc(tmp_path / "a.warc.gz", [("http://a.example/orig", html_page(base), "text/html"),
-                                              ("http://a.example/other", html_page(" ".join(english(s) for s in range(60, 66))), "text/html")])
+    a = write_warc(
+        tmp_path / "a.warc.gz",
+        [
+            ("http://a.example/orig", html_page(base), "text/html"),
+            ("http://a.example/other", html_page(" ".join(english(s) for s in range(60, 66))), "text/html"),
+        ],
+    )
     b = write_warc(tmp_path / "b.warc.gz", [("http://b.example/copy", html_page(edited), "text/html")])
     out = tmp_path / "docs"
     stats = run_data([str(a), str(b)], out, cfg(lang_threshold=0))

@@ -39,9 +39,15 @@ def planted(original: bytes) -> dict[str, bytes]:
     parts = original.decode().split(" the ")  # edit prose only: one "the" in 25 becomes "a"
     edited = "".join(p + ("" if i == len(parts) - 1 else " a " if i % 25 == 0 else " the ")
                      for i, p in enumerate(parts)).encode()
-    spam = " ".join(rng.choice(["buy", "cheap", "pills", "online", "best", "price", "casino", "bonus"]) for _ in range(3000))
+    spam = " ".join(
+        rng.choice(["buy", "cheap", "pills", "online", "best", "price", "casino", "bonus"]) for _ in range(3000)
+    )
     blobs = "".join(f"<p>{base64.b64encode(rng.randbytes(600)).decode()}</p>" for _ in range(40))
-    farm = "<ul>" + "".join(f'<li><a href="http://farm{i}.example/">cheap loans {i}</a></li>' for i in range(400)) + "</ul>"
+    farm = (
+        "<ul>"
+        + "".join(f'<li><a href="http://farm{i}.example/">cheap loans {i}</a></li>' for i in range(400))
+        + "</ul>"
+    )
     table = "<table>" + "".join("<tr>" + "".join(f"<td>{rng.randint(0, 99999)}</td>" for _ in range(8)) + "</tr>"
                                 for _ in range(300)) + "</table>"
     return {

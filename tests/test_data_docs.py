@@ -31,7 +31,11 @@ def junk_pages() -> dict[str, bytes]:
     spam = " ".join(rng.choice(["buy", "cheap", "pills", "online", "best", "price", "casino", "bonus"])
                     for _ in range(3000))
     blobs = "".join(f"<p>{base64.b64encode(rng.randbytes(600)).decode()}</p>" for _ in range(40))
-    farm = "<ul>" + "".join(f'<li><a href="http://farm{i}.example/">cheap loans {i}</a></li>' for i in range(400)) + "</ul>"
+    farm = (
+        "<ul>"
+        + "".join(f'<li><a href="http://farm{i}.example/">cheap loans {i}</a></li>' for i in range(400))
+        + "</ul>"
+    )
     table = "<table>" + "".join("<tr>" + "".join(f"<td>{rng.randint(0, 99999)}</td>" for _ in range(8)) + "</tr>"
                                 for _ in range(300)) + "</table>"
     boiler = "".join("<p>Welcome to our shop. Add this product to your cart now.</p><p>Free shipping on every "

@@ -99,7 +99,10 @@ def test_a_task_error_reaches_the_driver_as_its_own_message(tmp_path, monkeypatc
             list(run_tasks(expand_inputs, tasks, workers, executor))
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert type(info.value) is KilnError and str(info.value) == f"input {tmp_path / 'missing.warc.gz'} does not exist or is not a file"
+    assert (
+        type(info.value) is KilnError
+        and str(info.value) == f"input {tmp_path / 'missing.warc.gz'} does not exist or is not a file"
+    )
 
 
 def edited(text: str, rng: random.Random, target: float) -> str:
@@ -165,8 +168,11 @@ def test_dedup_stages_identical_on_pool_and_ray_for_any_worker_count(tmp_path, m
 
 
 def test_stats_per_source_stage_and_step(tmp_path, sample_warc):
-    other = write_warc(tmp_path / "o.warc.gz", [(f"https://o.example/{i}", page(english(i)), "text/html") for i in range(3)]
-                       + [("https://o.example/dup", page(english(0)), "text/html")])
+    other = write_warc(
+        tmp_path / "o.warc.gz",
+        [(f"https://o.example/{i}", page(english(i)), "text/html") for i in range(3)]
+        + [("https://o.example/dup", page(english(0)), "text/html")],
+    )
     out = tmp_path / "docs"
     stats = run_data([str(other), str(sample_warc)], out, cfg())
     assert stats["by_source"][str(other)] == {"read": 4, "kept": 3, "rejected": 1}
@@ -191,7 +197,11 @@ def test_sigkill_then_rerun_redoes_only_unfinished_tasks(tmp_path, sample_warc, 
     args = ([str(sample_warc)], out, "data.task_bytes=100000")  # 30 tasks
     proc = kiln_data(*args)
     deadline = time.monotonic() + 90
-    while len(list(tmp_path.glob(".docs-work-*/task-*.done.json"))) < 3 and proc.poll() is None and time.monotonic() < deadline:
+    while (
+        len(list(tmp_path.glob(".docs-work-*/task-*.done.json"))) < 3
+        and proc.poll() is None
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.02)
     assert proc.poll() is None, "the run ended before it could be killed"
     proc.send_signal(signal.SIGKILL)
@@ -231,9 +241,16 @@ def test_real_crawl_accounts_for_every_record(tmp_path):
             url = f"https://docs.python.org/3.11/{p.relative_to(PYDOC).as_posix()}"
             body = p.read_bytes()
             headers = StatusAndHeaders("200 OK", [("Content-Type", "text/html; charset=utf-8")], protocol="HTTP/1.1")
-            rec = w.create_warc_record(url, "response", payload=io.BytesIO(body), http_headers=headers,
-                                       warc_headers_dict={"WARC-Record-ID": f"<urn:uuid:{uuid.uuid5(uuid.NAMESPACE_URL, url)}>",
-                                                          "WARC-Date": "2026-11-29T00:00:00Z"})
+            rec = w.create_warc_record(
+                url,
+                "response",
+                payload=io.BytesIO(body),
+                http_headers=headers,
+                warc_headers_dict={
+                    "WARC-Record-ID": f"<urn:uuid:{uuid.uuid5(uuid.NAMESPACE_URL, url)}>",
+                    "WARC-Date": "2026-11-29T00:00:00Z",
+                },
+            )
             w.write_record(rec)
     out = tmp_path / "docs"
     stats = run_data([str(src)], out, DataConfig(workers=2, task_bytes=1 << 20))  # every default gate

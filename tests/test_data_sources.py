@@ -52,7 +52,9 @@ def jsonl_lines() -> list[bytes]:
 @pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".jsonl.zst"])
 def test_jsonl_bad_lines_are_rejections(tmp_path, suffix):
     raw = b"\n".join(jsonl_lines()) + b"\n"
-    blob = {".jsonl": raw, ".jsonl.gz": gzip.compress(raw), ".jsonl.zst": zstandard.ZstdCompressor().compress(raw)}[suffix]
+    blob = {".jsonl": raw, ".jsonl.gz": gzip.compress(raw), ".jsonl.zst": zstandard.ZstdCompressor().compress(raw)}[
+        suffix
+    ]
     src = tmp_path / f"docs{suffix}"
     src.write_bytes(blob)
     out = tmp_path / "docs"
@@ -60,7 +62,10 @@ def test_jsonl_bad_lines_are_rejections(tmp_path, suffix):
     assert stats["documents"] == {"read": 7, "kept": 2, "rejected": 5}
     assert stats["rejected_by_reason"] == {"read/invalid_json": 3, "read/missing_text": 2}
     kept = list(read_docs(out))
-    assert [(d["id"], d["url"], d["lang"]) for d in kept] == [("a1", "https://j.example/1", "en"), (f"docs{suffix}:7", "https://j.example/de", "de")]
+    assert [(d["id"], d["url"], d["lang"]) for d in kept] == [
+        ("a1", "https://j.example/1", "en"),
+        (f"docs{suffix}:7", "https://j.example/de", "de"),
+    ]
     lines = raw.split(b"\n")
     for d in kept:  # offset/length are the line's bytes in the decompressed stream
         n = int(d["id"].rsplit(":", 1)[1]) if ":" in d["id"] else 1
@@ -81,7 +86,9 @@ def test_truncated_jsonl_gz_keeps_lines_before_the_cut(tmp_path):
     kept = list(read_docs(tmp_path / "docs"))
     assert 10 < len(kept) < 40 and [d["id"] for d in kept] == [f"d{i}" for i in range(len(kept))]
     [cut] = stats["truncated"]
-    assert cut["source"] == str(src) and cut["offset"] == sum(len(json.dumps({"id": f"d{i}", "text": english(i)})) + 1 for i in range(len(kept)))
+    assert cut["source"] == str(src) and cut["offset"] == sum(
+        len(json.dumps({"id": f"d{i}", "text": english(i)})) + 1 for i in range(len(kept))
+    )
 
 
 def test_corrupt_jsonl_zst_keeps_lines_before_the_damage(tmp_path):
@@ -168,12 +175,17 @@ def test_a_storage_error_under_pyarrow_is_retried_not_taken_for_a_cut(tmp_path, 
 
 
 def test_a_storage_error_that_persists_stops_the_run_and_resumes(tmp_path, monkeypatch):
-    lines = lambda first: b"".join(json.dumps({"id": f"d{i}", "text": english(i)}).encode() + b"\n" for i in range(first, first + 20))
+    lines = lambda first: b"".join(
+        json.dumps({"id": f"d{i}", "text": english(i)}).encode() + b"\n" for i in range(first, first + 20)
+    )
     (tmp_path / "a.jsonl").write_bytes(lines(0))
     (tmp_path / "b.jsonl").write_bytes(lines(20))
     inputs = [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
     FlakyStorage(monkeypatch, failures=10**6, after=100)
-    with pytest.raises(KilnError, match=r"a\.jsonl: reading failed 3 times \(\[Errno 104\] Connection reset by peer\).*run the same command again"):
+    with pytest.raises(
+        KilnError,
+        match=r"a\.jsonl: reading failed 3 times \(\[Errno 104\] Connection reset by peer\).*run the same command again",
+    ):
         run_data(inputs, tmp_path / "docs", cfg(lang_threshold=0), workers=1)
     [work] = tmp_path.glob(".docs-work-*")
     assert not list(work.glob("*.done.json")) and not (tmp_path / "docs").exists()  # nothing short was committed
@@ -186,8 +198,12 @@ def test_near_dedup_keeps_an_unrelated_document_that_shares_an_id(tmp_path):
     # per-file ids repeat across JSONL files: b.jsonl's "1" is not a.jsonl's near copy "1"
     base = " ".join(english(i) for i in range(6))
     copy = base + " One more word."
-    (tmp_path / "a.jsonl").write_text(json.dumps({"id": "0", "text": base}) + "\n" + json.dumps({"id": "1", "text": copy}) + "\n")
-    (tmp_path / "b.jsonl").write_text(json.dumps({"id": "1", "text": " ".join(english(i) for i in range(20, 26))}) + "\n")
+    (tmp_path / "a.jsonl").write_text(
+        json.dumps({"id": "0", "text": base}) + "\n" + json.dumps({"id": "1", "text": copy}) + "\n"
+    )
+    (tmp_path / "b.jsonl").write_text(
+        json.dumps({"id": "1", "text": " ".join(english(i) for i in range(20, 26))}) + "\n"
+    )
     run_data([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], tmp_path / "docs", cfg(lang_threshold=0))
     kept = [(Path(d["source"]).name, d["id"]) for d in read_docs(tmp_path / "docs")]
     assert kept == [("a.jsonl", "0"), ("b.jsonl", "1")]
@@ -211,7 +227,10 @@ def test_parquet_with_configured_fields(tmp_path):
     assert stats["documents"] == {"read": 4, "kept": 3, "rejected": 1}
     kept = list(read_docs(out))
     assert [(d["id"], d["url"], d["offset"], d["lang"]) for d in kept] == [
-        ("p0", "https://p.example/0", 0, "en"), ("p2", None, 2, "en"), ("docs.parquet:row3", "https://p.example/3", 3, "de")]
+        ("p0", "https://p.example/0", 0, "en"),
+        ("p2", None, 2, "en"),
+        ("docs.parquet:row3", "https://p.example/3", 3, "de"),
+    ]
     [r] = rejects(out)
     assert (r["id"], r["reason"], r["signals"]) == ("p1", "missing_text", {"field": "content", "found": "NoneType"})
 
@@ -223,8 +242,13 @@ def test_parquet_with_configured_fields(tmp_path):
 # --- provenance ----------------------------------------------------------------------------------
 
 def test_kept_and_rejected_records_carry_full_provenance(tmp_path):
-    src = write_warc(tmp_path / "p.warc.gz", [("https://v.example/kept", html_page(f"<p>{english(3)}</p>"), "text/html; charset=utf-8"),
-                                              ("https://v.example/short", html_page("<p>too short</p>"), "text/html")])
+    src = write_warc(
+        tmp_path / "p.warc.gz",
+        [
+            ("https://v.example/kept", html_page(f"<p>{english(3)}</p>"), "text/html; charset=utf-8"),
+            ("https://v.example/short", html_page("<p>too short</p>"), "text/html"),
+        ],
+    )
     out = tmp_path / "docs"
     run_data([str(src)], out, cfg())
     warc = {m["url"]: m for m in members(src) if m["type"] == "response"}
@@ -254,13 +278,23 @@ def s3(tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
-    opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    opts = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+    }
     try:
         import time
 
         import boto3
 
-        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1")
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
         for _ in range(100):
             try:
                 client.create_bucket(Bucket="crawl")
@@ -275,7 +309,10 @@ def s3(tmp_path_factory):
 
 def test_s3_inputs_match_local_inputs(tmp_path, s3, sample_warc):
     client, opts = s3
-    small = write_warc(tmp_path / "small.warc.gz", [(f"https://s.example/{i}", html_page(f"<p>{english(i)}</p>"), "text/html") for i in range(3)])
+    small = write_warc(
+        tmp_path / "small.warc.gz",
+        [(f"https://s.example/{i}", html_page(f"<p>{english(i)}</p>"), "text/html") for i in range(3)],
+    )
     jsonl = tmp_path / "extra.jsonl.gz"
     jsonl.write_bytes(gzip.compress(json.dumps({"id": "j", "text": english(9)}).encode() + b"\n"))
     for f in (sample_warc, small, jsonl):
@@ -295,7 +332,9 @@ def test_s3_inputs_match_local_inputs(tmp_path, s3, sample_warc):
     assert {d["source"] for d in kept_r} == {"s3://crawl/cc/sample.warc.gz", "s3://crawl/cc/small.warc.gz", "s3://crawl/cc/extra.jsonl.gz"}
     # the provenance of an s3 document is a range request away
     doc = next(d for d in kept_r if d["source"].endswith("sample.warc.gz"))
-    body = client.get_object(Bucket="crawl", Key="cc/sample.warc.gz", Range=f"bytes={doc['offset']}-{doc['offset'] + doc['length'] - 1}")["Body"].read()
+    body = client.get_object(
+        Bucket="crawl", Key="cc/sample.warc.gz", Range=f"bytes={doc['offset']}-{doc['offset'] + doc['length'] - 1}"
+    )["Body"].read()
     assert gzip.decompress(body).split(b"\r\n\r\n")[0].decode().count(doc["url"]) == 1
 
 
@@ -340,7 +379,9 @@ def test_users_own_language_model(tmp_path):
     not_a_model.write_bytes(b"not a fastText model" * 10)
     for path, message in ((tmp_path / "missing.ftz", "no such file"), (not_a_model, "not a fastText model")):
         r = kiln("data", str(src), "--out", str(tmp_path / "x"), "--lang-model", str(path), cwd=ROOT)
-        assert r.returncode == 2 and "data.lang_model" in r.stderr and message in r.stderr and "Traceback" not in r.stderr
+        assert (
+            r.returncode == 2 and "data.lang_model" in r.stderr and message in r.stderr and "Traceback" not in r.stderr
+        )
         assert not (tmp_path / "x").exists()
 
 
@@ -348,9 +389,14 @@ def test_users_own_language_model(tmp_path):
 
 def test_explain_kept_and_dropped(tmp_path):
     text = english(21)
-    src = write_warc(tmp_path / "e.warc.gz", [("https://e.example/a", html_page(f"<p>{text}</p>"), "text/html"),
-                                              ("https://e.example/b?x=1", html_page(f"<p>{text.upper()}</p>"), "text/html"),
-                                              ("https://e.example/short", html_page(f"<p>{SHORT}</p>"), "text/html")])
+    src = write_warc(
+        tmp_path / "e.warc.gz",
+        [
+            ("https://e.example/a", html_page(f"<p>{text}</p>"), "text/html"),
+            ("https://e.example/b?x=1", html_page(f"<p>{text.upper()}</p>"), "text/html"),
+            ("https://e.example/short", html_page(f"<p>{SHORT}</p>"), "text/html"),
+        ],
+    )
     out = tmp_path / "docs"
     run_data([str(src)], out, cfg())
     [kept] = read_docs(out)
@@ -359,13 +405,19 @@ def test_explain_kept_and_dropped(tmp_path):
     assert f"offset:       {kept['offset']}" in r.stdout and f"length:       {kept['length']}" in r.stdout
     assert "kept in part-00000.jsonl.zst (lang en" in r.stdout and kept["record_id"] in r.stdout
 
-    r = kiln("data", "explain", "https://e.example/b?x=1", "--out", str(out))  # a URL with '=' is a key, not an override
+    r = kiln(
+        "data", "explain", "https://e.example/b?x=1", "--out", str(out)
+    )  # a URL with '=' is a key, not an override
     assert r.returncode == 0, r.stderr
     assert "dropped by dedup: exact_duplicate (in rejects/part-00000.jsonl.zst)" in r.stdout
     assert f'duplicate_of = "{kept["id"]}"' in r.stdout
 
     r = kiln("data", "explain", "https://e.example/short", "--out", str(out))
-    assert "dropped by quality: too_short" in r.stdout and f"chars = {len(SHORT)}" in r.stdout and "min_chars = 200" in r.stdout
+    assert (
+        "dropped by quality: too_short" in r.stdout
+        and f"chars = {len(SHORT)}" in r.stdout
+        and "min_chars = 200" in r.stdout
+    )
 
     r = kiln("data", "explain", "https://nowhere.example/", "--out", str(out))
     assert r.returncode == 2 and "no document with id" in r.stderr and "Traceback" not in r.stderr

@@ -115,8 +115,9 @@ def test_clusters_survivor_is_first_in_canonical_order_and_ledger_is_written(tmp
         back = [json.loads(line) for line in io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(f))]
     assert back == rows and LEDGER == "dedup_ledger.jsonl.zst"
     out = list(drop_near_duplicates(iter(stream), rows))
-    assert [d.rejection and (d.rejection.stage, d.rejection.reason, d.rejection.signals["duplicate_of"]) for d in out] == [
-        None, ("dedup", "near_duplicate", "x"), ("dedup", "near_duplicate", "x"), None]
+    assert [
+        d.rejection and (d.rejection.stage, d.rejection.reason, d.rejection.signals["duplicate_of"]) for d in out
+    ] == [None, ("dedup", "near_duplicate", "x"), ("dedup", "near_duplicate", "x"), None]
     assert out[1].rejection.signals == {"duplicate_of": "x", "similarity": rows[0]["similarity"], "cluster": 0}
 
 
@@ -163,7 +164,9 @@ def test_empty_and_short_documents():
 
 
 def test_exact_dedup_keeps_first():
-    docs = [Document(id=i, source="s", offset=0, length=0, text=t) for i, t in (("1", "A b"), ("2", "a  B"), ("3", "c"))]
+    docs = [
+        Document(id=i, source="s", offset=0, length=0, text=t) for i, t in (("1", "A b"), ("2", "a  B"), ("3", "c"))
+    ]
     out = list(ExactDedup()(iter(docs)))
     assert [d.rejection and (d.rejection.reason, d.rejection.signals) for d in out] == [
         None, ("exact_duplicate", {"duplicate_of": "1"}), None]

@@ -38,7 +38,19 @@ def test_doctor_passes_here_with_every_probe_measured(config, monkeypatch, capsy
     rc, report = doctor_json(capsys, "--config", str(config))
     checks = {c["name"]: c for c in report["checks"]}
     assert rc == 0 and report["ok"], [c for c in report["checks"] if not c["ok"]]
-    for name in ("python", "torch", "cuda", "language_id", "disk", "shm", "open_files", "env", "matmul", "loader", "allreduce"):
+    for name in (
+        "python",
+        "torch",
+        "cuda",
+        "language_id",
+        "disk",
+        "shm",
+        "open_files",
+        "env",
+        "matmul",
+        "loader",
+        "allreduce",
+    ):
         assert checks[name]["verdict"] == "ok", checks[name]
     assert checks["gpu"]["verdict"] == "skip"  # no NVML here
     assert "peak unknown" in checks["matmul"]["detail"]  # a CPU: measured, not judged against a guess
@@ -57,7 +69,10 @@ def test_doctor_fails_usefully_when_checks_are_broken_on_purpose(config, tmp_pat
                              "doctor.min_free_disk_gb=1e9")  # more than any disk here
     bad = {c["name"]: c for c in report["checks"] if not c["ok"]}
     assert rc == 1 and set(bad) == {"env", "disk", "against_run"}, bad
-    assert "NCCL_P2P_DISABLE=1" in bad["env"]["detail"] and bad["env"]["fix"] == "unset NCCL_P2P_DISABLE (set them only while debugging)"
+    assert (
+        "NCCL_P2P_DISABLE=1" in bad["env"]["detail"]
+        and bad["env"]["fix"] == "unset NCCL_P2P_DISABLE (set them only while debugging)"
+    )
     assert "need 1e+09" in bad["disk"]["detail"] and "doctor.min_free_disk_gb" in bad["disk"]["fix"]
     assert "torch: 2.0.0 -> " in bad["against_run"]["detail"] and "(torch)" in bad["against_run"]["fix"]
     assert {d["key"]: d["pinned"] for d in report["against"]} == {"torch": True, "ram_gb": False}

@@ -87,7 +87,9 @@ def test_mc_agrees_with_transformers_on_the_exported_model(trained, tmp_path, ca
     acc, acc_norm, n = hf_accuracy(tmp_path / "hf", task)
     assert n == mc["n"]
     # Within one question: a near tie may fall either way under another float order.
-    assert abs(acc - mc["acc"]) * n <= 1 + 1e-4 and abs(acc_norm - mc["acc_norm"]) * n <= 1 + 1e-4  # kiln rounds to 6 places
+    assert (
+        abs(acc - mc["acc"]) * n <= 1 + 1e-4 and abs(acc_norm - mc["acc_norm"]) * n <= 1 + 1e-4
+    )  # kiln rounds to 6 places
 
 
 def test_tasks_run_in_the_loop_and_match_the_command(trained, capsys):

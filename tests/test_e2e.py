@@ -30,9 +30,18 @@ def flip_byte(path, at=None):
 
 
 def test_outputs_exist_and_validation_loss_fell(flow):
-    for name in ("docs/manifest.json", "docs/stats.json", "docs/part-00000.jsonl.zst", "docs/rejects/part-00000.jsonl.zst",
-                 "tokenizer/tokenizer.json", "shards/manifest.json", "shards/train/00000.bin", "shards/val/00000.idx",
-                 "run/metrics.jsonl", "run/checkpoints/step-00000030/manifest.json"):
+    for name in (
+        "docs/manifest.json",
+        "docs/stats.json",
+        "docs/part-00000.jsonl.zst",
+        "docs/rejects/part-00000.jsonl.zst",
+        "tokenizer/tokenizer.json",
+        "shards/manifest.json",
+        "shards/train/00000.bin",
+        "shards/val/00000.idx",
+        "run/metrics.jsonl",
+        "run/checkpoints/step-00000030/manifest.json",
+    ):
         assert (flow / name).is_file(), name
     stats = json.loads((flow / "docs" / "stats.json").read_text())
     assert stats["documents"]["read"] == stats["documents"]["kept"] + sum(stats["rejected_by_reason"].values())

@@ -37,8 +37,24 @@ def run(out: Path, **sections) -> dict:
 def torchrun(tmp_path: Path, out: Path, **sections) -> None:
     cfg = tmp_path / f"{out.name}.yaml"
     cfg.write_text(tiny_config(out, **sections).to_yaml())
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "kiln", "train", str(cfg)], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "kiln",
+            "train",
+            str(cfg),
+        ],
+        env=ENV,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -113,8 +129,24 @@ def test_fsdp2_fp32_head_with_tied_embeddings_is_a_clear_error():
 def test_a_mesh_that_does_not_cover_the_ranks_is_a_clear_error(workdir, tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(tiny_config(workdir, parallel={"mode": "fsdp", "mesh": [2, 2]}).to_yaml())
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "kiln", "train", str(cfg)], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "kiln",
+            "train",
+            str(cfg),
+        ],
+        env=ENV,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0 and "parallel.mesh=[2, 2] multiplies to 4, not the 2 ranks" in proc.stderr
 
 

@@ -152,8 +152,17 @@ def moe_checkpoint(prepared, root: Path, **moe) -> tuple:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.1)
-    folder = write_checkpoint(root / "ckpts", 1, model.state_dict(), {}, [rng_state()], {"tokens_seen": 0}, cfg.to_yaml(),
-                              prepared.out / "tokenizer" / "tokenizer.json", {})
+    folder = write_checkpoint(
+        root / "ckpts",
+        1,
+        model.state_dict(),
+        {},
+        [rng_state()],
+        {"tokens_seen": 0},
+        cfg.to_yaml(),
+        prepared.out / "tokenizer" / "tokenizer.json",
+        {},
+    )
     return cfg, model, folder
 
 

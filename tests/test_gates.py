@@ -66,7 +66,10 @@ def test_gopher_short_and_long():
     assert gopher_quality(GQ)("word " * 49) == ("gopher_short_doc", {"words": 49, "min_words": 50})
     text = prose(1)
     n = len(words(text))
-    assert gopher_quality(GopherQualityConfig(max_words=100))(text) == ("gopher_long_doc", {"words": n, "max_words": 100})
+    assert gopher_quality(GopherQualityConfig(max_words=100))(text) == (
+        "gopher_long_doc",
+        {"words": n, "max_words": 100},
+    )
 
 
 def test_gopher_mean_word_len():
@@ -96,7 +99,10 @@ def test_gopher_alpha_words_and_stop_words():
     text = prose(3, sentences=4) + " 12 34" * 40
     reason, s = gopher_quality(GQ)(text)
     ws = words(text)
-    assert (reason, s["alpha_words_frac"]) == ("gopher_alpha_words", round(sum(w[0].isalpha() for w in ws) / len(ws), 4))
+    assert (reason, s["alpha_words_frac"]) == (
+        "gopher_alpha_words",
+        round(sum(w[0].isalpha() for w in ws) / len(ws), 4),
+    )
     reason, s = gopher_quality(GQ)(" ".join(VOCAB[:80]) + ".")
     assert (reason, s["stop_words"], s["min"]) == ("gopher_stop_words", 0, 2)
     assert gopher_quality(GQ)("Der Fluss und die Kinder " + " ".join(VOCAB[:80])) is None  # German stop words count
@@ -156,7 +162,10 @@ def test_c4_document_drops():
 
 def test_c4_removes_lines():
     body = prose(8)
-    text = body + "\nPlease enable JavaScript to view this.\nRead our privacy policy today please.\nShort line\nNo final punctuation here at all"
+    text = (
+        body
+        + "\nPlease enable JavaScript to view this.\nRead our privacy policy today please.\nShort line\nNo final punctuation here at all"
+    )
     edit = c4_lines(C4Config())(text)
     assert edit == Edit(body + "\nNo final punctuation here at all", {"c4_lines_removed": 3})
     strict = c4_lines(C4Config(require_terminal_punct=True))(text)
@@ -172,13 +181,21 @@ def test_fineweb_rules():
     no_punct = "\n".join(" ".join(VOCAB[i * 5:i * 5 + 5]) for i in range(10))
     assert fineweb_rules(FW)(no_punct) == ("fineweb_line_punct", {"line_punct_ratio": 0.0, "min": 0.12})
     short = "\n".join(f"Yes {VOCAB[i]}." for i in range(10))
-    assert fineweb_rules(FW)(short) == ("fineweb_short_lines", {"line_punct_ratio": 1.0, "short_line_ratio": 1.0, "max": 0.67})
+    assert fineweb_rules(FW)(short) == (
+        "fineweb_short_lines",
+        {"line_punct_ratio": 1.0, "short_line_ratio": 1.0, "max": 0.67},
+    )
     body = prose(9)
     line = "The same sentence repeated twice in the page."
     text = body + "\n" + line + "\n" + line
     reason, s = fineweb_rules(FW)(text)
-    assert (reason, s["dup_line_char_ratio"]) == ("fineweb_dup_line_chars", round(len(line) / len(text.replace("\n", "")), 4))
-    listy = "\n".join(f"{VOCAB[i]}{VOCAB[i + 1]} {VOCAB[i + 2]}{VOCAB[i + 3]} {VOCAB[i + 4]}{VOCAB[i + 5]}." for i in range(0, 120, 6))
+    assert (reason, s["dup_line_char_ratio"]) == (
+        "fineweb_dup_line_chars",
+        round(len(line) / len(text.replace("\n", "")), 4),
+    )
+    listy = "\n".join(
+        f"{VOCAB[i]}{VOCAB[i + 1]} {VOCAB[i + 2]}{VOCAB[i + 3]} {VOCAB[i + 4]}{VOCAB[i + 5]}." for i in range(0, 120, 6)
+    )
     reason, s = fineweb_rules(FW)(listy)
     assert (reason, s["list_ratio"]) == ("fineweb_list_ratio", round(19 / 60, 4))
 
@@ -188,8 +205,10 @@ def test_fineweb_rules():
 
 def test_noise_drops_base64_documents():
     rng = random.Random(0)
-    blob = " ".join("".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+_") for _ in range(60))
-                    for _ in range(20))
+    blob = " ".join(
+        "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+_") for _ in range(60))
+        for _ in range(20)
+    )
     reason, s = token_noise(NoiseConfig())(prose(10, sentences=2) + "\n" + blob)
     assert reason == "token_noise" and s["noise_tokens"] == 20 and s["noise_frac"] > 0.3
 
@@ -198,7 +217,9 @@ def test_noise_truncates_a_line_at_the_noisy_span():
     body = prose(11)
     junk = " &nbsp; &nbsp; <br> &amp;amp; Ã©tÃ© &nbsp; trailing words"
     edit = token_noise(NoiseConfig())(body + junk + "\nA clean last line stays here.")
-    assert edit == Edit(body + "\nA clean last line stays here.", {"noise_truncated_lines": 1, "noise_truncated_chars": len(junk) - 1})
+    assert edit == Edit(
+        body + "\nA clean last line stays here.", {"noise_truncated_lines": 1, "noise_truncated_chars": len(junk) - 1}
+    )
 
 
 def test_noise_drops_when_truncation_leaves_too_little():
@@ -212,12 +233,16 @@ def test_urls_and_plain_long_words_are_not_noise():
     assert token_noise(NoiseConfig())(text) is None
 
 
-ZH_PROSE = ("Debian是一个自由的操作系统，它使用Linux内核和大量来自GNU项目的基本工具，并由世界各地的志愿者共同维护和发布。\n"
-            "用户和组系统的管理命令，参见passwd(5)，group(5)，shadow(5)，newgrp(1)，vipw(8)，vigr(8)，以及pam_group(8)。\n"
-            "软件包管理系统能够自动处理依赖关系，因此安装新的软件时通常不需要手动下载其他的库文件或者配置任何东西。")
-JA_PROSE = ("Debianはボランティアによって開発されているフリーなオペレーティングシステムで、世界中の多くの人々に使われています。\n"
-            "パッケージ管理システムは依存関係を自動的に解決するので、新しいソフトウェアを簡単にインストールすることができます。\n"
-            "詳しくは「/usr/share/doc/apt/README.Debian」を参照してから、設定ファイルを編集してください。")
+ZH_PROSE = (
+    "Debian是一个自由的操作系统，它使用Linux内核和大量来自GNU项目的基本工具，并由世界各地的志愿者共同维护和发布。\n"
+    "用户和组系统的管理命令，参见passwd(5)，group(5)，shadow(5)，newgrp(1)，vipw(8)，vigr(8)，以及pam_group(8)。\n"
+    "软件包管理系统能够自动处理依赖关系，因此安装新的软件时通常不需要手动下载其他的库文件或者配置任何东西。"
+)
+JA_PROSE = (
+    "Debianはボランティアによって開発されているフリーなオペレーティングシステムで、世界中の多くの人々に使われています。\n"
+    "パッケージ管理システムは依存関係を自動的に解決するので、新しいソフトウェアを簡単にインストールすることができます。\n"
+    "詳しくは「/usr/share/doc/apt/README.Debian」を参照してから、設定ファイルを編集してください。"
+)
 KO_PROSE = ("데비안은 전 세계의 자원봉사자들이 함께 만드는 자유 운영체제이며 수많은 사람들이 매일 사용하고 있습니다.\n"
             "패키지관리시스템은의존성을자동으로해결하므로새로운소프트웨어를아주쉽게설치할수있도록도와줍니다그래서편리합니다.\n"
             "자세한 내용은 설명서를 참고하십시오.")
@@ -299,8 +324,10 @@ def test_pii_redacts_emails_and_public_ips():
     text = "Mail john.doe@mail.example.org or jane@x.io; server 8.8.8.8, router 192.168.1.1, version 1.2.3.4.5."
     edit = redact_pii(PiiConfig())(text)
     assert edit.counts == {"pii_emails": 2, "pii_ips": 1}
-    assert edit.text == ("Mail |||EMAIL_ADDRESS||| or |||EMAIL_ADDRESS|||; server |||IP_ADDRESS|||, router 192.168.1.1, "
-                         "version 1.2.3.4.5.")
+    assert edit.text == (
+        "Mail |||EMAIL_ADDRESS||| or |||EMAIL_ADDRESS|||; server |||IP_ADDRESS|||, router 192.168.1.1, "
+        "version 1.2.3.4.5."
+    )
     assert redact_pii(PiiConfig())("nothing personal here") is None
 
 
@@ -319,7 +346,10 @@ def test_apply_gates_records_edits_and_passes_them_to_a_rejection():
 
 
 def test_disabled_families_are_not_run():
-    off = {k: {"enabled": False} for k in ("gopher_quality", "gopher_repetition", "c4", "fineweb", "noise", "residue", "pii")}
+    off = {
+        k: {"enabled": False}
+        for k in ("gopher_quality", "gopher_repetition", "c4", "fineweb", "noise", "residue", "pii")
+    }
     assert len(default_gates(DataConfig(quality=off))) == 3
     assert len(default_gates(DataConfig())) == 10
 
@@ -335,7 +365,9 @@ def test_old_config_keys_still_drive_the_basic_gates():
 def test_a_small_drifting_source_is_down_weighted():
     # sigma is the spread over documents, so only a source that is a small share of the corpus can
     # sit 3 sigma away: here 2 documents of 200
-    pairs = [("a", prose(i, sentences=8)) for i in range(100)] + [("b", prose(1000 + i, sentences=8)) for i in range(96)]
+    pairs = [("a", prose(i, sentences=8)) for i in range(100)] + [
+        ("b", prose(1000 + i, sentences=8)) for i in range(96)
+    ]
     pairs += [("tables", " ".join(f"{i} {i * 7} {i * 13} total" for i in range(j, j + 50))) for j in range(2)]
     report = source_weights(pairs)
     assert report["a"]["weight"] == report["b"]["weight"] == 1.0 and report["a"]["z"] < 0.5
@@ -366,7 +398,12 @@ def sample_pages() -> list[tuple[str, str]]:
         for rec in ArchiveIterator(f, record_types=WarcRecordType.response, parse_http=True):
             url = rec.headers.get("WARC-Target-URI")
             html = rec.reader.read().decode("utf-8", "replace")
-            pages.append((re.search(r"\.([a-z]{2})(?:-[a-z]{2})?\.html", url).group(1), extract_plain_text(html, main_content=True)))
+            pages.append(
+                (
+                    re.search(r"\.([a-z]{2})(?:-[a-z]{2})?\.html", url).group(1),
+                    extract_plain_text(html, main_content=True),
+                )
+            )
     return pages
 
 

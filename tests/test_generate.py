@@ -111,7 +111,10 @@ def test_cli_prints_prompt_and_continuation(checkpoint, loaded, capsys):
     capsys.readouterr()
     assert kiln(["generate", str(checkpoint), "--prompt", PROMPT, "--max-new-tokens", "10", "--temperature", "0"]) == 0
     assert capsys.readouterr().out == PROMPT + expected.text + "\n"
-    assert kiln(["generate", str(checkpoint), "--prompt", PROMPT, "--max-new-tokens", "10", "--seed", "4", "--top-k", "5"]) == 0
+    assert (
+        kiln(["generate", str(checkpoint), "--prompt", PROMPT, "--max-new-tokens", "10", "--seed", "4", "--top-k", "5"])
+        == 0
+    )
     assert capsys.readouterr().out == PROMPT + generate(model, tok, PROMPT, 10, top_k=5, seed=4).text + "\n"
 
 

@@ -121,7 +121,9 @@ def test_resume_mid_run_keeps_the_global_order_across_world_sizes(samples, saved
     got = [global_batch(before) for _ in range(3)]
     state = before[0].state_dict()
     assert all(l.state_dict() == state for l in before)  # every rank holds the same state
-    after = [Loader(samples, gb, gb // resumed_world, r, resumed_world, seed=0, prefetch=2) for r in range(resumed_world)]
+    after = [
+        Loader(samples, gb, gb // resumed_world, r, resumed_world, seed=0, prefetch=2) for r in range(resumed_world)
+    ]
     for l in after:
         l.load_state_dict(state)
     got += [global_batch(after) for _ in range(4)]
@@ -207,7 +209,9 @@ def second_source(prepared, tmp_path_factory) -> Path:
     """A small second shards folder packed with the same tokenizer and sequence length."""
     rng = np.random.default_rng(0)
     words = "alpha beta gamma delta kiln shard token mixing weights source".split()
-    docs = [{"id": f"mix-{i}", "text": " ".join(rng.choice(words, size=int(rng.integers(20, 200))))} for i in range(300)]
+    docs = [
+        {"id": f"mix-{i}", "text": " ".join(rng.choice(words, size=int(rng.integers(20, 200))))} for i in range(300)
+    ]
     out = tmp_path_factory.mktemp("mix") / "shards"
     pack(docs, prepared.out / "tokenizer", out, PackConfig(seq_len=prepared.pack.seq_len, val_fraction=0.2,
                                                              samples_per_shard=50))
@@ -346,7 +350,9 @@ def test_remote_manifest_without_a_listed_shards_checksum_is_a_clear_error(secon
     name = manifest["splits"]["train"]["files"][0]
     del manifest["files"][name]
     fs.pipe_file(f"{root}/manifest.json", json.dumps(manifest).encode())
-    with pytest.raises(IntegrityError, match=f"manifest.json: its 'files' table has no size and sha256 for {name}; re-upload"):
+    with pytest.raises(
+        IntegrityError, match=f"manifest.json: its 'files' table has no size and sha256 for {name}; re-upload"
+    ):
         ShardSet(remote, "train", cache=ShardCache(tmp_path / "cache", 10**9))
 
 

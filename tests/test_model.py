@@ -232,7 +232,9 @@ def reference_logits(model: Llama, toks: torch.Tensor) -> torch.Tensor:
     H, KV = a.n_heads, a.n_kv_heads or a.n_heads
     hd, half = a.dim // H, a.dim // H // 2
     B, T = toks.shape
-    ang = torch.arange(T, dtype=torch.float64)[:, None] * a.rope_theta ** (-2 * torch.arange(half, dtype=torch.float64) / hd)
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * a.rope_theta ** (
+        -2 * torch.arange(half, dtype=torch.float64) / hd
+    )
     c, s = torch.cos(ang), torch.sin(ang)
 
     def rms(x, g):

@@ -76,8 +76,18 @@ def test_plan_is_6ND_over_measured_or_assumed_throughput(out, tmp_path, capsys):
     # On this CPU the peak is unknown: plan asks for a measurement, then uses it.
     with pytest.raises(KilnError, match="run `kiln preflight` first"):
         make_plan(tiny_config(out))
-    (out / "preflight.json").write_text(json.dumps({"device": "cpu", "world": 1, "tokens_per_s": 1000.0, "dtype": "fp32",
-                                                    "batch_size": 8, "model_hash": cfg.section_hash("model", "pack")}))
+    (out / "preflight.json").write_text(
+        json.dumps(
+            {
+                "device": "cpu",
+                "world": 1,
+                "tokens_per_s": 1000.0,
+                "dtype": "fp32",
+                "batch_size": 8,
+                "model_hash": cfg.section_hash("model", "pack"),
+            }
+        )
+    )
     assert kiln(["plan", config_file(out, tmp_path / "p.yaml", plan={"devices": 2}), "--json"]) == 0
     measured = json.loads(capsys.readouterr().out)
     assert measured["time_source"] == "preflight" and measured["hours"] == pytest.approx(d / 2000 / 3600)

@@ -50,8 +50,18 @@ def test_report_has_every_plot_and_the_runs_tables(run_dir, tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(out)
     page = out.read_text()
     captions = re.findall(r"<figcaption>(.*?)</figcaption>", page)
-    for want in ("Loss", "Learning rate", "Gradient norm", "Throughput", "Peak memory", "Step time split",
-                 "Documents kept and rejected", "Kept documents by language", "Documents by source", "Near-duplicate clusters"):
+    for want in (
+        "Loss",
+        "Learning rate",
+        "Gradient norm",
+        "Throughput",
+        "Peak memory",
+        "Step time split",
+        "Documents kept and rejected",
+        "Kept documents by language",
+        "Documents by source",
+        "Near-duplicate clusters",
+    ):
         assert any(c.startswith(want) for c in captions), (want, captions)
     assert len(re.findall(r'<img [^>]*src="data:image/png;base64,', page)) == len(captions)
     # Self-contained: nothing refers to another file or the network.
@@ -129,7 +139,9 @@ def test_data_stage_and_pack_count_what_the_report_shows(prepared):
     assert sum(stats["length_histogram"]["kept"].values()) == docs["kept"]
     kept = list(read_docs(prepared.out / "docs"))
     for doc in kept[:50]:  # each kept document in the bin of its length
-        assert 0 < int(max(b for b in stats["length_histogram"]["kept"] if int(b) <= len(doc["text"]))) <= len(doc["text"])
+        assert (
+            0 < int(max(b for b in stats["length_histogram"]["kept"] if int(b) <= len(doc["text"]))) <= len(doc["text"])
+        )
     shards = json.loads((prepared.out / "shards" / "manifest.json").read_text())
     # every document token (EOS included) lands in a sample or the dropped tail; padding is no document's
     assert sum(shards["tokens_by_lang"].values()) == sum(s["tokens"] - s["pad_tokens"] + s["dropped_tail_tokens"]

@@ -61,7 +61,9 @@ def launch(cfg_path: Path, nproc: int = 1, extra: list[str] | None = None) -> su
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                *(extra or []), "-m", "kiln", "train", str(cfg_path)]
-    return subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        cmd, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def wait_for(pred, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -108,7 +110,9 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_zero(workdir, tmp_path)
 
 
 def test_sigusr2_checkpoints_at_the_next_step_and_goes_on(workdir, tmp_path):
-    cfg = write_config(tmp_path / "c.yaml", workdir, train={"max_steps": 40}, checkpoint={"every": 1000, "keep_last": 5})
+    cfg = write_config(
+        tmp_path / "c.yaml", workdir, train={"max_steps": 40}, checkpoint={"every": 1000, "keep_last": 5}
+    )
     proc = launch(cfg)
     wait_for(lambda: last_step(workdir) >= 3, proc)
     os.kill(proc.pid, signal.SIGUSR2)
@@ -127,7 +131,10 @@ def test_sigkill_during_a_save_resumes_bitwise(workdir, tmp_path):
     proc = launch(cfg)
     root = workdir / "run" / "checkpoints"
     # The second save's temporary folder exists: kill it half-written.
-    wait_for(lambda: root.is_dir() and any(".tmp-" in p.name and p.name.startswith("step-00000006") for p in root.iterdir()), proc)
+    wait_for(
+        lambda: root.is_dir() and any(".tmp-" in p.name and p.name.startswith("step-00000006") for p in root.iterdir()),
+        proc,
+    )
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     table = checkpoint_table(root)
@@ -171,8 +178,12 @@ def _keypair(tmp_path: Path) -> tuple[str, str]:
 
     key = Ed25519PrivateKey.generate()
     priv, pub = tmp_path / "sign.pem", tmp_path / "sign.pub"
-    priv.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    priv.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    pub.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
     return str(priv), str(pub)
 
 
@@ -186,14 +197,18 @@ def test_signed_checkpoints_load_and_a_bad_signature_is_refused(workdir, tmp_pat
     manifest = read_manifest(newest)
     write_manifest(newest, **{k: v for k, v in manifest.items() if k not in ("files", "kiln_version")}, tampered=True)
     messages = []
-    trainer = Trainer(tiny_config(workdir, train={"max_steps": 10}, checkpoint={"public_key": pub}), log=messages.append)
+    trainer = Trainer(
+        tiny_config(workdir, train={"max_steps": 10}, checkpoint={"public_key": pub}), log=messages.append
+    )
     assert trainer.resume() == older
     assert any("signature does not match" in m for m in messages)
     (older / "manifest.sig").unlink()
     for p in list_checkpoints(root)[:-2]:
         (p / "manifest.sig").unlink()
     with pytest.raises(KilnError, match="valid signature"):
-        Trainer(tiny_config(workdir, train={"max_steps": 10}, checkpoint={"public_key": pub}), log=lambda *_: None).resume()
+        Trainer(
+            tiny_config(workdir, train={"max_steps": 10}, checkpoint={"public_key": pub}), log=lambda *_: None
+        ).resume()
 
 
 def test_async_save_gives_the_same_checkpoints_and_reports_the_stall(workdir, tmp_path):
@@ -213,7 +228,9 @@ def test_environment_change_warns_or_stops_when_strict(workdir):
     manifest["env"]["torch"] = "1.0.0"
     write_manifest(folder, **{k: v for k, v in manifest.items() if k not in ("files", "kiln_version")})
     with pytest.raises(KilnError, match="strict_env"):
-        Trainer(tiny_config(workdir, train={"max_steps": 6}, checkpoint={"strict_env": True}), log=lambda *_: None).run()
+        Trainer(
+            tiny_config(workdir, train={"max_steps": 6}, checkpoint={"strict_env": True}), log=lambda *_: None
+        ).run()
     messages = []
     Trainer(tiny_config(workdir, train={"max_steps": 6}), log=messages.append).run()
     assert any("another environment" in m and "torch: 1.0.0 ->" in m for m in messages)
@@ -231,7 +248,11 @@ def test_ckpt_list_shows_each_checkpoint_and_whether_it_is_valid(workdir, capsys
     assert kiln(["ckpt", "list", str(workdir / "run")]) == 0
     out = capsys.readouterr().out
     lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith("step-")}
-    assert "valid" in lines["step-00000005"] and "INVALID" in lines["step-00000010"] and "optimizer.pt" in lines["step-00000010"]
+    assert (
+        "valid" in lines["step-00000005"]
+        and "INVALID" in lines["step-00000010"]
+        and "optimizer.pt" in lines["step-00000010"]
+    )
     assert "temporary" in lines["step-00000011.tmp-1234"]
 
 
@@ -265,7 +286,13 @@ def test_injected_divergence_rolls_back_skips_the_data_and_recovers(workdir):
 
 
 def test_recurring_divergence_stops_with_a_message(workdir):
-    guards = {"spike_min_history": 5, "spike_zscore": 4.0, "rollback_after": 2, "rollback_window": 10, "max_rollbacks": 1}
+    guards = {
+        "spike_min_history": 5,
+        "spike_zscore": 4.0,
+        "rollback_after": 2,
+        "rollback_window": 10,
+        "max_rollbacks": 1,
+    }
     trainer = Trainer(tiny_config(workdir, train={"max_steps": 40}, guards=guards), log=lambda *_: None)
     _spike(trainer, set(range(12, 40)))
     with pytest.raises(KilnError, match=r"training diverged: 2 rollbacks .*metrics.jsonl"):
@@ -321,8 +348,12 @@ def test_a_stalled_rank_is_reported_and_the_group_restarts_and_resumes(workdir, 
 # --- budget --------------------------------------------------------------------------------------
 
 def test_budget_guard_warns_then_checkpoints_and_stops_cleanly(workdir):
-    trainer = Trainer(tiny_config(workdir, train={"max_steps": 10_000},
-                                  budget={"device_hours": 1.5 / 3600, "price_per_device_hour": 2.0}), log=lambda *_: None)
+    trainer = Trainer(
+        tiny_config(
+            workdir, train={"max_steps": 10_000}, budget={"device_hours": 1.5 / 3600, "price_per_device_hour": 2.0}
+        ),
+        log=lambda *_: None,
+    )
     summary = trainer.run()
     assert summary["stopped"] == "budget exhausted" and summary["steps"] < 10_000
     assert [b["fraction"] for b in events(workdir, "budget")] == [0.3, 0.6]

@@ -226,7 +226,9 @@ def test_calibrator_stretches_the_warmup_without_a_jump():
     for step in range(1, 11):
         assert s.lr(step) == pytest.approx(step / 20) and s.wants_layer_norms()
         s.observe_step(step, 1.0, 1.0, layer_grad_norms=spread_norms(0.4 if step != 3 else 0.0))
-    assert cal.sigma == pytest.approx(0.4) and cal.decided and not s.wants_layer_norms()  # the median ignores the odd step
+    assert (
+        cal.sigma == pytest.approx(0.4) and cal.decided and not s.wants_layer_norms()
+    )  # the median ignores the odd step
     assert s.warmup == Warmup(1_500, knee_step=10, knee_factor=0.5)
     assert s.lr(10) == pytest.approx(0.5) and s.lr(1_500) == 1.0
     assert s.lr(755) == pytest.approx(0.75)  # a straight line from (10, 0.5) to (1500, 1.0)

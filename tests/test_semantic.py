@@ -18,7 +18,34 @@ from conftest import SAMPLE_WARC, write_warc
 from kiln.cli import main as kiln
 from kiln.data.pipeline import read_docs, read_part
 
-COOKING = ["flour", "butter", "sugar", "oven", "bake", "dough", "recipe", "cream", "chocolate", "cake", "bread", "salt", "pepper", "garlic", "onion", "tomato", "sauce", "simmer", "roast", "chicken", "vegetables", "soup", "minutes", "bowl", "stir", "whisk"]
+COOKING = [
+    "flour",
+    "butter",
+    "sugar",
+    "oven",
+    "bake",
+    "dough",
+    "recipe",
+    "cream",
+    "chocolate",
+    "cake",
+    "bread",
+    "salt",
+    "pepper",
+    "garlic",
+    "onion",
+    "tomato",
+    "sauce",
+    "simmer",
+    "roast",
+    "chicken",
+    "vegetables",
+    "soup",
+    "minutes",
+    "bowl",
+    "stir",
+    "whisk",
+]
 KEYWORDS = ["debian", "package", "apt", "kernel", "system"]
 
 
@@ -96,13 +123,28 @@ def test_a_user_vectors_file(crawl, tmp_path):
     from kiln.data.extract import resiliparse_text
 
     with open(warc, "rb") as f:
-        texts = [resiliparse_text(r.reader.read().decode()) for r in ArchiveIterator(f, record_types=WarcRecordType.response)]
+        texts = [
+            resiliparse_text(r.reader.read().decode()) for r in ArchiveIterator(f, record_types=WarcRecordType.response)
+        ]
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(" ".join(t.lower().split()) for t in texts) + "\n")
-    model = floret.train_unsupervised(str(corpus), model="skipgram", dim=32, minCount=1, bucket=20000, thread=1, verbose=0)
+    model = floret.train_unsupervised(
+        str(corpus), model="skipgram", dim=32, minCount=1, bucket=20000, thread=1, verbose=0
+    )
     model.save_model(str(tmp_path / "vectors.bin"))
     out = run(tmp, warc, "user", f"data.quality.semantic.vectors={tmp_path / 'vectors.bin'}")
     kept = {d["url"] for d in read_docs(out)}
     assert kept <= debian and len(kept) >= len(debian) - 2
-    assert kiln(["data", str(warc), "--out", str(tmp_path / "bad"), f"data.quality.semantic.keywords={json.dumps(KEYWORDS)}",
-                 f"data.quality.semantic.vectors={tmp_path / 'none.bin'}"]) == 2
+    assert (
+        kiln(
+            [
+                "data",
+                str(warc),
+                "--out",
+                str(tmp_path / "bad"),
+                f"data.quality.semantic.keywords={json.dumps(KEYWORDS)}",
+                f"data.quality.semantic.vectors={tmp_path / 'none.bin'}",
+            ]
+        )
+        == 2
+    )

@@ -374,7 +374,13 @@ def test_documents_plus_eos_reproduce_each_split_stream(shards, manifest, encode
     docs, _, ids = encoded
     for d, m, t in zip(docs, rows, ids):
         assert m["tokens"] == len(t) and t[-1] == manifest["eos_id"]
-        assert (m["id"], m["url"], m["source"], m["offset"], m["length"]) == (d["id"], d["url"], d["source"], d["offset"], d["length"])
+        assert (m["id"], m["url"], m["source"], m["offset"], m["length"]) == (
+            d["id"],
+            d["url"],
+            d["source"],
+            d["offset"],
+            d["length"],
+        )
     for split in ("train", "val"):
         expected = np.concatenate([t for t, m in zip(ids, rows) if m["split"] == split])
         got = stream(shards, manifest["splits"][split]["files"])
@@ -688,7 +694,9 @@ def test_cli_inspect_names_the_documents_of_a_sequence(shards, manifest, capsys,
         lo, hi = max(gstart, at * L), min(gstart + length, (at + 1) * L)
         assert piece["sample_tokens"] == [lo - at * L, hi - at * L]
         assert piece["doc_tokens"] == [lo - first_start[doc], hi - first_start[doc]]
-    assert info["text"] == load_tokenizer(shards.parent / "tokenizer").decode(tokens.tolist(), skip_special_tokens=False)
+    assert info["text"] == load_tokenizer(shards.parent / "tokenizer").decode(
+        tokens.tolist(), skip_special_tokens=False
+    )
     assert "<|eos|>" in info["text"]
 
 
@@ -708,7 +716,10 @@ def test_cli_inspect_best_fit_shows_padding(best_fit, prepared, capsys):
     files = m["splits"]["train"]["files"]
     s = stream(folder, files)
     at = next(i for i in range(len(s) // L) if s[(i + 1) * L - 1] == m["pad_id"])
-    assert cli_main(["shards", "inspect", str(folder), "--at", str(at), "--tokenizer", str(prepared.out / "tokenizer")]) == 0
+    assert (
+        cli_main(["shards", "inspect", str(folder), "--at", str(at), "--tokenizer", str(prepared.out / "tokenizer")])
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"..{L}: padding" not in out and f"-{L}: padding" in out
 

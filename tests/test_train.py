@@ -202,7 +202,14 @@ def test_checkpoint_folder_is_self_describing(workdir):
     run(workdir, max_steps=5)
     folder = list_checkpoints(workdir / "run" / "checkpoints")[-1]
     manifest = verify_checkpoint(folder)
-    assert set(manifest["files"]) == {"model.safetensors", "optimizer.pt", "rng.pt", "state.json", "config.yaml", "tokenizer.json"}
+    assert set(manifest["files"]) == {
+        "model.safetensors",
+        "optimizer.pt",
+        "rng.pt",
+        "state.json",
+        "config.yaml",
+        "tokenizer.json",
+    }
     state = json.loads((folder / "state.json").read_text())
     assert state["step"] == 5 and state["loader"]["position"] == 5 * 8
     assert yaml.safe_load((folder / "config.yaml").read_text())["train"]["max_steps"] == 5
@@ -217,8 +224,24 @@ def test_ddp_two_gloo_ranks_match_one_process(workdir, tmp_path):
     cfg_path = tmp_path / "ddp.yaml"
     cfg_path.write_text(tiny_config(other, train={"max_steps": 6}).to_yaml())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "kiln", "train", str(cfg_path)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "kiln",
+            "train",
+            str(cfg_path),
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     single, ddp = [r["loss"] for r in steps(workdir)], [r["loss"] for r in steps(other)]
     assert ddp == pytest.approx(single, abs=1e-4)  # same global batch; float sums differ in order only

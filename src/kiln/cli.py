@@ -109,7 +109,9 @@ def cmd_data_explain(keys: list[str], docs_dir: Path) -> int:
     from kiln.data.explain import explain
 
     if len(keys) != 1:
-        raise KilnError("kiln data explain: give exactly one DOC_ID_OR_URL, e.g. kiln data explain https://example.org/ --out out/docs")
+        raise KilnError(
+            "kiln data explain: give exactly one DOC_ID_OR_URL, e.g. kiln data explain https://example.org/ --out out/docs"
+        )
     print(explain(keys[0], docs_dir))
     return 0
 
@@ -365,7 +367,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("data", help="WARC/JSONL/Parquet files -> cleaned, deduplicated documents; "
                        "`kiln data explain DOC_ID_OR_URL --out DIR` tells what happened to one")
-    s.add_argument("inputs", nargs="+", metavar="INPUT", help="files, globs or fsspec URLs (s3://...), then optional KEY=VALUE overrides")
+    s.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="files, globs or fsspec URLs (s3://...), then optional KEY=VALUE overrides",
+    )
     s.add_argument("--out", required=True, help="the docs folder to write (for explain: to read)")
     s.add_argument("--config")
     s.add_argument("--workers", type=int, default=None, help="processes (or Ray tasks at once); default data.workers")
@@ -375,7 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--negative", nargs="+", metavar="PATH", help="classifier train: the documents to score low")
     s.set_defaults(fn=cmd_data)
 
-    tok = sub.add_parser("tokenizer", help="tokenizer commands").add_subparsers(dest="tok_command", required=True, metavar="ACTION")
+    tok = sub.add_parser("tokenizer", help="tokenizer commands").add_subparsers(
+        dest="tok_command", required=True, metavar="ACTION"
+    )
     s = tok.add_parser("train", help="train a byte-level BPE tokenizer on a docs folder")
     s.add_argument("docs_dir")
     s.add_argument("--out", required=True)
@@ -412,7 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, metavar="S")
     s.set_defaults(fn=cmd_generate)
 
-    ck = sub.add_parser("ckpt", help="checkpoint commands").add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
+    ck = sub.add_parser("ckpt", help="checkpoint commands").add_subparsers(
+        dest="ckpt_command", required=True, metavar="ACTION"
+    )
     s = ck.add_parser("verify", help="exit 0 when every file matches the manifest, else 1 naming the file")
     s.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
     s.set_defaults(fn=cmd_ckpt_verify)
@@ -421,7 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--public-key", help="also check signatures with this Ed25519 public key (PEM)")
     s.set_defaults(fn=cmd_ckpt_list)
 
-    sh = sub.add_parser("shards", help="token shard commands").add_subparsers(dest="shards_command", required=True, metavar="ACTION")
+    sh = sub.add_parser("shards", help="token shard commands").add_subparsers(
+        dest="shards_command", required=True, metavar="ACTION"
+    )
     s = sh.add_parser("verify", help="exit 0 when every shard matches the manifest, else 1 naming the file")
     s.add_argument("shards_dir", metavar="SHARDS_DIR")
     s.set_defaults(fn=cmd_shards_verify)
@@ -436,7 +449,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("doctor", help="environment fingerprint and checks; exit 1 when a check fails")
     s.add_argument("--json", action="store_true")
     s.add_argument("--config", help="the run's config: probes its shards, its dtype, and doctor.* thresholds")
-    s.add_argument("--out-dir", default=None, help="where the run will write (checked for free space); default: the config's out_dir, else .")
+    s.add_argument(
+        "--out-dir",
+        default=None,
+        help="where the run will write (checked for free space); default: the config's out_dir, else .",
+    )
     s.add_argument("--against", metavar="RUN_DIR", help="compare with the environment the run recorded (run/env.json)")
     s.add_argument("--allreduce", action="store_true",
                    help="under torchrun: probe all-reduce across every rank it started, across nodes too "
@@ -478,7 +495,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("import", help="write {out_dir}/run/checkpoints/step-00000000 from a Hugging Face Llama folder; "
                                        "`kiln train CONFIG` then starts from it")
     s.add_argument("--hf", required=True, metavar="HF_DIR")
-    s.add_argument("--config", required=True, help="the config to train with; its model section must match HF_DIR/config.json")
+    s.add_argument(
+        "--config", required=True, help="the config to train with; its model section must match HF_DIR/config.json"
+    )
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     s.set_defaults(fn=cmd_import)
     _add_examples(p)

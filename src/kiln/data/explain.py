@@ -92,8 +92,10 @@ def describe(rec: dict[str, Any]) -> str:
     lines = [f"document {rec['id']}"]
     lines += [f"  {k + ':':<13} {rec[k]}" for k in _PROVENANCE if rec.get(k) is not None]
     if rec["outcome"] == "kept":
-        lines.append(f"  {'outcome:':<13} kept in {rec['part']} (lang {rec.get('lang')}, score {rec.get('lang_score')}, "
-                     f"{len(rec.get('text') or '')} chars)")
+        lines.append(
+            f"  {'outcome:':<13} kept in {rec['part']} (lang {rec.get('lang')}, score {rec.get('lang_score')}, "
+            f"{len(rec.get('text') or '')} chars)"
+        )
         lines += [f"  {k + ':':<13} {rec[k]}" for k in SCORE_FIELDS if rec.get(k) is not None]
     else:
         lines.append(f"  {'outcome:':<13} dropped by {rec['stage']}: {rec['reason']} (in {rec['part']})")

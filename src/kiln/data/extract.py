@@ -24,7 +24,18 @@ from kiln.data.document import Document
 from kiln.errors import KilnError
 
 # Magic numbers of formats that servers commonly mislabel as text/html.
-_BINARY_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"%PDF", b"PK\x03\x04", b"\x1f\x8b", b"BZh", b"\x00\x00\x01\x00", b"RIFF", b"\x7fELF")
+_BINARY_MAGIC = (
+    b"\x89PNG",
+    b"\xff\xd8\xff",
+    b"GIF8",
+    b"%PDF",
+    b"PK\x03\x04",
+    b"\x1f\x8b",
+    b"BZh",
+    b"\x00\x00\x01\x00",
+    b"RIFF",
+    b"\x7fELF",
+)
 _CONTROL = bytes(range(0, 9)) + bytes(range(14, 32))
 _CHARSET = re.compile(r"charset=[\"']?([\w.:-]+)", re.I)
 
@@ -38,7 +49,9 @@ def binary_fraction(payload: bytes, sample: int = 4096) -> float:
 
 
 def looks_binary(payload: bytes) -> bool:
-    return payload.lstrip()[:4].startswith(_BINARY_MAGIC) or b"\x00" in payload[:4096] or binary_fraction(payload) > 0.05
+    return (
+        payload.lstrip()[:4].startswith(_BINARY_MAGIC) or b"\x00" in payload[:4096] or binary_fraction(payload) > 0.05
+    )
 
 
 def decode_html(payload: bytes, content_type: str | None) -> str:

@@ -19,7 +19,9 @@ def check_model(model_path: str | None) -> None:
     if model_path is None:
         return
     if not Path(model_path).is_file():
-        raise KilnError(f"data.lang_model={model_path}: no such file; give a fastText model (.bin or .ftz) or leave it unset for lid.176 lite")
+        raise KilnError(
+            f"data.lang_model={model_path}: no such file; give a fastText model (.bin or .ftz) or leave it unset for lid.176 lite"
+        )
     try:
         _detector(80, model_path).detect("hello world", k=1)
     except Exception as exc:  # fasttext raises ValueError on a file that is not a model
@@ -48,7 +50,9 @@ def identify_language(docs: Iterator[Document], languages: list[str] | None, thr
         if doc.rejection is None:
             doc.lang, doc.lang_score = detect_language(doc.text or "", max_chars, model_path)
             if doc.lang_score < threshold:
-                doc.reject("language", "low_lang_score", lang=doc.lang, score=round(doc.lang_score, 4), threshold=threshold)
+                doc.reject(
+                    "language", "low_lang_score", lang=doc.lang, score=round(doc.lang_score, 4), threshold=threshold
+                )
             elif allowed is not None and doc.lang not in allowed:
                 doc.reject("language", "lang_not_allowed", lang=doc.lang, score=round(doc.lang_score, 4))
         yield doc

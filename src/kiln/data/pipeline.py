@@ -41,7 +41,14 @@ from kiln.data.gates.semantic import prepare as prepare_semantic
 from kiln.data.language import check_model, identify_language
 from kiln.data.read import read_warc, splittable
 from kiln.data.shape import CorpusShape
-from kiln.data.sources import expand_inputs as _expand, input_format, input_identity, input_size, read_jsonl, read_parquet
+from kiln.data.sources import (
+    expand_inputs as _expand,
+    input_format,
+    input_identity,
+    input_size,
+    read_jsonl,
+    read_parquet,
+)
 from kiln.errors import KilnError
 from kiln.manifest import staging_dir, write_atomic, write_manifest, writes_folder
 
@@ -147,7 +154,9 @@ def read_task(task: Task, cfg: DataConfig, report: ReadReport) -> Iterator[Docum
 def process_task(task: Task, cfg: DataConfig, report: ReadReport, timer: StepTimer) -> Iterator[Document]:
     docs = timer.wrap("read", read_task(task, cfg, report))
     docs = timer.wrap("extract", extract(docs, cfg.max_page_bytes, cfg.extractor))
-    docs = timer.wrap("language", identify_language(docs, cfg.languages, cfg.lang_threshold, cfg.lang_max_chars, cfg.lang_model))
+    docs = timer.wrap(
+        "language", identify_language(docs, cfg.languages, cfg.lang_threshold, cfg.lang_max_chars, cfg.lang_model)
+    )
     docs = timer.wrap("gates", apply_gates(docs, default_gates(cfg)))
     if cfg.quality.perplexity.on:
         from kiln.data.gates.perplexity import score_perplexity  # torch only when the gate is on
@@ -256,7 +265,9 @@ class PartWriter:
     def flush(self) -> None:
         if self.buffer or self.parts == 0:
             data = ("\n".join(self.buffer) + "\n" if self.buffer else "").encode()
-            (self.folder / f"part-{self.parts:05d}.jsonl.zst").write_bytes(zstandard.ZstdCompressor(level=3).compress(data))
+            (self.folder / f"part-{self.parts:05d}.jsonl.zst").write_bytes(
+                zstandard.ZstdCompressor(level=3).compress(data)
+            )
             self.parts += 1
             self.buffer = []
 
@@ -418,7 +429,9 @@ def top_fraction_cut(docs: Iterator[Document], summaries: list[dict[str, Any]]) 
 
 def _documents(work: Path, summaries: list[dict[str, Any]]) -> Iterator[Document]:
     """Every task's outcomes in canonical order (with the classifier's top-fraction cut, when set)."""
-    docs = (Document.from_record(rec) for s in summaries for rec in read_part(work / f"task-{s['index']:05d}.jsonl.zst"))
+    docs = (
+        Document.from_record(rec) for s in summaries for rec in read_part(work / f"task-{s['index']:05d}.jsonl.zst")
+    )
     fraction = summaries[0].get("keep_top_fraction") if summaries else None
     if fraction:
         from kiln.data.gates.classifier import cut_below, top_fraction_bin
@@ -488,7 +501,9 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
     return {
         "files": len({s["source"] for s in summaries}),
         "file_errors": [{"source": src, "error": err} for src, err in errors.items()],
-        "truncated": [{"source": s["source"], "offset": s["truncated_at"]} for s in summaries if s["truncated_at"] is not None],
+        "truncated": [
+            {"source": s["source"], "offset": s["truncated_at"]} for s in summaries if s["truncated_at"] is not None
+        ],
         "warc_records": {"total": sum(by_type.values()), "by_type": dict(sorted(by_type.items()))},
         "documents": {"read": read, "kept": kept, "rejected": rejected},
         "rejected_by_reason": dict(sorted(reasons.items())),
@@ -503,8 +518,12 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
         "composition": composition.report(),  # kept documents and chars by source_group and by language
         "parts": kept_w.parts,
         "dedup": verdicts.stats(),
-        "timings_s": {"steps": {**{k: round(steps[k], 3) for k in STEPS}, "dedup": round(
-            timer.own().get("dedup", 0.0) + verdicts.seconds + steps["signatures"], 3)}},
+        "timings_s": {
+            "steps": {
+                **{k: round(steps[k], 3) for k in STEPS},
+                "dedup": round(timer.own().get("dedup", 0.0) + verdicts.seconds + steps["signatures"], 3),
+            }
+        },
     }
 
 

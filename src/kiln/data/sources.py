@@ -114,9 +114,13 @@ def expand_inputs(patterns: list[str], storage_options: dict[str, Any] | None = 
             try:
                 matches = sorted(fs.glob(path)) if glob.has_magic(path) else ([path] if fs.isfile(path) else [])
             except (OSError, PermissionError) as exc:
-                raise KilnError(f"input {pattern}: cannot list it ({exc}); check the URL and data.storage_options") from None
+                raise KilnError(
+                    f"input {pattern}: cannot list it ({exc}); check the URL and data.storage_options"
+                ) from None
             if not matches:
-                raise KilnError(f"input {pattern!r} matches no object; check the URL (and data.storage_options for credentials/endpoint)")
+                raise KilnError(
+                    f"input {pattern!r} matches no object; check the URL (and data.storage_options for credentials/endpoint)"
+                )
             files += [f"{protocol}://{m}" for m in matches]
             continue
         matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
@@ -215,7 +219,9 @@ def _field(rec: dict[str, Any], name: str) -> str | None:
 def _record_doc(rec: Any, source: str, offset: int, length: int, where: str, fields: tuple[str, ...]) -> Document:
     """A JSONL line or Parquet row -> a Document (rejected when it has no text)."""
     text_field, id_field, url_field, group_field = (*fields, "")[:4]
-    doc = Document(id=f"{Path(source).name}:{where}", source=source, offset=offset, length=length, content_type="text/plain")
+    doc = Document(
+        id=f"{Path(source).name}:{where}", source=source, offset=offset, length=length, content_type="text/plain"
+    )
     if not isinstance(rec, dict):
         return doc.reject("read", "invalid_json", error=f"a JSON {type(rec).__name__}, not an object")
     raw_id = _field(rec, id_field)
@@ -224,13 +230,20 @@ def _record_doc(rec: Any, source: str, offset: int, length: int, where: str, fie
         doc.source_group = _field(rec, group_field) or f"(no {group_field})"
     text = rec.get(text_field)
     if not isinstance(text, str):
-        return doc.reject("read", "missing_text", field=text_field, found=type(text).__name__ if text_field in rec else "absent")
+        return doc.reject(
+            "read", "missing_text", field=text_field, found=type(text).__name__ if text_field in rec else "absent"
+        )
     doc.text = text
     return doc
 
 
-def read_jsonl(source: str, report: ReadReport, fields: tuple[str, ...],
-               storage_options: dict[str, Any] | None = None, max_record_bytes: int | None = None) -> Iterator[Document]:
+def read_jsonl(
+    source: str,
+    report: ReadReport,
+    fields: tuple[str, ...],
+    storage_options: dict[str, Any] | None = None,
+    max_record_bytes: int | None = None,
+) -> Iterator[Document]:
     if input_size(source, storage_options) == 0:
         raise KilnError(f"{source}: empty file (0 bytes), nothing to read; remove it from the inputs")
     with open_input(source, storage_options) as f:
@@ -240,16 +253,18 @@ def read_jsonl(source: str, report: ReadReport, fields: tuple[str, ...],
                 start = offset
                 offset += length
                 if line is None:
-                    yield Document(id=f"{Path(source).name}:{number}", source=source, offset=start, length=length).reject(
-                        "read", "too_large", line=number, bytes=length, limit=max_record_bytes)
+                    yield Document(
+                        id=f"{Path(source).name}:{number}", source=source, offset=start, length=length
+                    ).reject("read", "too_large", line=number, bytes=length, limit=max_record_bytes)
                     continue
                 if not line.strip():
                     continue
                 try:
                     rec = json.loads(line)
                 except ValueError as exc:  # also invalid UTF-8
-                    yield Document(id=f"{Path(source).name}:{number}", source=source, offset=start, length=length).reject(
-                        "read", "invalid_json", line=number, error=str(exc)[:200])
+                    yield Document(
+                        id=f"{Path(source).name}:{number}", source=source, offset=start, length=length
+                    ).reject("read", "invalid_json", line=number, error=str(exc)[:200])
                     continue
                 yield _record_doc(rec, source, start, length, str(number), fields)
         except (EOFError, zlib.error, zstandard.ZstdError):  # a cut or damaged .gz/.zst: keep every line
@@ -259,8 +274,13 @@ def read_jsonl(source: str, report: ReadReport, fields: tuple[str, ...],
 
 # --- Parquet --------------------------------------------------------------------------------
 
-def read_parquet(source: str, report: ReadReport, fields: tuple[str, ...],
-                 storage_options: dict[str, Any] | None = None, max_record_bytes: int | None = None) -> Iterator[Document]:
+def read_parquet(
+    source: str,
+    report: ReadReport,
+    fields: tuple[str, ...],
+    storage_options: dict[str, Any] | None = None,
+    max_record_bytes: int | None = None,
+) -> Iterator[Document]:
     """Rows as Documents; a row whose text is over `max_record_bytes` (UTF-8) is a `read/too_large` rejection."""
     import pyarrow.parquet as pq
 

@@ -38,7 +38,9 @@ def next_token_loss(model: torch.nn.Module, batch: torch.Tensor, autocast_dtype:
                                  rows or len(targets.flatten()))
 
 
-def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, rows: int = 128) -> torch.Tensor:
+def chunked_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, rows: int = 128
+) -> torch.Tensor:
     """Mean cross-entropy in fp32, `rows` positions at a time.
 
     The fp32 copy of a whole batch's logits is the largest tensor of a small model's step; in

@@ -31,7 +31,14 @@ def guarded(name: str, fn: Callable[[], Check | list[Check]]) -> list[Check]:
     try:
         out = fn()
     except Exception as exc:  # a probe that crashes is exactly what the user needs to see, as a verdict
-        return [Check(name, False, f"{type(exc).__name__}: {str(exc)[:300]}", "see the detail; rerun with --json for the full record")]
+        return [
+            Check(
+                name,
+                False,
+                f"{type(exc).__name__}: {str(exc)[:300]}",
+                "see the detail; rerun with --json for the full record",
+            )
+        ]
     return out if isinstance(out, list) else [out]
 
 

@@ -101,7 +101,9 @@ def check_torch() -> Check:
 
     x = torch.randn(64, 64)
     ok = bool(torch.isfinite(x @ x).all())
-    return Check("torch", ok, f"{torch.__version__}, {torch.get_num_threads()} threads", "" if ok else "reinstall torch")
+    return Check(
+        "torch", ok, f"{torch.__version__}, {torch.get_num_threads()} threads", "" if ok else "reinstall torch"
+    )
 
 
 def check_cuda(nvml=None) -> Check:
@@ -118,8 +120,12 @@ def check_cuda(nvml=None) -> Check:
         drv = nvml.nvmlSystemGetCudaDriverVersion()  # e.g. 12080 for 12.8
         built = tuple(int(x) for x in torch.version.cuda.split(".")[:2])
         if (drv // 1000, drv % 1000 // 10) < built:
-            return Check("cuda", False, f"{detail}; the driver supports only CUDA {drv // 1000}.{drv % 1000 // 10}",
-                         "upgrade the NVIDIA driver, or install a torch built for an older CUDA (make setup TORCH_SPEC=...)")
+            return Check(
+                "cuda",
+                False,
+                f"{detail}; the driver supports only CUDA {drv // 1000}.{drv % 1000 // 10}",
+                "upgrade the NVIDIA driver, or install a torch built for an older CUDA (make setup TORCH_SPEC=...)",
+            )
         detail += f", driver supports {drv // 1000}.{drv % 1000 // 10}"
     return Check("cuda", True, detail)
 
@@ -141,8 +147,12 @@ def check_disk(out_dir: Path, need_gb: float) -> Check:
         probe = probe.parent
     free = shutil.disk_usage(probe).free / 2**30
     ok = free >= need_gb
-    return Check("disk", ok, f"{free:.1f} GiB free at {probe} (need {need_gb:g})",
-                 "" if ok else f"free at least {need_gb:g} GiB there or set out_dir elsewhere (doctor.min_free_disk_gb)")
+    return Check(
+        "disk",
+        ok,
+        f"{free:.1f} GiB free at {probe} (need {need_gb:g})",
+        "" if ok else f"free at least {need_gb:g} GiB there or set out_dir elsewhere (doctor.min_free_disk_gb)",
+    )
 
 
 def check_shm(need_gb: float) -> Check:
@@ -157,8 +167,14 @@ def check_shm(need_gb: float) -> Check:
 def check_open_files(need: int) -> Check:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     ok = soft == resource.RLIM_INFINITY or soft >= need
-    return Check("open_files", ok, f"soft limit {soft}, hard {hard} (need {need})",
-                 "" if ok else f"ulimit -n {need if hard == resource.RLIM_INFINITY else min(need, hard)} (or raise the hard limit in limits.conf)")
+    return Check(
+        "open_files",
+        ok,
+        f"soft limit {soft}, hard {hard} (need {need})",
+        ""
+        if ok
+        else f"ulimit -n {need if hard == resource.RLIM_INFINITY else min(need, hard)} (or raise the hard limit in limits.conf)",
+    )
 
 
 # (variable, values that hurt (None: any value), why). Each is a setting people leave behind after debugging.
@@ -170,7 +186,11 @@ HARMFUL_ENV: list[tuple[str, tuple[str, ...] | None, str]] = [
     ("NCCL_DEBUG", ("info", "trace"), "NCCL logs every communicator and channel (TRACE: every call) to stderr"),
     ("NCCL_ALGO", None, "overrides NCCL's own algorithm choice, tuned per topology and message size"),
     ("NCCL_PROTO", None, "overrides NCCL's own protocol choice, tuned per topology and message size"),
-    ("CUDA_LAUNCH_BLOCKING", ("1",), "every CUDA kernel launch waits for the GPU: a debugging mode, several times slower"),
+    (
+        "CUDA_LAUNCH_BLOCKING",
+        ("1",),
+        "every CUDA kernel launch waits for the GPU: a debugging mode, several times slower",
+    ),
 ]
 
 
@@ -191,10 +211,18 @@ def check_matmul(dtype: str, d: DoctorConfig) -> tuple[Check, float]:
     name, peak, source = device_peak(dtype)
     if peak is None:
         ok = tflops > 0
-        return Check("matmul", ok, f"{tflops:.3f} TFLOP/s {dtype} on {name}; peak unknown for this device, not judged"), tflops
+        return Check(
+            "matmul", ok, f"{tflops:.3f} TFLOP/s {dtype} on {name}; peak unknown for this device, not judged"
+        ), tflops
     ok = tflops >= d.min_matmul_fraction * peak
-    return Check("matmul", ok, f"{tflops:.1f} TFLOP/s {dtype} on {name} = {tflops / peak:.0%} of the {peak:g} peak ({source})",
-                 "" if ok else "check clocks and throttling (gpu*_clocks), other processes on the GPU (nvidia-smi), and power limits"), tflops
+    return Check(
+        "matmul",
+        ok,
+        f"{tflops:.1f} TFLOP/s {dtype} on {name} = {tflops / peak:.0%} of the {peak:g} peak ({source})",
+        ""
+        if ok
+        else "check clocks and throttling (gpu*_clocks), other processes on the GPU (nvidia-smi), and power limits",
+    ), tflops
 
 
 def check_loader(cfg: Config, device_tflops: float, d: DoctorConfig) -> Check:
@@ -211,8 +239,14 @@ def check_loader(cfg: Config, device_tflops: float, d: DoctorConfig) -> Check:
     need = device_tflops * 1e12 / flops_per_token
     got = loader_tokens_per_s(shards, cfg.train.batch_size, cfg.seed, d.probe_seconds)
     ok = got >= need
-    return Check("loader", ok, f"{got:,.0f} tokens/s from {shards}; the device can consume up to {need:,.0f}",
-                 "" if ok else "put the shards on local NVMe or page cache, or use more loader ranks; the device will wait for data")
+    return Check(
+        "loader",
+        ok,
+        f"{got:,.0f} tokens/s from {shards}; the device can consume up to {need:,.0f}",
+        ""
+        if ok
+        else "put the shards on local NVMe or page cache, or use more loader ranks; the device will wait for data",
+    )
 
 
 def check_allreduce(d: DoctorConfig) -> list[Check]:
@@ -235,8 +269,14 @@ def check_allreduce(d: DoctorConfig) -> list[Check]:
     if backend == "gloo":
         return [Check("allreduce", True, detail + " (gloo on CPU: bandwidth reported, not judged)")]
     ok = small["busbw_gbps"] >= d.min_allreduce_small_gbps
-    return [Check("allreduce", ok, detail + f" (need {d.min_allreduce_small_gbps:g} GB/s for small messages)",
-                  "" if ok else "check the gpu*_pcie/nvlink checks and NCCL env; run nccl-tests all_reduce_perf to compare")]
+    return [
+        Check(
+            "allreduce",
+            ok,
+            detail + f" (need {d.min_allreduce_small_gbps:g} GB/s for small messages)",
+            "" if ok else "check the gpu*_pcie/nvlink checks and NCCL env; run nccl-tests all_reduce_perf to compare",
+        )
+    ]
 
 
 def collect(cfg: Config | None, out_dir: Path, against: Path | None = None,
@@ -249,10 +289,16 @@ def collect(cfg: Config | None, out_dir: Path, against: Path | None = None,
     nvml = nvml or load_nvml()
     fp = fingerprint(nvml)
     checks: list[Check] = []
-    for name, fn in [("python", check_python), ("torch", check_torch), ("cuda", lambda: check_cuda(nvml)),
-                     ("language_id", check_language_model), ("disk", lambda: check_disk(out_dir, d.min_free_disk_gb)),
-                     ("shm", lambda: check_shm(d.min_shm_gb)), ("open_files", lambda: check_open_files(d.min_open_files)),
-                     ("env", check_env)]:
+    for name, fn in [
+        ("python", check_python),
+        ("torch", check_torch),
+        ("cuda", lambda: check_cuda(nvml)),
+        ("language_id", check_language_model),
+        ("disk", lambda: check_disk(out_dir, d.min_free_disk_gb)),
+        ("shm", lambda: check_shm(d.min_shm_gb)),
+        ("open_files", lambda: check_open_files(d.min_open_files)),
+        ("env", check_env),
+    ]:
         checks += guarded(name, fn)
     tflops = [0.0]
 
@@ -261,9 +307,19 @@ def collect(cfg: Config | None, out_dir: Path, against: Path | None = None,
         return check
 
     checks += guarded("matmul", matmul)
-    checks += guarded("loader", lambda: check_loader(cfg, tflops[0], d) if cfg else skip("loader", "give --config CONFIG to probe the run's shards"))
+    checks += guarded(
+        "loader",
+        lambda: (
+            check_loader(cfg, tflops[0], d) if cfg else skip("loader", "give --config CONFIG to probe the run's shards")
+        ),
+    )
     checks += guarded("allreduce", lambda: check_allreduce(d))
-    checks += guarded("gpu", lambda: gpu_checks(nvml, d.gpu_temp_margin_c) if nvml else [skip("gpu", "no NVIDIA driver (NVML) on this machine")])
+    checks += guarded(
+        "gpu",
+        lambda: (
+            gpu_checks(nvml, d.gpu_temp_margin_c) if nvml else [skip("gpu", "no NVIDIA driver (NVML) on this machine")]
+        ),
+    )
     diffs = None
     if against is not None:
         diffs = compare_env(recorded_env(against), fp)
@@ -314,7 +370,9 @@ def run_group_allreduce(cfg: Config | None = None, as_json: bool = False) -> int
     return 0 if check.ok else 1
 
 
-def run_doctor(cfg: Config | None = None, out_dir: Path | None = None, as_json: bool = False, against: Path | None = None) -> int:
+def run_doctor(
+    cfg: Config | None = None, out_dir: Path | None = None, as_json: bool = False, against: Path | None = None
+) -> int:
     out_dir = Path(out_dir) if out_dir is not None else (cfg.out if cfg is not None else Path("."))
     fp, checks, diffs = collect(cfg, out_dir, against)
     failed = [c for c in checks if not c.ok]
@@ -324,6 +382,8 @@ def run_doctor(cfg: Config | None = None, out_dir: Path | None = None, as_json: 
     else:
         from rich.console import Console
 
-        Console(highlight=False).print("environment: " + ", ".join(f"{k}={v}" for k, v in fp.items() if v not in (None, [])))
+        Console(highlight=False).print(
+            "environment: " + ", ".join(f"{k}={v}" for k, v in fp.items() if v not in (None, []))
+        )
         print_checks(checks)
     return 1 if failed else 0

@@ -70,8 +70,10 @@ def moe_settings(cfg: Config, where: Path) -> dict | None:
         raise KilnError(f"{where}: model.moe.every_n_layers={moe.every_n_layers} mixes dense and MoE blocks; "
                         "export --hf writes Mixtral, which has experts in every block, so this model is not supported")
     if moe.top_k == 1:
-        raise KilnError(f"{where}: model.moe.top_k=1 weights the expert by its probability (Switch); Mixtral renormalises "
-                        "the top-k weights to 1, so export --hf does not support top_k=1")
+        raise KilnError(
+            f"{where}: model.moe.top_k=1 weights the expert by its probability (Switch); Mixtral renormalises "
+            "the top-k weights to 1, so export --hf does not support top_k=1"
+        )
     return {"num_local_experts": moe.n_experts, "num_experts_per_tok": moe.top_k,
             "router_aux_loss_coef": moe.aux_loss_coef, "output_router_logits": False, "sliding_window": None}
 
@@ -100,16 +102,29 @@ def hf_config(cfg: Config, vocab_size: int, tok, where: Path = Path(".")) -> dic
     moe = moe_settings(cfg, where)
     rope = rope_parameters(cfg)
     config = {
-        "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"], "model_type": "mixtral" if moe else "llama",
-        "torch_dtype": "float32", "vocab_size": vocab_size, "hidden_size": args.dim,
+        "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"],
+        "model_type": "mixtral" if moe else "llama",
+        "torch_dtype": "float32",
+        "vocab_size": vocab_size,
+        "hidden_size": args.dim,
         "intermediate_size": (cfg.model.moe.ffn_hidden or args.hidden) if moe else args.hidden,
-        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim, "hidden_act": "silu", "max_position_embeddings": args.max_seq_len,
-        "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "rope_parameters": rope,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_parameters": rope,
         # transformers 4 reads the scaling from rope_scaling; 5 from rope_parameters.
         "rope_scaling": None if rope["rope_type"] == "default" else rope,
-        "tie_word_embeddings": args.tie_embeddings, "attention_bias": False, "attention_dropout": 0.0,
-        "mlp_bias": False, "initializer_range": args.init_std, "use_cache": True,
+        "tie_word_embeddings": args.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": args.init_std,
+        "use_cache": True,
         **{f"{k}_id": tok.token_to_id(v) if v else None for k, v in token_names(cfg, tok).items()},
     }
     return config | (moe or {})
@@ -262,7 +277,11 @@ def export_hf(checkpoint: Path, out_dir: Path) -> dict:
         write_atomic(tmp / "README.md", model_card(cfg, config, checkpoint, out_dir, params))
         _readable(tmp)
         write_manifest(tmp, stage=EXPORT_STAGE, source=str(checkpoint), step=read_manifest(checkpoint).get("step"))
-    result = {"out_dir": str(out_dir), "model_type": config["model_type"], "parameters": sum(v.numel() for v in hf.values())}
+    result = {
+        "out_dir": str(out_dir),
+        "model_type": config["model_type"],
+        "parameters": sum(v.numel() for v in hf.values()),
+    }
     if config["model_type"] == "mixtral" and cfg.model.moe.capacity_factor is not None:
         result["note"] = (f"model.moe.capacity_factor={cfg.model.moe.capacity_factor} is not exported: Mixtral routes "
                           "without capacity limits, so outputs match Kiln's only where no token was dropped")
@@ -272,17 +291,38 @@ def export_hf(checkpoint: Path, out_dir: Path) -> dict:
 # --- import -------------------------------------------------------------------------------------
 
 def _config_mismatches(hf: dict, expected: dict) -> list[str]:
-    keys = ["model_type", "vocab_size", "num_local_experts", "num_experts_per_tok", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "mlp_bias"]
+    keys = [
+        "model_type",
+        "vocab_size",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "attention_bias",
+        "mlp_bias",
+    ]
     out = [f"{k}: config.json has {hf.get(k)!r}, the config gives {expected.get(k)!r}"
            for k in keys if (k in hf or k in expected) and hf.get(k, expected.get(k)) != expected.get(k)]
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {"rope_type": "default"}
-    rope = {"rope_theta": hf.get("rope_theta", 10000.0), **rope, "rope_type": rope.get("rope_type", rope.get("type", "default"))}
+    rope = {
+        "rope_theta": hf.get("rope_theta", 10000.0),
+        **rope,
+        "rope_type": rope.get("rope_type", rope.get("type", "default")),
+    }
     for k, v in expected["rope_parameters"].items():
         if rope.get(k) != v:
             out.append(f"rope {k}: config.json has {rope.get(k)!r}, the config's model.rope_* gives {v!r}")
     if hf.get("max_position_embeddings", expected["max_position_embeddings"]) < expected["max_position_embeddings"]:
-        out.append(f"max_position_embeddings {hf['max_position_embeddings']} < pack.seq_len {expected['max_position_embeddings']}")
+        out.append(
+            f"max_position_embeddings {hf['max_position_embeddings']} < pack.seq_len {expected['max_position_embeddings']}"
+        )
     return out
 
 
@@ -328,9 +368,11 @@ def import_hf(hf_dir: Path, cfg: Config) -> Path:
         raise KilnError(f"{hf_dir / 'config.json'}: not valid JSON ({exc})") from None
     run_tok = cfg.out / "tokenizer" / "tokenizer.json"
     if not run_tok.is_file() or tokenizer_sha256(run_tok) != tokenizer_sha256(hf_dir / "tokenizer.json"):
-        raise KilnError(f"{run_tok} is missing or differs from {hf_dir / 'tokenizer.json'}; the run's shards must be packed "
-                        f"with the model's own tokenizer: set tokenizer.path: {hf_dir} (and tokenizer.eos_token to its "
-                        "end-of-text token) in the config, then `kiln run CONFIG --until pack`")
+        raise KilnError(
+            f"{run_tok} is missing or differs from {hf_dir / 'tokenizer.json'}; the run's shards must be packed "
+            f"with the model's own tokenizer: set tokenizer.path: {hf_dir} (and tokenizer.eos_token to its "
+            "end-of-text token) in the config, then `kiln run CONFIG --until pack`"
+        )
     mismatches = _config_mismatches(hf, hf_config(cfg, int(hf.get("vocab_size", 0)), load_tokenizer(run_tok), hf_dir))
     if mismatches:
         raise KilnError(f"{hf_dir / 'config.json'} does not match the config's model section: {'; '.join(mismatches)}; "

@@ -42,8 +42,12 @@ def _pcie(nvml, i: int, h) -> Check:
     width, max_width = nvml.nvmlDeviceGetCurrPcieLinkWidth(h), nvml.nvmlDeviceGetMaxPcieLinkWidth(h)
     detail = f"gen {gen}/{max_gen}, x{width}/x{max_width}"
     if width < max_width:
-        return Check(f"gpu{i}_pcie", False, detail + ": link trained at a reduced width",
-                     "reseat the GPU or riser, check the slot's lanes in the BIOS; a reduced width halves host<->GPU bandwidth")
+        return Check(
+            f"gpu{i}_pcie",
+            False,
+            detail + ": link trained at a reduced width",
+            "reseat the GPU or riser, check the slot's lanes in the BIOS; a reduced width halves host<->GPU bandwidth",
+        )
     if gen < max_gen:
         # An idle GPU drops its link generation to save power; only a busy one (P0) is degraded.
         if nvml.nvmlDeviceGetPerformanceState(h) != 0:
@@ -75,10 +79,18 @@ def _temperature(nvml, i: int, h, margin_c: float) -> Check:
 
 def _clocks(nvml, i: int, h) -> Check:
     reasons = nvml.nvmlDeviceGetCurrentClocksThrottleReasons(h)
-    sm, sm_max = nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM), nvml.nvmlDeviceGetMaxClockInfo(h, nvml.NVML_CLOCK_SM)
+    sm, sm_max = (
+        nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM),
+        nvml.nvmlDeviceGetMaxClockInfo(h, nvml.NVML_CLOCK_SM),
+    )
     bad = [why for bit, why in BAD_THROTTLE.items() if reasons & bit]
     detail = f"SM clock {sm}/{sm_max} MHz" + (f"; throttled: {', '.join(bad)}" if bad else "")
-    return Check(f"gpu{i}_clocks", not bad, detail, "check cooling and power delivery (nvidia-smi -q -d PERFORMANCE)" if bad else "")
+    return Check(
+        f"gpu{i}_clocks",
+        not bad,
+        detail,
+        "check cooling and power delivery (nvidia-smi -q -d PERFORMANCE)" if bad else "",
+    )
 
 
 def _nvlink(nvml, i: int, h) -> Check:

@@ -19,7 +19,9 @@ from kiln.manifest import read_manifest
 
 def _vocab(cfg: Config) -> int:
     shards = cfg.out / "shards"
-    return int(read_manifest(shards)["vocab_size"]) if (shards / "manifest.json").is_file() else cfg.tokenizer.vocab_size
+    return (
+        int(read_manifest(shards)["vocab_size"]) if (shards / "manifest.json").is_file() else cfg.tokenizer.vocab_size
+    )
 
 
 def _measured(cfg: Config) -> dict | None:
@@ -27,7 +29,11 @@ def _measured(cfg: Config) -> dict | None:
     if cfg.plan.device is not None or not path.is_file():
         return None
     m = json.loads(path.read_text())
-    same = (m.get("model_hash"), m.get("batch_size"), m.get("dtype")) == (cfg.section_hash("model", "pack"), cfg.train.batch_size, cfg.train.dtype)
+    same = (m.get("model_hash"), m.get("batch_size"), m.get("dtype")) == (
+        cfg.section_hash("model", "pack"),
+        cfg.train.batch_size,
+        cfg.train.dtype,
+    )
     return m if same else None
 
 
@@ -62,12 +68,16 @@ def make_plan(cfg: Config) -> dict:
     measured = _measured(cfg)
     if measured:
         tokens_per_s = measured["tokens_per_s"] * g / measured["world"]
-        assumptions.append(f"{measured['tokens_per_s']:,.0f} tokens/s per device measured by `kiln preflight` on "
-                           f"{measured['device']}, scaled linearly to {g} device(s) (communication is not free: an upper bound)")
+        assumptions.append(
+            f"{measured['tokens_per_s']:,.0f} tokens/s per device measured by `kiln preflight` on "
+            f"{measured['device']}, scaled linearly to {g} device(s) (communication is not free: an upper bound)"
+        )
         source = "preflight"
     elif peak:
         tokens_per_s = g * peak * 1e12 * cfg.plan.mfu / flops_per_token
-        assumptions.append(f"{device} peak {peak:g} TFLOP/s in {cfg.train.dtype} (datasheet) at plan.mfu = {cfg.plan.mfu:.0%}")
+        assumptions.append(
+            f"{device} peak {peak:g} TFLOP/s in {cfg.train.dtype} (datasheet) at plan.mfu = {cfg.plan.mfu:.0%}"
+        )
         source = "peak × MFU"
     else:
         raise KilnError(f"no step time to plan with: the peak of {device!r} is unknown; run `kiln preflight` first "
@@ -90,7 +100,10 @@ def print_plan(plan: dict) -> None:
     t = Table("estimate", "value", title="kiln plan")
     t.add_row("compute C = 6·N·D", f"{plan['compute_6ND']:.3e} FLOPs")
     t.add_row("compute (model count)", f"{plan['compute_flops']:.3e} FLOPs")
-    t.add_row("throughput", f"{plan['tokens_per_s']:,.0f} tokens/s on {plan['devices']} × {plan['device']} ({plan['time_source']})")
+    t.add_row(
+        "throughput",
+        f"{plan['tokens_per_s']:,.0f} tokens/s on {plan['devices']} × {plan['device']} ({plan['time_source']})",
+    )
     if plan["mfu"] is not None:
         t.add_row("MFU", f"{plan['mfu']:.1%}")
     t.add_row("wall time", f"{plan['hours']:.3f} h ({plan['hours'] * 60:.1f} min)")

@@ -45,9 +45,12 @@ def write_slice(shards: Path, out: Path, counts: dict[str, int]) -> None:
             tokens = np.concatenate(rows) if rows else np.empty(0, dtype=np.uint16)
             first = read_header(shards / manifest["splits"][split]["files"][0])
             (tmp / split).mkdir()
-            write_shard(tmp / split / "00000.bin", tokens,
-                        ShardHeader(first.token_bytes, first.vocab_size, first.sample_len, len(tokens), first.tokenizer_sha256),
-                        np.empty(0, dtype=IDX_ENTRY))
+            write_shard(
+                tmp / split / "00000.bin",
+                tokens,
+                ShardHeader(first.token_bytes, first.vocab_size, first.sample_len, len(tokens), first.tokenizer_sha256),
+                np.empty(0, dtype=IDX_ENTRY),
+            )
             fields["splits"][split] = {"files": [f"{split}/00000.bin"], "tokens": len(tokens), "samples": len(rows)}
         write_manifest(tmp, **fields, documents=0, preflight_slice_of=str(shards))
 
@@ -70,7 +73,9 @@ def _device_memory_gb() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
-def judge(cfg: Config, steps: list[dict], loader_tps: float, model_state: dict, ckpt_folder: Path | None) -> list[Check]:
+def judge(
+    cfg: Config, steps: list[dict], loader_tps: float, model_state: dict, ckpt_folder: Path | None
+) -> list[Check]:
     """The five signals, from the smoke run's step records, the loader probe and the checkpoint it wrote."""
     from kiln.train.checkpoint import load_checkpoint, verify_checkpoint
 
@@ -81,9 +86,16 @@ def judge(cfg: Config, steps: list[dict], loader_tps: float, model_state: dict, 
     checks = []
 
     ratio = loader_tps / train_tps
-    checks.append(Check("loader", ratio >= p.min_loader_ratio,
-                        f"loader {loader_tps:,.0f} tokens/s = {ratio:.1f}× the {train_tps:,.0f} tokens/s a step consumes",
-                        "" if ratio >= p.min_loader_ratio else "move shards to local disk or page cache; the device will wait for data"))
+    checks.append(
+        Check(
+            "loader",
+            ratio >= p.min_loader_ratio,
+            f"loader {loader_tps:,.0f} tokens/s = {ratio:.1f}× the {train_tps:,.0f} tokens/s a step consumes",
+            ""
+            if ratio >= p.min_loader_ratio
+            else "move shards to local disk or page cache; the device will wait for data",
+        )
+    )
 
     if all(isinstance(s.get("time_data_s"), (int, float)) for s in timed):
         waiting = statistics.median(s["time_data_s"] / s["step_time_s"] for s in timed)
@@ -94,8 +106,14 @@ def judge(cfg: Config, steps: list[dict], loader_tps: float, model_state: dict, 
     busy = 1 - waiting
     mfu = [s["mfu"] for s in timed if isinstance(s.get("mfu"), (int, float))]
     detail = f"device busy {busy:.0%} of the step ({how})" + (f"; MFU {statistics.median(mfu):.1%}" if mfu else "")
-    checks.append(Check("utilisation", busy >= p.min_utilisation, detail,
-                        "" if busy >= p.min_utilisation else "the step waits for data: raise loader throughput or the batch"))
+    checks.append(
+        Check(
+            "utilisation",
+            busy >= p.min_utilisation,
+            detail,
+            "" if busy >= p.min_utilisation else "the step waits for data: raise loader throughput or the batch",
+        )
+    )
 
     from kiln.train.metrics import peak_memory_gb
 
@@ -105,26 +123,54 @@ def judge(cfg: Config, steps: list[dict], loader_tps: float, model_state: dict, 
                default=peak_memory_gb(torch.device("cuda" if torch.cuda.is_available() else "cpu")))
     total = _device_memory_gb()
     ok = peak / total <= p.max_memory_fraction
-    checks.append(Check("memory", ok, f"peak {peak:.2f} GiB of {total:.1f} GiB ({peak / total:.0%})",
-                        "" if ok else "lower train.micro_batch_size, or turn on parallel.activation_checkpointing / fsdp"))
+    checks.append(
+        Check(
+            "memory",
+            ok,
+            f"peak {peak:.2f} GiB of {total:.1f} GiB ({peak / total:.0%})",
+            "" if ok else "lower train.micro_batch_size, or turn on parallel.activation_checkpointing / fsdp",
+        )
+    )
 
     norms = [s["grad_norm"] for s in steps]
-    bad = [n for n in norms if not (isinstance(n, (int, float)) and math.isfinite(n) and p.min_grad_norm <= n <= p.max_grad_norm)]
+    bad = [
+        n
+        for n in norms
+        if not (isinstance(n, (int, float)) and math.isfinite(n) and p.min_grad_norm <= n <= p.max_grad_norm)
+    ]
     losses_ok = all(math.isfinite(s["loss"]) for s in steps)
-    checks.append(Check("grad_norm", not bad and losses_ok,
-                        f"{min(norms):.3g} .. {max(norms):.3g} over {len(norms)} steps; loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}",
-                        "" if not bad and losses_ok else
-                        f"outside [{p.min_grad_norm:g}, {p.max_grad_norm:g}] or not finite: check train.lr, model.init_std, the data"))
+    checks.append(
+        Check(
+            "grad_norm",
+            not bad and losses_ok,
+            f"{min(norms):.3g} .. {max(norms):.3g} over {len(norms)} steps; loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}",
+            ""
+            if not bad and losses_ok
+            else f"outside [{p.min_grad_norm:g}, {p.max_grad_norm:g}] or not finite: check train.lr, model.init_std, the data",
+        )
+    )
 
     if ckpt_folder is None:
-        checks.append(Check("checkpoint", False, "the smoke run wrote no checkpoint", "check disk space and permissions of out_dir"))
+        checks.append(
+            Check(
+                "checkpoint", False, "the smoke run wrote no checkpoint", "check disk space and permissions of out_dir"
+            )
+        )
     else:
         verify_checkpoint(ckpt_folder)
         loaded = load_checkpoint(ckpt_folder)["model"]
-        same = loaded.keys() == model_state.keys() and all(torch.equal(loaded[k].cpu(), model_state[k].cpu()) for k in loaded)
-        checks.append(Check("checkpoint", same, f"{ckpt_folder.name}: {len(loaded)} tensors written, verified and loaded back "
-                            + ("identical" if same else "DIFFERENT from the model in memory"),
-                            "" if same else "a checkpoint does not round-trip: report this as a Kiln bug"))
+        same = loaded.keys() == model_state.keys() and all(
+            torch.equal(loaded[k].cpu(), model_state[k].cpu()) for k in loaded
+        )
+        checks.append(
+            Check(
+                "checkpoint",
+                same,
+                f"{ckpt_folder.name}: {len(loaded)} tensors written, verified and loaded back "
+                + ("identical" if same else "DIFFERENT from the model in memory"),
+                "" if same else "a checkpoint does not round-trip: report this as a Kiln bug",
+            )
+        )
     return checks
 
 
@@ -155,11 +201,20 @@ def preflight(cfg: Config) -> tuple[dict, list[Check]]:
         shutil.rmtree(work, ignore_errors=True)
     name, peak, _ = device_peak(cfg.train.dtype)
     timed = steps[1:] or steps
-    result = {"device": name, "world": 1, "dtype": cfg.train.dtype, "batch_size": cfg.train.batch_size,
-              "model_hash": cfg.section_hash("model", "pack"), "steps": len(steps),
-              "step_time_s": statistics.median(s["step_time_s"] for s in timed),
-              "tokens_per_s": statistics.median(s["tokens_per_s"] for s in timed), "peak_tflops": peak,
-              "loader_tokens_per_s": loader_tps, "checks": [c.as_dict() for c in checks], "ok": all(c.ok for c in checks)}
+    result = {
+        "device": name,
+        "world": 1,
+        "dtype": cfg.train.dtype,
+        "batch_size": cfg.train.batch_size,
+        "model_hash": cfg.section_hash("model", "pack"),
+        "steps": len(steps),
+        "step_time_s": statistics.median(s["step_time_s"] for s in timed),
+        "tokens_per_s": statistics.median(s["tokens_per_s"] for s in timed),
+        "peak_tflops": peak,
+        "loader_tokens_per_s": loader_tps,
+        "checks": [c.as_dict() for c in checks],
+        "ok": all(c.ok for c in checks),
+    }
     write_atomic(cfg.out / "preflight.json", json.dumps(result, indent=1))
     return result, checks
 

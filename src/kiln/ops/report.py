@@ -224,7 +224,10 @@ def _bars(counts: dict[str, float], xlabel: str, top: int = 25):
 
 def plot_kept_rejected(stats: dict):
     docs = stats.get("documents") or {}
-    counts = {"kept": docs.get("kept", 0), **{f"rejected: {k}": v for k, v in (stats.get("rejected_by_reason") or {}).items()}}
+    counts = {
+        "kept": docs.get("kept", 0),
+        **{f"rejected: {k}": v for k, v in (stats.get("rejected_by_reason") or {}).items()},
+    }
     return _bars({k: v for k, v in counts.items() if v}, "documents")
 
 

@@ -40,7 +40,9 @@ def encode_texts(tokenizer, texts: list[str], dtype: np.dtype, eos: int) -> tupl
     try:
         encs = tokenizer.encode_batch(texts, add_special_tokens=False)
     except TypeError:  # a lone surrogate cannot cross into Rust: replace it (U+FFFD) rather than fail the corpus
-        encs = tokenizer.encode_batch([t.encode("utf-8", "replace").decode("utf-8") for t in texts], add_special_tokens=False)
+        encs = tokenizer.encode_batch(
+            [t.encode("utf-8", "replace").decode("utf-8") for t in texts], add_special_tokens=False
+        )
     ids = [e.ids for e in encs]  # each .ids access converts from Rust: once
     lengths = np.fromiter((len(i) + 1 for i in ids), dtype=np.int64, count=len(ids))
     flat = np.fromiter(itertools.chain.from_iterable(i + [eos] for i in ids), dtype=dtype, count=int(lengths.sum()))

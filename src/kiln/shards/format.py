@@ -67,20 +67,28 @@ def read_header(path: Path) -> ShardHeader:
     if magic != BIN_MAGIC:
         raise IntegrityError(f"{path}: not a Kiln token shard (magic {magic!r}); was it written by `kiln pack`?")
     if version != FORMAT_VERSION:
-        raise IntegrityError(f"{path}: shard format version {version}, this Kiln reads {FORMAT_VERSION}; re-run `kiln pack`")
+        raise IntegrityError(
+            f"{path}: shard format version {version}, this Kiln reads {FORMAT_VERSION}; re-run `kiln pack`"
+        )
     if nbytes not in (2, 4) or token_dtype(vocab).itemsize != nbytes:
-        raise IntegrityError(f"{path}: header says {nbytes}-byte tokens for a vocabulary of {vocab}; the header is corrupt")
+        raise IntegrityError(
+            f"{path}: header says {nbytes}-byte tokens for a vocabulary of {vocab}; the header is corrupt"
+        )
     header = ShardHeader(nbytes, vocab, sample_len, ntok, tok_sha.hex())
     expected = BIN_HEADER.size + ntok * nbytes
     if path.stat().st_size != expected:
-        raise IntegrityError(f"{path}: {path.stat().st_size} bytes, header promises {expected}; the file is cut or padded")
+        raise IntegrityError(
+            f"{path}: {path.stat().st_size} bytes, header promises {expected}; the file is cut or padded"
+        )
     return header
 
 
 def read_tokens(path: Path, header: ShardHeader | None = None) -> np.ndarray:
     """The token array, memory-mapped; `header` when the caller has read it already."""
     header = header or read_header(path)
-    return np.memmap(path, dtype=token_dtype(header.vocab_size), mode="r", offset=BIN_HEADER.size, shape=(header.num_tokens,))
+    return np.memmap(
+        path, dtype=token_dtype(header.vocab_size), mode="r", offset=BIN_HEADER.size, shape=(header.num_tokens,)
+    )
 
 
 def read_index_header(path: Path) -> int:
@@ -123,11 +131,15 @@ def verify_shards(folder: Path) -> dict:
             header = read_header(path)
             if (header.tokenizer_sha256, header.vocab_size, header.sample_len) != (
                     manifest["tokenizer_sha256"], manifest["vocab_size"], manifest["sample_len"]):
-                raise IntegrityError(f"{path}: header's tokenizer, vocabulary or sample length differ from manifest.json")
+                raise IntegrityError(
+                    f"{path}: header's tokenizer, vocabulary or sample length differ from manifest.json"
+                )
             index = read_index(path.with_suffix(".idx"))
             ends = index["start"] + index["length"]
             if len(index) and (int(ends.max()) > header.num_tokens or int(index["doc"].max()) >= n_docs):
-                raise IntegrityError(f"{path.with_suffix('.idx')}: an entry points past the shard's tokens or the document list")
+                raise IntegrityError(
+                    f"{path.with_suffix('.idx')}: an entry points past the shard's tokens or the document list"
+                )
             if (index["length"] == 0).any() or (index["start"][1:] < ends[:-1]).any():
                 raise IntegrityError(f"{path.with_suffix('.idx')}: entries are empty, overlap or are out of order")
             if len(index) and side_file(name).as_posix() not in manifest["files"]:
@@ -200,7 +212,9 @@ class ShardSet:
         path = self.source.local_path(name)
         header = read_header(path)
         if header.sample_len != self.sample_len or header.tokenizer_sha256 != self.manifest["tokenizer_sha256"]:
-            raise IntegrityError(f"{self.location}/{name}: header does not match manifest.json (sample length or tokenizer)")
+            raise IntegrityError(
+                f"{self.location}/{name}: header does not match manifest.json (sample length or tokenizer)"
+            )
         arr = self._arrays[k] = np.asarray(read_tokens(path, header))  # a plain view slices faster than np.memmap
         self._paths[k] = path
         if not isinstance(self.source, LocalFolder):  # a bounded cache may have evicted others: stop holding their maps

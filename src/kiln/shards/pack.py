@@ -82,7 +82,9 @@ class SplitWriter:
                 cut = max(start, n)
                 carry.append((cut - n, start + length - cut, doc))
         name = f"{self.split}/{self.prefix}{len(self.files):05d}.bin"
-        header = ShardHeader(self.header.token_bytes, self.header.vocab_size, self.header.sample_len, n, self.header.tokenizer_sha256)
+        header = ShardHeader(
+            self.header.token_bytes, self.header.vocab_size, self.header.sample_len, n, self.header.tokenizer_sha256
+        )
         write_shard(self.folder.parent / name, head, header, np.array(index, dtype=IDX_ENTRY))
         in_shard = dict.fromkeys(doc for _, _, doc in index)  # each document once, in order of appearance
         write_rows(self.folder.parent / side_file(name), (self.pending[doc] for doc in in_shard))
@@ -202,7 +204,9 @@ def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, 
                 train_tokens[group] = train_tokens.get(group, 0) + len(ids)
         splits = groups.close(writers)
         if splits["train"]["samples"] == 0:
-            raise KilnError(f"too few tokens to fill one training sample of {cfg.seq_len + 1}; lower pack.seq_len or add data")
+            raise KilnError(
+                f"too few tokens to fill one training sample of {cfg.seq_len + 1}; lower pack.seq_len or add data"
+            )
         manifest = write_manifest(
             tmp, stage="pack", fingerprint=fingerprint, format_version=FORMAT_VERSION, dtype=dtype.name,
             vocab_size=vocab, eos_id=eos, pad_id=pad, tokenizer_sha256=header.tokenizer_sha256, seq_len=cfg.seq_len,
@@ -230,9 +234,15 @@ class PackProgress:
             return None
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-        self.bar = Progress(SpinnerColumn(finished_text="✓"), TextColumn("pack: {task.fields[docs]:,} documents, "
-                                                        "{task.fields[mb]:,.1f} MB of text, {task.fields[rate]:.1f} MB/s"),
-                            TimeElapsedColumn(), console=self.console, transient=False)
+        self.bar = Progress(
+            SpinnerColumn(finished_text="✓"),
+            TextColumn(
+                "pack: {task.fields[docs]:,} documents, {task.fields[mb]:,.1f} MB of text, {task.fields[rate]:.1f} MB/s"
+            ),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=False,
+        )
         self.bar.start()
         task = self.bar.add_task("pack", total=None, docs=0, mb=0.0, rate=0.0)
 

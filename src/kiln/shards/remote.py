@@ -51,7 +51,9 @@ class RemoteFolder:
             with self.fs.open(f"{self.root}/{MANIFEST}", "rb") as f:
                 manifest = json.loads(f.read())
         except FileNotFoundError:
-            raise IntegrityError(f"{where}: not found; the folder was never committed (run `kiln pack`, then upload it)") from None
+            raise IntegrityError(
+                f"{where}: not found; the folder was never committed (run `kiln pack`, then upload it)"
+            ) from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise IntegrityError(f"{where}: not valid JSON ({exc}); re-upload the shards folder") from None
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
@@ -62,7 +64,11 @@ class RemoteFolder:
     def listed(self, name: str) -> dict[str, Any]:
         """The manifest's size and sha256 of one file: what a fetched copy must match."""
         meta = self.files.get(name)
-        if not isinstance(meta, dict) or not isinstance(meta.get("size"), int) or not isinstance(meta.get("sha256"), str):
+        if (
+            not isinstance(meta, dict)
+            or not isinstance(meta.get("size"), int)
+            or not isinstance(meta.get("sha256"), str)
+        ):
             raise IntegrityError(f"{self.url}/{MANIFEST}: its 'files' table has no size and sha256 for {name}; "
                                  f"re-upload the whole shards folder as `kiln pack` wrote it")
         return meta
@@ -85,7 +91,9 @@ class ShardCache:
             os.utime(local)  # recency for eviction
             return local
         if size > self.max_bytes:
-            raise KilnError(f"{url}: {size:,} bytes do not fit the shard cache of {self.max_bytes:,}; raise loader.cache_max_gb")
+            raise KilnError(
+                f"{url}: {size:,} bytes do not fit the shard cache of {self.max_bytes:,}; raise loader.cache_max_gb"
+            )
         self._make_room(size)
         local.parent.mkdir(parents=True, exist_ok=True)
         tmp = local.with_name(f".{sha256}.tmp-{uuid.uuid4().hex[:8]}")
@@ -97,8 +105,10 @@ class ShardCache:
                     dst.write(block)
                     got += len(block)
             if got != size or h.hexdigest() != sha256:
-                raise IntegrityError(f"{url}: {got} bytes with sha256 {h.hexdigest()[:16]}…, manifest.json says {size} bytes "
-                                     f"with {sha256[:16]}…; the remote copy is corrupt, re-upload it")
+                raise IntegrityError(
+                    f"{url}: {got} bytes with sha256 {h.hexdigest()[:16]}…, manifest.json says {size} bytes "
+                    f"with {sha256[:16]}…; the remote copy is corrupt, re-upload it"
+                )
             os.replace(tmp, local)
         except FileNotFoundError:
             raise IntegrityError(f"{url}: listed in manifest.json but missing; re-upload the shards folder") from None

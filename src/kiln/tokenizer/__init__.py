@@ -54,7 +54,9 @@ def _literal_specials(tok: Tokenizer) -> Tokenizer:
 
 
 @writes_folder("tokenizer", out="out", inputs=("docs",))
-def train_tokenizer(docs: Iterable[dict], out: Path, cfg: TokenizerConfig, seed: int, fingerprint: str = "") -> Tokenizer:
+def train_tokenizer(
+    docs: Iterable[dict], out: Path, cfg: TokenizerConfig, seed: int, fingerprint: str = ""
+) -> Tokenizer:
     """Train on a seeded sample of `docs`; commit tokenizer.json, the sample's ids and a manifest to `out`."""
     sample = sample_documents(docs, cfg.max_docs, seed)
     if not sample:

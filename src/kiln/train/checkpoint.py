@@ -104,9 +104,13 @@ def verify_signature(folder: Path, public_key_path: str) -> None:
     if not sig.is_file():
         raise IntegrityError(f"{folder}: unsigned, but checkpoint.public_key requires a signature ({SIGNATURE})")
     try:
-        _read_key(public_key_path, private=False).verify(bytes.fromhex(sig.read_text().strip()), (Path(folder) / MANIFEST).read_bytes())
+        _read_key(public_key_path, private=False).verify(
+            bytes.fromhex(sig.read_text().strip()), (Path(folder) / MANIFEST).read_bytes()
+        )
     except (InvalidSignature, ValueError):
-        raise IntegrityError(f"{folder}/{SIGNATURE}: signature does not match manifest.json under {public_key_path}") from None
+        raise IntegrityError(
+            f"{folder}/{SIGNATURE}: signature does not match manifest.json under {public_key_path}"
+        ) from None
 
 
 # --- saving ----------------------------------------------------------------------------------
@@ -158,7 +162,9 @@ def write_checkpoint(root: Path, step: int, model_state: dict[str, torch.Tensor]
     final = step_dir(root, step)
     with staging_dir(final) as tmp:
         # safetensors refuses tensors that share memory (tied embeddings): store each once.
-        save_file({k: v.detach().cpu().contiguous().clone() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
+        save_file(
+            {k: v.detach().cpu().contiguous().clone() for k, v in model_state.items()}, str(tmp / "model.safetensors")
+        )
         torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(rng_states, tmp / "rng.pt")
         write_atomic(tmp / "state.json", json.dumps(state, indent=1))

@@ -45,8 +45,10 @@ class Mixture:
         for s in sets[1:]:
             for key in ("tokenizer_sha256", "sample_len", "vocab_size"):
                 if s.manifest[key] != first.manifest[key]:
-                    raise KilnError(f"{s.location}: {key} {s.manifest[key]} differs from {first.location} "
-                                    f"({first.manifest[key]}); pack every source with the same tokenizer and pack.seq_len")
+                    raise KilnError(
+                        f"{s.location}: {key} {s.manifest[key]} differs from {first.location} "
+                        f"({first.manifest[key]}); pack every source with the same tokenizer and pack.seq_len"
+                    )
         self.sets, self.manifest, self.sample_len = sets, first.manifest, first.sample_len
         self.sizes = [len(s) for s in sets]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
@@ -54,7 +56,9 @@ class Mixture:
         self.counts = draws_per_source(self.sizes, weights) if weights else np.asarray(self.sizes, dtype=np.int64)
         for s, n, c in zip(sets, self.sizes, self.counts):
             if c and not n:
-                raise KilnError(f"{s.location}: has a sampling weight but no samples in this split; drop it from loader.sources")
+                raise KilnError(
+                    f"{s.location}: has a sampling weight but no samples in this split; drop it from loader.sources"
+                )
 
     def __len__(self) -> int:
         return int(self.offsets[-1])

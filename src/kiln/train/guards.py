@@ -29,7 +29,10 @@ class SpikeGuard:
         self.norms: deque[float] = deque(maxlen=window)
 
     def check(self, loss: float, grad_norm: float) -> str | None:
-        checks = (("loss_spike", loss, self.losses, self.zscore), ("grad_norm_spike", grad_norm, self.norms, self.grad_zscore))
+        checks = (
+            ("loss_spike", loss, self.losses, self.zscore),
+            ("grad_norm_spike", grad_norm, self.norms, self.grad_zscore),
+        )
         for name, value, history, zscore in checks:
             if zscore and len(history) >= self.min_history:
                 mean = sum(history) / len(history)

@@ -63,7 +63,11 @@ class BatchPlan:
         mine = global_indices[self.rank * self.per_rank: (self.rank + 1) * self.per_rank]
         shape = (len(mine), self.samples.sample_len)
         # numpy's allocator reuses freed memory; torch's returns large blocks to the OS and page-faults them back
-        rows = torch.empty(shape, dtype=torch.int64, pin_memory=True) if self.pin else torch.from_numpy(np.empty(shape, np.int64))
+        rows = (
+            torch.empty(shape, dtype=torch.int64, pin_memory=True)
+            if self.pin
+            else torch.from_numpy(np.empty(shape, np.int64))
+        )
         self.samples.gather(mine, rows.numpy())
         return list(rows.split(self.micro_batch))
 
@@ -118,9 +122,13 @@ class Loader:
                  seed: int, prefetch: int = 0) -> None:
         samples = samples if isinstance(samples, Mixture) else Mixture([samples])
         if global_batch % (micro_batch * world):
-            raise ValueError(f"train.batch_size={global_batch} must be a multiple of micro_batch_size×world = {micro_batch}×{world}")
+            raise ValueError(
+                f"train.batch_size={global_batch} must be a multiple of micro_batch_size×world = {micro_batch}×{world}"
+            )
         if global_batch > len(samples):
-            raise ValueError(f"train.batch_size={global_batch} exceeds the {len(samples)} training samples; lower it or add data")
+            raise ValueError(
+                f"train.batch_size={global_batch} exceeds the {len(samples)} training samples; lower it or add data"
+            )
         self.samples, self.global_batch, self.micro_batch = samples, global_batch, micro_batch
         self.rank, self.world, self.prefetch = rank, world, prefetch
         self.plan = BatchPlan(samples, global_batch, micro_batch, rank, world)

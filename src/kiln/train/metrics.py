@@ -76,7 +76,11 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Lines written after the checkpoint we resume from describe steps that will run again.
         if self.path.exists():
-            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+            keep = [
+                ln
+                for ln in self.path.read_text().splitlines()
+                if ln.strip() and json.loads(ln).get("step", 0) <= resume_step
+            ]
             write_atomic(self.path, "".join(ln + "\n" for ln in keep))
         self.file = open(self.path, "a", buffering=1)
         self.tb = None

@@ -160,7 +160,9 @@ def apply_fsdp(model: nn.Module, d: Dist, mesh_shape: list[int] | None, param_dt
                                 world_size=1)
     shape = tuple(mesh_shape) if mesh_shape else (d.world,)
     if int(torch.tensor(shape).prod()) != d.world:
-        raise ValueError(f"parallel.mesh={list(shape)} multiplies to {int(torch.tensor(shape).prod())}, not the {d.world} ranks")
+        raise ValueError(
+            f"parallel.mesh={list(shape)} multiplies to {int(torch.tensor(shape).prod())}, not the {d.world} ranks"
+        )
     names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
     mesh = init_device_mesh(d.device.type, shape, mesh_dim_names=names)
     # Parameters are gathered in the compute dtype; gradients are reduced in fp32 so small updates survive.
@@ -212,7 +214,9 @@ def full_state_dict(model: nn.Module, mode: str) -> dict[str, torch.Tensor]:
     if mode == "fsdp":
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False))
+        return get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
+        )
     return {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
 
 
@@ -220,7 +224,9 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, mode: st
     if mode == "fsdp":
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
     return optimizer.state_dict()
 
 

@@ -245,7 +245,9 @@ class Breathing(Schedule):
         if self.phase != "pause":
             return False
         into = step - (self.start - 1)  # 0 at the step that triggered the pause
-        return into == 0 or step == self._pause_end() or (self.pause_eval_every > 0 and into % self.pause_eval_every == 0)
+        return (
+            into == 0 or step == self._pause_end() or (self.pause_eval_every > 0 and into % self.pause_eval_every == 0)
+        )
 
     def observe_eval(self, step: int, val_loss: float) -> None:
         if self.phase != "pause" or step < self.start - 1:

@@ -98,7 +98,9 @@ class Trainer:
         tok_sha = self.tokenizer_sha = tokenizer_sha256(tok_dir)
         self.train_set, self.val_set = open_splits(cfg, tok_sha)
         if self.train_set.sample_len != cfg.pack.seq_len + 1:
-            raise KilnError(f"{shards}: samples of {self.train_set.sample_len} tokens, config says pack.seq_len={cfg.pack.seq_len}; re-run `kiln pack`")
+            raise KilnError(
+                f"{shards}: samples of {self.train_set.sample_len} tokens, config says pack.seq_len={cfg.pack.seq_len}; re-run `kiln pack`"
+            )
         vocab = int(self.train_set.manifest["vocab_size"])
         self.pad_id = self.train_set.manifest.get("pad_id")
         self.data_fingerprint = resume_checks.data_fingerprint(self.train_set)
@@ -109,7 +111,9 @@ class Trainer:
         if micro < 1:
             raise KilnError(f"train.batch_size={t.batch_size} is smaller than the world size {self.d.world}")
         try:
-            self.loader = Loader(self.train_set, t.batch_size, micro, self.d.rank, self.d.world, cfg.seed, cfg.loader.prefetch)
+            self.loader = Loader(
+                self.train_set, t.batch_size, micro, self.d.rank, self.d.world, cfg.seed, cfg.loader.prefetch
+            )
         except ValueError as exc:
             raise KilnError(str(exc)) from None
 
@@ -298,7 +302,9 @@ class Trainer:
         t, w = self.cfg.train, self.d.world
         n = min(len(self.val_set), t.eval_batches * self.loader.micro_batch * w) // w * w
         if n == 0:
-            raise KilnError(f"{self.cfg.out / 'shards'}: the validation split has too few samples; raise pack.val_fraction")
+            raise KilnError(
+                f"{self.cfg.out / 'shards'}: the validation split has too few samples; raise pack.val_fraction"
+            )
         mine = torch.arange(n)[self.d.rank::w].numpy()  # equal counts: FSDP2 needs every rank in every forward
         total, count = summed_loss(self.wrapped, sample_batches(self.val_set, mine, self.loader.micro_batch),
                                    self.d.device, self.autocast, self.pad_id)
@@ -337,7 +343,9 @@ class Trainer:
         moe_sums: dict[str, Any] = {"aux_loss": 0.0, "z_loss": 0.0, "dropped_tokens": 0, "routed_tokens": 0}
         for i, batch in enumerate(micro_batches):
             with parallel.gradient_sync(self.wrapped, self.mode, enabled=i == len(micro_batches) - 1):
-                loss = self.loss_fn(self.wrapped, batch.to(self.d.device, non_blocking=True), self.autocast, self.pad_id)
+                loss = self.loss_fn(
+                    self.wrapped, batch.to(self.d.device, non_blocking=True), self.autocast, self.pad_id
+                )
                 total = loss + self._router_loss(moe_sums) if self.moe else loss
                 scaled = total / len(micro_batches)
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
@@ -402,7 +410,9 @@ class Trainer:
         if reason is None:
             self.spikes.accept(loss, grad_norm)
         if self.schedule.measures_noise:  # the breathing schedule's gradient noise is grad_norm / param_norm
-            out["param_norm"] = float(parallel.local_tensor(torch.nn.utils.get_total_norm([p.detach() for p in self.model.parameters()])))
+            out["param_norm"] = float(
+                parallel.local_tensor(torch.nn.utils.get_total_norm([p.detach() for p in self.model.parameters()]))
+            )
         self.schedule.observe_step(self.step + 1, grad_norm, out.get("param_norm", 0.0), layer_norms)
         self.optimizer.zero_grad(set_to_none=True)
         out["skip_reason"] = reason
@@ -420,8 +430,9 @@ class Trainer:
                                              before=trouble)
         logs = self.run_dir / "metrics.jsonl"
         if folder is None:
-            raise KilnError(f"step {self.step}: {reason}, and no checkpoint from before step {trouble} to roll back to; "
-                            f"see {logs}")
+            raise KilnError(
+                f"step {self.step}: {reason}, and no checkpoint from before step {trouble} to roll back to; see {logs}"
+            )
         position, epoch, at = self.loader.state.position, self.loader.state.epoch, self.step
         self._load(folder, resume=False)  # the loader keeps its position
         stop = self.escalation.record_rollback(self.step)
@@ -539,7 +550,9 @@ class Trainer:
     def _stop_reason(self, measured: dict[str, Any]) -> str | None:
         for fraction in self.budget.new_warnings():
             self.event({"event": "budget", "step": self.step, "fraction": fraction, "cost": self.budget.cost})
-            self.log(f"budget: {fraction:.0%} of budget.device_hours spent ({self.budget.device_hours:.3f} h, cost {self.budget.cost:.2f})")
+            self.log(
+                f"budget: {fraction:.0%} of budget.device_hours spent ({self.budget.device_hours:.3f} h, cost {self.budget.cost:.2f})"
+            )
         if measured["stop"]:
             return "SIGTERM"
         if measured["budget_exhausted"]:  # any rank's (train_step): every rank stops at the same step

@@ -107,7 +107,11 @@ class SourceProfiles:
             n = self.docs[src]
             used = [t for t in top if std[t] > 0]
             weight = sum(mean[t] for t in used)
-            z = math.sqrt(sum(mean[t] * ((self.sum_f[src][t] / n - mean[t]) / std[t]) ** 2 for t in used) / weight) if used else 0.0
+            z = (
+                math.sqrt(sum(mean[t] * ((self.sum_f[src][t] / n - mean[t]) / std[t]) ** 2 for t in used) / weight)
+                if used
+                else 0.0
+            )
             out[src] = {"docs": n, "z": round(z, 4), "weight": round(min(1.0, self.max_z / z) if z else 1.0, 4)}
         return out
 
