@@ -26,6 +26,7 @@ run: setup
 	$(BIN)/kiln run $(CONFIG)
 
 test: setup
+	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-all: setup

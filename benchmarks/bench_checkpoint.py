@@ -163,7 +163,8 @@ def main() -> None:
             for a in ((False, True) if r % 2 == 0 else (True, False)):
                 results[a].append(stall(tmp, model, opt, tokenizer, a, r))
         print(
-            f"\n{'save':6} {'stall s':>8} {'write s':>8} {'step s (no save)':>17} {'step s (during save)':>21} {'steps during':>13}"
+            f"\n{'save':6} {'stall s':>8} {'write s':>8} {'step s (no save)':>17} "
+            f"{'step s (during save)':>21} {'steps during':>13}"
         )
         for a, rs in results.items():
             m = {k: statistics.median(r[k] for r in rs) for k in rs[0]}

@@ -72,7 +72,8 @@ def main() -> None:
         for label, inputs in (("1x (2 files)", one), ("4x (8 files)", eight)):
             rss = [_run(inputs, folder, 2)["worker_peak_rss_mb"] for _ in range(REPEATS)]
             print(
-                f"peak RSS per worker, {label}: median {statistics.median(rss):.0f} MB (runs: {', '.join(f'{x:.0f}' for x in rss)})"
+                f"peak RSS per worker, {label}: median {statistics.median(rss):.0f} MB "
+                f"(runs: {', '.join(f'{x:.0f}' for x in rss)})"
             )
 
 

@@ -80,7 +80,8 @@ def main() -> None:
         kiln = [kiln_once(folder, Path(tmp) / "docs") for _ in range(RUNS)]
         kiln_rate = statistics.median(d / s for d, s in kiln)
         print(
-            f"kiln       {kiln[0][0]} docs, median {kiln_rate:8.1f} docs/s per core  (runs: {[round(d / s, 1) for d, s in kiln]})"
+            f"kiln       {kiln[0][0]} docs, median {kiln_rate:8.1f} docs/s per core  "
+            f"(runs: {[round(d / s, 1) for d, s in kiln]})"
         )
         if not _datatrove.python():
             print("datatrove  skipped: set DATATROVE_PYTHON to a python with datatrove 0.10.1")

@@ -63,7 +63,10 @@ def prepare(root: Path) -> Path:
     from kiln.flow import run_data_stage, run_pack_stage, run_tokenizer_stage
 
     cfg = bench_config(root / "data")
-    quiet = lambda *_: None
+
+    def quiet(*_):
+        return None
+
     run_data_stage(cfg, quiet)
     run_tokenizer_stage(cfg, quiet)
     run_pack_stage(cfg, quiet)
@@ -275,7 +278,8 @@ def main() -> None:
                 for c in res:
                     res[c].append(run[c])
                 print(
-                    f"  run {r + 1}: kiln {run['kiln']['tokens_per_s']:,.0f}, plain {run['plain']['tokens_per_s']:,.0f} tok/s",
+                    f"  run {r + 1}: kiln {run['kiln']['tokens_per_s']:,.0f}, "
+                    f"plain {run['plain']['tokens_per_s']:,.0f} tok/s",
                     flush=True,
                 )
             med = {c: statistics.median(r["tokens_per_s"] for r in v) for c, v in res.items()}
@@ -284,13 +288,15 @@ def main() -> None:
             skipped = sum(r["skipped"] for r in res["kiln"])
             table.append((dtype, med, mem, res, skipped, window))
         print(
-            f"\n{'dtype':6} {'kiln tok/s':>11} {'plain tok/s':>12} {'ratio':>6} {'kiln MB':>8} {'plain MB':>9} {'mem ratio':>9}"
+            f"\n{'dtype':6} {'kiln tok/s':>11} {'plain tok/s':>12} {'ratio':>6} "
+            f"{'kiln MB':>8} {'plain MB':>9} {'mem ratio':>9}"
         )
         for dtype, med, mem, res, skipped, window in table:
             print(
                 f"{dtype:6} {med['kiln']:11,.0f} {med['plain']:12,.0f} {med['kiln'] / med['plain']:6.3f} "
                 f"{mem['kiln']:8.0f} {mem['plain']:9.0f} {mem['kiln'] / mem['plain']:9.3f}"
-                + f"  (whole-window tok/s: {window['kiln']:,.0f} / {window['plain']:,.0f} = {window['kiln'] / window['plain']:.3f})"
+                + f"  (whole-window tok/s: {window['kiln']:,.0f} / {window['plain']:,.0f}"
+                f" = {window['kiln'] / window['plain']:.3f})"
                 + (f"  ({skipped} kiln steps skipped by guards)" if skipped else "")
             )
             for c in ("kiln", "plain"):

@@ -37,9 +37,9 @@ def tiny_config(out_dir: Path, **sections):
 
 
 def html_page(body: str, title: str = "page", charset: str = "utf-8") -> bytes:
-    return f'<html><head><meta charset="{charset}"><title>{title}</title></head><body><article>{body}</article></body></html>'.encode(
-        charset, "replace"
-    )
+    page = f'<html><head><meta charset="{charset}"><title>{title}</title></head>'
+    page += f"<body><article>{body}</article></body></html>"
+    return page.encode(charset, "replace")
 
 
 def write_warc(path: Path, pages: list[tuple[str, bytes, str]]) -> Path:

@@ -175,16 +175,19 @@ def test_a_storage_error_under_pyarrow_is_retried_not_taken_for_a_cut(tmp_path, 
 
 
 def test_a_storage_error_that_persists_stops_the_run_and_resumes(tmp_path, monkeypatch):
-    lines = lambda first: b"".join(
-        json.dumps({"id": f"d{i}", "text": english(i)}).encode() + b"\n" for i in range(first, first + 20)
-    )
+    def lines(first):
+        return b"".join(
+            json.dumps({"id": f"d{i}", "text": english(i)}).encode() + b"\n" for i in range(first, first + 20)
+        )
+
     (tmp_path / "a.jsonl").write_bytes(lines(0))
     (tmp_path / "b.jsonl").write_bytes(lines(20))
     inputs = [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
     FlakyStorage(monkeypatch, failures=10**6, after=100)
     with pytest.raises(
         KilnError,
-        match=r"a\.jsonl: reading failed 3 times \(\[Errno 104\] Connection reset by peer\).*run the same command again",
+        match=r"a\.jsonl: reading failed 3 times \(\[Errno 104\] Connection reset by peer\)"
+        r".*run the same command again",
     ):
         run_data(inputs, tmp_path / "docs", cfg(lang_threshold=0), workers=1)
     [work] = tmp_path.glob(".docs-work-*")
@@ -347,7 +350,11 @@ def test_s3_missing_object_is_a_clear_error(s3):
 # --- extraction and language options ----------------------------------------------------------------
 
 def test_trafilatura_extractor(tmp_path):
-    body = f"<nav><a href='/'>Home</a> | <a href='/about'>About us</a></nav><article><p>{english(11)}</p><p>{english(12)}</p></article><footer>Copyright 2026 Example Ltd</footer>"
+    body = (
+        "<nav><a href='/'>Home</a> | <a href='/about'>About us</a></nav>"
+        f"<article><p>{english(11)}</p><p>{english(12)}</p></article>"
+        "<footer>Copyright 2026 Example Ltd</footer>"
+    )
     src = write_warc(tmp_path / "t.warc.gz", [("https://t.example/", html_page(body), "text/html")])
     texts = {}
     for name in ("resiliparse", "trafilatura"):

@@ -141,7 +141,10 @@ def drifting_corpus(tmp_path_factory):
     cfg = tiny_config(root / "out", data={"lang_threshold": 0, "quality": BASIC_GATES_ONLY,
                                           "distribution": {"source_key": "field:site"}})
     cfg.data.inputs = [str(src)]
-    quiet = lambda *_: None
+
+    def quiet(*_):
+        return None
+
     stats = run_data_stage(cfg, quiet)
     run_tokenizer_stage(cfg, quiet)
     manifest = run_pack_stage(cfg, quiet)

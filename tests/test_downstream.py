@@ -18,7 +18,10 @@ from kiln.train.checkpoint import list_checkpoints
 from kiln.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
-QUIET = lambda *_: None
+
+
+def QUIET(*_):
+    return None
 
 
 def make_task(path: Path, rows: int = 24, seed: int = 0) -> Path:

@@ -164,7 +164,8 @@ def test_c4_removes_lines():
     body = prose(8)
     text = (
         body
-        + "\nPlease enable JavaScript to view this.\nRead our privacy policy today please.\nShort line\nNo final punctuation here at all"
+        + "\nPlease enable JavaScript to view this.\nRead our privacy policy today please."
+        "\nShort line\nNo final punctuation here at all"
     )
     edit = c4_lines(C4Config())(text)
     assert edit == Edit(body + "\nNo final punctuation here at all", {"c4_lines_removed": 3})

@@ -53,7 +53,7 @@ def rows(samples, idx: np.ndarray) -> torch.Tensor:
 
 def global_batch(loaders: list[Loader]) -> torch.Tensor:
     """One step of every rank, in rank order: the global batch."""
-    return torch.cat([torch.cat(l.next_batch()) for l in loaders])
+    return torch.cat([torch.cat(loader.next_batch()) for loader in loaders])
 
 
 # --- order and rank slices ------------------------------------------------------------------------
@@ -106,10 +106,10 @@ def test_resume_after_every_batch_of_two_epochs_world_1_and_2(samples):
     assert states[per_epoch + 1] == {"seed": 5, "epoch": 1, "position": gb}
     for k in range(len(stream) - 3):
         for world in (1, 2):
-            l = Loader(samples, gb, gb // world, 0, world, seed=999)  # the saved seed wins
-            l.load_state_dict(states[k])
+            loader = Loader(samples, gb, gb // world, 0, world, seed=999)  # the saved seed wins
+            loader.load_state_dict(states[k])
             for j in range(3):
-                assert np.array_equal(l.next_global_indices(), stream[k + j]), (k, world, j)
+                assert np.array_equal(loader.next_global_indices(), stream[k + j]), (k, world, j)
 
 
 @pytest.mark.parametrize("saved_world,resumed_world", [(1, 1), (1, 2), (2, 1), (2, 2)])
@@ -120,12 +120,12 @@ def test_resume_mid_run_keeps_the_global_order_across_world_sizes(samples, saved
     before = [Loader(samples, gb, gb // saved_world, r, saved_world, seed=21, prefetch=2) for r in range(saved_world)]
     got = [global_batch(before) for _ in range(3)]
     state = before[0].state_dict()
-    assert all(l.state_dict() == state for l in before)  # every rank holds the same state
+    assert all(loader.state_dict() == state for loader in before)  # every rank holds the same state
     after = [
         Loader(samples, gb, gb // resumed_world, r, resumed_world, seed=0, prefetch=2) for r in range(resumed_world)
     ]
-    for l in after:
-        l.load_state_dict(state)
+    for loader in after:
+        loader.load_state_dict(state)
     got += [global_batch(after) for _ in range(4)]
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
@@ -135,11 +135,11 @@ def test_resume_at_a_position_that_is_not_a_batch_multiple(samples, position):
     """A checkpoint from a run with another batch size: the order continues from the very next draw."""
     order = Mixture([samples]).epoch_order(7, 2)
     for world in (1, 2):
-        l = Loader(samples, 16, 8 // world, 0, world, seed=7)
-        l.load_state_dict({"seed": 7, "epoch": 2, "position": position})
-        taken = np.concatenate([l.next_global_indices() for _ in range(4)])
+        loader = Loader(samples, 16, 8 // world, 0, world, seed=7)
+        loader.load_state_dict({"seed": 7, "epoch": 2, "position": position})
+        taken = np.concatenate([loader.next_global_indices() for _ in range(4)])
         assert np.array_equal(taken, order[position: position + 64])
-        assert l.state_dict() == {"seed": 7, "epoch": 2, "position": position + 64}
+        assert loader.state_dict() == {"seed": 7, "epoch": 2, "position": position + 64}
 
 
 def test_no_sample_repeated_or_skipped_across_a_resume(samples):

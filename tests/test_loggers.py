@@ -81,7 +81,10 @@ def test_wandb_offline_run_holds_the_config_and_metrics(workdir, tmp_path):
     [run] = list((workdir / "run" / "wandb").glob("offline-run-*"))
     [history_file] = list(run.glob("run-*.wandb"))  # what `wandb sync` uploads
     records = wandb_records(history_file)
-    key = lambda item: item.key or "/".join(item.nested_key)
+
+    def key(item):
+        return item.key or "/".join(item.nested_key)
+
     kinds = [r.WhichOneof("record_type") for r in records]
     config = {key(u): json.loads(u.value_json) for r in records if r.WhichOneof("record_type") in ("run", "config")
               for u in (r.run.config.update if r.WhichOneof("record_type") == "run" else r.config.update)}

@@ -30,7 +30,9 @@ STOP = ["the", "and", "of", "to", "is", "in", "that", "with"]
 
 def word_salad(rng: random.Random) -> str:
     """Sentences of random-letter words around English stop words: passes the Gopher, C4 and FineWeb rules."""
-    word = lambda: "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8)))
+    def word():
+        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8)))
+
     sentence = lambda: " ".join(" ".join([word(), rng.choice(STOP), word(), rng.choice(STOP), word()])  # noqa: E731
                                 for _ in range(5)).capitalize() + "."
     return "</p><p>".join(sentence() for _ in range(12))

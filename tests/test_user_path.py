@@ -15,7 +15,9 @@ from kiln.cli import main as kiln
 from kiln.train.checkpoint import list_checkpoints
 from kiln.train.trainer import Trainer
 
-QUIET = lambda *_: None
+
+def QUIET(*_):
+    return None
 
 
 def fails(capsys, args: list[str], rc: int = 2) -> str:

@@ -110,7 +110,8 @@ def cmd_data_explain(keys: list[str], docs_dir: Path) -> int:
 
     if len(keys) != 1:
         raise KilnError(
-            "kiln data explain: give exactly one DOC_ID_OR_URL, e.g. kiln data explain https://example.org/ --out out/docs"
+            "kiln data explain: give exactly one DOC_ID_OR_URL, "
+            "e.g. kiln data explain https://example.org/ --out out/docs"
         )
     print(explain(keys[0], docs_dir))
     return 0

@@ -205,7 +205,8 @@ class QualityConfig(Section):
 class BlocklistConfig(Section):
     file: str | None = Field(
         None,
-        description="one entry a line: a domain (blocks its subdomains) or 'contains:TEXT' for a URL substring; # comments",
+        description="one entry a line: a domain (blocks its subdomains) or 'contains:TEXT' for a URL substring; "
+        "# comments",
     )
 
 
@@ -251,12 +252,14 @@ class DataConfig(Section):
     )
     ray_address: str | None = Field(
         None,
-        description="executor=ray: an existing cluster (e.g. ray://head:10001, auto); null starts a local Ray of data.workers CPUs",
+        description="executor=ray: an existing cluster (e.g. ray://head:10001, auto); "
+        "null starts a local Ray of data.workers CPUs",
     )
     task_bytes: int = Field(
         256 << 20,
         ge=1 << 12,
-        description="gzipped WARCs larger than this are split into tasks of about this many bytes, at record (gzip member) boundaries",
+        description="gzipped WARCs larger than this are split into tasks of about this many bytes, "
+        "at record (gzip member) boundaries",
     )
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
@@ -413,7 +416,8 @@ class ModelConfig(Section):
 
 
 class BreathingConfig(Section):
-    """train.schedule=breathing (kiln.train.schedule.Breathing); SEEDS' figures. Its peak is train.lr (SEEDS: 0.0015)."""
+    """train.schedule=breathing (kiln.train.schedule.Breathing); SEEDS' figures. Its peak is train.lr
+    (SEEDS: 0.0015)."""
 
     inhale_steps: int = Field(
         10_000, ge=0, description="steps the LR is held at its level after warmup and after a restart"
@@ -461,11 +465,13 @@ class TrainConfig(Section):
     dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="compute dtype; fp16 uses a GradScaler")
     fp32_modules: list[Literal["attention", "feed_forward", "output", "embeddings"]] = Field(
         default_factory=list,
-        description="module kinds kept in fp32 under bf16/fp16 (autocast, or FSDP2's mixed precision); norms and loss always are",
+        description="module kinds kept in fp32 under bf16/fp16 (autocast, or FSDP2's mixed precision); "
+        "norms and loss always are",
     )
     grad_clip_groups: dict[Literal["embeddings", "lower", "middle", "upper"], float] | None = Field(
         None,
-        description="per layer-group clip limits (SEEDS: embeddings 0.5, middle 1.0, upper 2.0); null = global grad_clip",
+        description="per layer-group clip limits (SEEDS: embeddings 0.5, middle 1.0, upper 2.0); "
+        "null = global grad_clip",
     )
     upper_layers: int = Field(
         4, ge=0, description="how many last blocks form the 'upper' group (the first as many form 'lower')"
@@ -495,7 +501,8 @@ class TrainConfig(Section):
                           "steps on every rank at once (no stragglers from collections at random times); 0 = left on")
     schedule: Literal["cosine", "wsd", "constant", "breathing"] = Field(
         "cosine",
-        description="LR after warmup (kiln.train.schedule): cosine to the floor, warmup-stable-decay, constant, breathing",
+        description="LR after warmup (kiln.train.schedule): cosine to the floor, warmup-stable-decay, constant, "
+        "breathing",
     )
     decay_fraction: float = Field(
         0.2, gt=0, le=1, description="wsd: the last fraction of max_steps that decays to the floor"
@@ -523,7 +530,8 @@ class TrainConfig(Section):
             if "lr" in self.model_fields_set and not math.isclose(self.lr, scaled, rel_tol=1e-9):
                 raise ValueError(
                     f"train.lr={self.lr} disagrees with train.base_lr × batch_size / reference_batch_size = "
-                    f"{self.base_lr} × {self.batch_size} / {self.reference_batch_size} = {scaled:g}; give only one of lr and base_lr"
+                    f"{self.base_lr} × {self.batch_size} / {self.reference_batch_size} = {scaled:g}; "
+                    "give only one of lr and base_lr"
                 )
             # Stored as lr (bypassing validation, which would recurse) so the resolved config.yaml records the
             # rate actually used and loads back unchanged.

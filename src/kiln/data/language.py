@@ -20,7 +20,8 @@ def check_model(model_path: str | None) -> None:
         return
     if not Path(model_path).is_file():
         raise KilnError(
-            f"data.lang_model={model_path}: no such file; give a fastText model (.bin or .ftz) or leave it unset for lid.176 lite"
+            f"data.lang_model={model_path}: no such file; give a fastText model (.bin or .ftz) "
+            "or leave it unset for lid.176 lite"
         )
     try:
         _detector(80, model_path).detect("hello world", k=1)

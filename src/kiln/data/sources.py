@@ -119,7 +119,8 @@ def expand_inputs(patterns: list[str], storage_options: dict[str, Any] | None = 
                 ) from None
             if not matches:
                 raise KilnError(
-                    f"input {pattern!r} matches no object; check the URL (and data.storage_options for credentials/endpoint)"
+                    f"input {pattern!r} matches no object; "
+                    "check the URL (and data.storage_options for credentials/endpoint)"
                 )
             files += [f"{protocol}://{m}" for m in matches]
             continue

@@ -3,8 +3,9 @@
 `ending_workers(pool)`: while the driver iterates a process pool, SIGTERM and SIGINT are noted by a handler
 (raising from inside the executor's own locks could deadlock it) and `check()` raises `Terminated` at the
 driver's next safe point, within `POLL_S` (`result(future)` waits that way); whatever ends the iteration
-(a signal, an error, a consumer that stops early) terminates the pool's processes before returning. `worker_init` runs in each worker: it
-asks Linux to send SIGTERM to the worker if the driver dies without cleaning up (SIGKILL), and leaves
+(a signal, an error, a consumer that stops early) terminates the pool's processes before returning.
+`worker_init` runs in each worker: it asks Linux to send SIGTERM to the worker if the driver dies without
+cleaning up (SIGKILL), and leaves
 SIGINT (a terminal's Ctrl-C goes to the whole process group) to the driver.
 """
 

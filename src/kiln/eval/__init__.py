@@ -103,7 +103,8 @@ def sample_batches(samples, indices: np.ndarray, batch: int) -> Iterable[torch.T
 
 
 def text_windows(token_ids: list[int], sample_len: int) -> Iterable[torch.Tensor]:
-    """Windows of `sample_len` tokens sharing one token with the next, so every token but the first is predicted once."""
+    """Windows of `sample_len` tokens sharing one token with the next, so every token but the first is
+    predicted once."""
     if len(token_ids) < 2:
         raise KilnError("the text encodes to fewer than 2 tokens; nothing to evaluate")
     for i in range(0, len(token_ids) - 1, sample_len - 1):

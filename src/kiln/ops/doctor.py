@@ -173,7 +173,8 @@ def check_open_files(need: int) -> Check:
         f"soft limit {soft}, hard {hard} (need {need})",
         ""
         if ok
-        else f"ulimit -n {need if hard == resource.RLIM_INFINITY else min(need, hard)} (or raise the hard limit in limits.conf)",
+        else f"ulimit -n {need if hard == resource.RLIM_INFINITY else min(need, hard)} "
+        "(or raise the hard limit in limits.conf)",
     )
 
 

@@ -321,7 +321,8 @@ def _config_mismatches(hf: dict, expected: dict) -> list[str]:
             out.append(f"rope {k}: config.json has {rope.get(k)!r}, the config's model.rope_* gives {v!r}")
     if hf.get("max_position_embeddings", expected["max_position_embeddings"]) < expected["max_position_embeddings"]:
         out.append(
-            f"max_position_embeddings {hf['max_position_embeddings']} < pack.seq_len {expected['max_position_embeddings']}"
+            f"max_position_embeddings {hf['max_position_embeddings']} "
+            f"< pack.seq_len {expected['max_position_embeddings']}"
         )
     return out
 

@@ -143,10 +143,12 @@ def judge(
         Check(
             "grad_norm",
             not bad and losses_ok,
-            f"{min(norms):.3g} .. {max(norms):.3g} over {len(norms)} steps; loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}",
+            f"{min(norms):.3g} .. {max(norms):.3g} over {len(norms)} steps; "
+            f"loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}",
             ""
             if not bad and losses_ok
-            else f"outside [{p.min_grad_norm:g}, {p.max_grad_norm:g}] or not finite: check train.lr, model.init_std, the data",
+            else f"outside [{p.min_grad_norm:g}, {p.max_grad_norm:g}] or not finite: "
+            "check train.lr, model.init_std, the data",
         )
     )
 

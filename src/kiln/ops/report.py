@@ -249,7 +249,8 @@ def plot_sources(stats: dict):
 
 
 def plot_dedup_clusters(stats: dict):
-    """Cluster sizes (size -> number of clusters) from stats.json's `dedup.cluster_sizes`, when the data stage wrote it."""
+    """Cluster sizes (size -> number of clusters) from stats.json's `dedup.cluster_sizes`, when the data
+    stage wrote it."""
     sizes = (stats.get("dedup") or {}).get("cluster_sizes") if isinstance(stats.get("dedup"), dict) else None
     if not sizes:
         return None

@@ -117,7 +117,8 @@ class ShardCache:
         return local
 
     def _make_room(self, size: int) -> None:
-        # Only the cache's own entries (SHA256/, named by their hash): loader.cache_dir may be a folder with other files.
+        # Only the cache's own entries (SHA256/, named by their hash): loader.cache_dir may be a folder with
+        # other files.
         files = [p for p in self.root.glob("*/*") if p.is_file() and _CACHE_ENTRY.fullmatch(p.name)
                  and p.parent.name == p.name[:2]]
         stats = sorted(((p.stat().st_mtime, p.stat().st_size, p) for p in files), key=lambda t: (t[0], t[2].name))

@@ -97,7 +97,8 @@ def sources(cfg: Config) -> list[SourceConfig]:
 
 
 def open_splits(cfg: Config, tokenizer_sha256: str) -> tuple[Mixture, Mixture]:
-    """(train, val) over `loader.sources` (default: {out_dir}/shards): train mixed by weight, val one source after another."""
+    """(train, val) over `loader.sources` (default: {out_dir}/shards): train mixed by weight, val one source
+    after another."""
     cache = ShardCache(Path(cfg.loader.cache_dir) if cfg.loader.cache_dir else cfg.out / "cache" / "shards",
                        int(cfg.loader.cache_max_gb * 2**30))
     chosen = sources(cfg)

@@ -51,7 +51,8 @@ class BatchPlan:
         return self._order
 
     def advance(self, state: LoaderState) -> tuple[np.ndarray, LoaderState]:
-        """The next global batch's flat indices and the state after it; an epoch's remainder smaller than a batch is skipped."""
+        """The next global batch's flat indices and the state after it; an epoch's remainder smaller than a
+        batch is skipped."""
         epoch, position = state.epoch, state.position
         if position + self.global_batch > len(self.samples):
             epoch, position = epoch + 1, 0

@@ -22,7 +22,7 @@ from kiln.config import Config
 from kiln.errors import KilnError
 from kiln.eval import next_token_loss, sample_batches, summed_loss
 from kiln.eval.mc import DownstreamTasks
-from kiln.manifest import remove_stale_staging, sha256_file, write_atomic
+from kiln.manifest import remove_stale_staging, write_atomic
 from kiln.model import Llama, ModelArgs, MoEArgs, RopeScaling
 from kiln.tokenizer import tokenizer_sha256
 from kiln.train import checkpoint as ckpt
@@ -99,7 +99,8 @@ class Trainer:
         self.train_set, self.val_set = open_splits(cfg, tok_sha)
         if self.train_set.sample_len != cfg.pack.seq_len + 1:
             raise KilnError(
-                f"{shards}: samples of {self.train_set.sample_len} tokens, config says pack.seq_len={cfg.pack.seq_len}; re-run `kiln pack`"
+                f"{shards}: samples of {self.train_set.sample_len} tokens, "
+                f"config says pack.seq_len={cfg.pack.seq_len}; re-run `kiln pack`"
             )
         vocab = int(self.train_set.manifest["vocab_size"])
         self.pad_id = self.train_set.manifest.get("pad_id")
@@ -551,7 +552,8 @@ class Trainer:
         for fraction in self.budget.new_warnings():
             self.event({"event": "budget", "step": self.step, "fraction": fraction, "cost": self.budget.cost})
             self.log(
-                f"budget: {fraction:.0%} of budget.device_hours spent ({self.budget.device_hours:.3f} h, cost {self.budget.cost:.2f})"
+                f"budget: {fraction:.0%} of budget.device_hours spent "
+                f"({self.budget.device_hours:.3f} h, cost {self.budget.cost:.2f})"
             )
         if measured["stop"]:
             return "SIGTERM"

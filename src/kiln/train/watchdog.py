@@ -122,10 +122,10 @@ class Watchdog:
         beat = beats.get(culprit, {"host": "unknown", "step": "unknown", "pid": "unknown"})
         report = {"rank": culprit, "host": beat["host"], "pid": beat["pid"], "step": beat["step"],
                   "heartbeat_stopped": culprit in silent, "reported_by": self.d.rank}
+        stopped = " and its heartbeat stopped (stopped or dead: it cannot dump its stacks)" if culprit in silent else ""
         self.log(
             f"watchdog: rank {culprit} on host {beat['host']} (pid {beat['pid']}) has not advanced past step "
-            f"{beat['step']} for over {self.timeout_for(beat):.0f} s"
-            f"{' and its heartbeat stopped (stopped or dead: it cannot dump its stacks)' if culprit in silent else ''}; "
+            f"{beat['step']} for over {self.timeout_for(beat):.0f} s{stopped}; "
             f"dumping stacks and exiting so torchrun can restart the group"
         )
         if store is not None:

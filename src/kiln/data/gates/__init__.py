@@ -1,7 +1,7 @@
 """Quality gates: small steps that each compute signals, then keep, drop (reason, signals) or edit.
 
-`default_gates(cfg)` lists the steps in the order they run; `apply_gates` runs them over documents. One module per gate family:
-basic (length, letters, duplicate lines), gopher, c4, fineweb, noise, residue, blocklist, pii;
+`default_gates(cfg)` lists the steps in the order they run; `apply_gates` runs them over documents. One module per
+gate family: basic (length, letters, duplicate lines), gopher, c4, fineweb, noise, residue, blocklist, pii;
 `distribution` is the corpus-wide source check that runs after the merge.
 
 Gates read a `TextView` (kiln.data.gates.text): the text split once into lines, tokens, words and

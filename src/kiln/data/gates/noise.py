@@ -8,8 +8,9 @@ document at a time, so Kiln recognises the tokens that score that way by their s
   a script without spaces: a Chinese, Japanese or Thai sentence is one whitespace token of 40+
   characters, and it is prose, even with `passwd(5)` or a path inside it;
 - packed code: in a line of 100+ characters with a 40+ character token, a sixth or more of them code
-  punctuation, tokens of 12+ characters a quarter or more code punctuation, as minified JavaScript is (`o=t[r]={i:r,l:!1,exports:{}};return`); a line of code in
-  documentation is shorter, and its tokens are separated by spaces;
+  punctuation, tokens of 12+ characters a quarter or more code punctuation, as minified JavaScript is
+  (`o=t[r]={i:r,l:!1,exports:{}};return`); a line of code in documentation is shorter, and its tokens are
+  separated by spaces;
 - hex dumps: a line of 8+ hexadecimal groups (`7f 45 4c 46`, `0000010: 0300 3e00`), one with a-f.
 
 Only the lines that hold markup, a long token or a hex run are split into tokens and judged; what a

@@ -4,8 +4,9 @@
 
 A document's embedding is the mean of its normalised word vectors (floret's sentence vector of its first
 `max_chars` characters) less the vectors' common direction (`common_direction`); the domain is the
-normalised mean of the keywords' embeddings; the score is their cosine (`semantic_score` in kept records, in rejections' signals and in `kiln data explain`). Below
-`min_cosine`, `action: drop` rejects the document (`quality/semantic_below_min_cosine`) and `action: review`
+normalised mean of the keywords' embeddings; the score is their cosine (`semantic_score` in kept records, in
+rejections' signals and in `kiln data explain`). Below `min_cosine`, `action: drop` rejects the document
+(`quality/semantic_below_min_cosine`) and `action: review`
 sets it aside (`quality/semantic_review`): it is counted as a rejection, so stats.json still adds up, and
 its full record with the score is written to `docs/review/part-NNNNN.jsonl.zst` for a person to judge.
 
