@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kiln.model import Llama, ModelArgs
+from kiln.model import Llama, ModelConfig
 from kiln.train.checkpoint import Saver, load_checkpoint, rng_state, snapshot, write_checkpoint
 
-ARGS = ModelArgs(vocab_size=32_000, dim=512, n_layers=8, n_heads=8, max_seq_len=128)
+VOCAB, ARGS = 32_000, ModelConfig(dim=512, n_layers=8, n_heads=8)
 RUNS, THREADS = 5, 2
 STALL_STEPS = 4
 
@@ -54,7 +54,7 @@ def tensor_bytes(obj) -> int:
 
 def train_step(model: Llama, opt: torch.optim.Optimizer) -> float:
     t0 = time.perf_counter()
-    tokens = torch.randint(0, ARGS.vocab_size, (1, 129))
+    tokens = torch.randint(0, VOCAB, (1, 129))
     loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
     opt.step()
@@ -142,7 +142,7 @@ def stall(tmp: Path, model: Llama, opt: torch.optim.Optimizer, tokenizer: Path, 
 def main() -> None:
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
-    model = Llama(ARGS)
+    model = Llama(ARGS, vocab_size=VOCAB, max_seq_len=128)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     train_step(model, opt)  # the optimizer state exists from the first step on
     with tempfile.TemporaryDirectory(prefix="kiln-bench-ckpt-") as tmp_name:

@@ -35,12 +35,13 @@ def worker(dtype: str) -> dict:
     from litgpt.model import GPT
     from litgpt.utils import chunked_cross_entropy as litgpt_loss
 
-    from kiln.eval import chunked_cross_entropy
-    from kiln.model.llama import Llama, ModelArgs
+    from kiln.model.config import ModelConfig
+    from kiln.model.llama import Llama
+    from kiln.model.loss import chunked_cross_entropy
 
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
-    kiln = Llama(ModelArgs(vocab_size=VOCAB, ffn_hidden=704, max_seq_len=SEQ, **MODEL))
+    kiln = Llama(ModelConfig(ffn_hidden=704, **MODEL), vocab_size=VOCAB, max_seq_len=SEQ)
     litgpt = GPT(Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=MODEL["n_layers"],
                         n_head=MODEL["n_heads"], n_embd=MODEL["dim"], rotary_percentage=1.0, parallel_residual=False,
                         bias=False, norm_class_name="RMSNorm", norm_eps=1e-5, mlp_class_name="LLaMAMLP",

@@ -79,7 +79,7 @@ def plain_loss_worker(out: Path, dtype: str, compile: bool, warmup: int, steps: 
     from benchmarks.bench_train_step import bench_config
     from kiln.shards.format import ShardSet
     from kiln.train.data import Mixture
-    from kiln.train.trainer import build_model
+    from kiln.model.build import build_model
 
     cfg = bench_config(out, dtype, compile)
     torch.set_num_threads(THREADS)
@@ -87,7 +87,7 @@ def plain_loss_worker(out: Path, dtype: str, compile: bool, warmup: int, steps: 
     shards = ShardSet(out / "shards", "train")
     train = Mixture([shards])
     order = train.epoch_order(cfg.seed, 0)
-    model = build_model(cfg, int(shards.manifest["vocab_size"]))
+    model = build_model(cfg.model, int(shards.manifest["vocab_size"]), cfg.pack.seq_len)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
     amp = torch.bfloat16 if dtype == "bf16" else None
 

@@ -1,6 +1,6 @@
 """Kiln's full training step against a plain, minimal PyTorch loop of the same model, in the same run.
 
-Model: Kiln's `Llama` from `kiln.train.trainer.build_model` (d=256, 4 layers, 4 heads, SwiGLU 704,
+Model: Kiln's `Llama` from `kiln.model.build.build_model` (d=256, 4 layers, 4 heads, SwiGLU 704,
 vocabulary 4,096 from a tokenizer trained on the bundled sample crawl, seq 256, batch 8 = 2,048 tokens
 a step), 2 threads, fp32 and bf16 autocast. Data: shards packed from examples/data/sample.warc.gz by
 Kiln's own stages; both loops read the same samples in the same seeded order.
@@ -159,7 +159,7 @@ def plain_worker(out: Path, dtype: str, compile: bool, warmup: int, steps: int, 
 
     from kiln.shards.format import ShardSet
     from kiln.train.data import Mixture
-    from kiln.train.trainer import build_model
+    from kiln.model.build import build_model
 
     cfg = bench_config(out, dtype, compile)
     torch.set_num_threads(THREADS)
@@ -167,7 +167,7 @@ def plain_worker(out: Path, dtype: str, compile: bool, warmup: int, steps: int, 
     shards = ShardSet(out / "shards", "train")
     train = Mixture([shards])
     order = train.epoch_order(cfg.seed, 0)  # the order Kiln's loader walks
-    model = build_model(cfg, int(shards.manifest["vocab_size"]))
+    model = build_model(cfg.model, int(shards.manifest["vocab_size"]), cfg.pack.seq_len)
     t = cfg.train
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
     forward = torch.compile(model) if compile else model

@@ -18,10 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from conftest import ROOT, tiny_config
-from kiln.model.llama import Llama, ModelArgs
+from kiln.model.build import build_model
+from kiln.model.config import ModelConfig
+from kiln.model.llama import Llama
 from kiln.train.clip import clip, group_norms, layer_groups
 from kiln.train.metrics import PEAK_SOURCE, PEAK_TFLOPS, mfu, peak_of, peak_tflops, read_metrics
-from kiln.train.trainer import Trainer, build_model
+from kiln.train.trainer import Trainer
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -121,7 +123,7 @@ def test_fsdp2_keeps_chosen_module_kinds_in_fp32(workdir, tmp_path):
 def test_fsdp2_fp32_head_with_tied_embeddings_is_a_clear_error():
     from kiln.train.parallel import Dist, apply_fsdp
 
-    model = Llama(ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, tie_embeddings=True))
+    model = Llama(ModelConfig(dim=32, n_layers=2, n_heads=4, tie_embeddings=True), vocab_size=64, max_seq_len=2048)
     with pytest.raises(ValueError, match="needs untied embeddings under FSDP2.*model.tie_embeddings: false"):
         apply_fsdp(model, Dist(world=2), None, torch.bfloat16, ["output"])
 
@@ -188,21 +190,22 @@ def test_precision_policy_keeps_chosen_modules_in_fp32(workdir):
     trainer.model.output.register_forward_hook(lambda m, i, o: seen.update(output=o.dtype))
     trainer.model.layers[0].feed_forward.register_forward_hook(lambda m, i, o: seen.update(ffn=o.dtype))
     batch = trainer.loader.next_batch()[0]
-    from kiln.eval import next_token_loss
+    from kiln.model.loss import next_token_loss
 
     next_token_loss(trainer.model, batch, torch.bfloat16)
     assert seen == {"output": torch.float32, "ffn": torch.bfloat16}
-    assert set(trainer.model.state_dict()) == set(build_model(trainer.cfg, 1024).state_dict())  # names unchanged
+    fresh = build_model(trainer.cfg.model, 1024, trainer.cfg.pack.seq_len)
+    assert set(trainer.model.state_dict()) == set(fresh.state_dict())  # names unchanged
 
 
 # --- the loss -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("chunk_rows", [1, 7, 128, None])
 def test_next_token_loss_in_chunks_equals_one_piece_with_pads_masked(chunk_rows):
-    from kiln.eval import next_token_loss
+    from kiln.model.loss import next_token_loss
 
     torch.manual_seed(0)
-    model = Llama(ModelArgs(vocab_size=50, dim=32, n_layers=1, n_heads=2, max_seq_len=64))
+    model = Llama(ModelConfig(dim=32, n_layers=1, n_heads=2), vocab_size=50, max_seq_len=64)
     batch = torch.randint(3, 50, (3, 41))
     batch[1, 30:] = 2  # best-fit packing's filler: not predicted
     loss = next_token_loss(model, batch, None, pad_id=2, chunk_rows=chunk_rows)
@@ -252,7 +255,7 @@ def test_freed_step_memory_is_reused_without_page_faults():
 
 def test_layer_groups_and_per_group_clipping(prepared):
     cfg = tiny_config(prepared.out, model={"n_layers": 6})
-    model = build_model(cfg, 1024)
+    model = build_model(cfg.model, 1024, cfg.pack.seq_len)
     groups = layer_groups(model, 6, upper_layers=4)  # at most a third each: 2 lower, 2 middle, 2 upper
     names = {id(p): n for n, p in model.named_parameters()}
     assert {names[id(p)] for p in groups["embeddings"]} == {"tok_embeddings.weight"}

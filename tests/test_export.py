@@ -18,7 +18,8 @@ from kiln.errors import KilnError
 from kiln.ops.export import export_hf, import_hf
 from kiln.tokenizer import load_tokenizer
 from kiln.train.checkpoint import list_checkpoints, load_checkpoint, write_checkpoint, rng_state
-from kiln.train.trainer import Trainer, build_model
+from kiln.model.build import build_model
+from kiln.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
 QUIET = lambda *_: None  # noqa: E731
@@ -49,7 +50,7 @@ def exported(trained, tmp_path_factory):
 
 
 def kiln_logits(cfg, state: dict, ids: torch.Tensor) -> torch.Tensor:
-    model = build_model(cfg, state["tok_embeddings.weight"].shape[0])
+    model = build_model(cfg.model, state["tok_embeddings.weight"].shape[0], cfg.pack.seq_len)
     model.load_state_dict(state)
     with torch.no_grad():
         return model.eval()(ids)
@@ -141,13 +142,9 @@ def test_export_never_overwrites_a_folder_it_did_not_write(trained, tmp_path):
 
 def moe_checkpoint(prepared, root: Path, **moe) -> tuple:
     """A checkpoint of a Kiln MoE model with random weights, written with the checkpoint functions."""
-    from kiln.model.moe import MoEArgs
-
     cfg = tiny_config(root / "out", model={"moe": {"n_experts": 4, "top_k": 2, "capacity_factor": None, **moe}})
-    model = build_model(cfg, 1024)
-    if not any("experts" in k for k in model.state_dict()):  # build_model not yet wired to model.moe
-        model = type(model)(type(model.args)(**{**model.args.__dict__, "moe": MoEArgs(**{
-            k: v for k, v in cfg.model.moe.model_dump().items() if k in MoEArgs.__dataclass_fields__})}))
+    model = build_model(cfg.model, 1024, cfg.pack.seq_len)
+    assert any("experts" in k for k in model.state_dict())
     torch.manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():

@@ -13,7 +13,8 @@ from kiln.cli import main as kiln
 from kiln.eval.generate import generate, generate_from_checkpoint, sample_ids
 from kiln.tokenizer import eos_id, load_tokenizer
 from kiln.train.checkpoint import checkpoint_config, list_checkpoints, load_checkpoint
-from kiln.train.trainer import Trainer, build_model
+from kiln.model.build import build_model
+from kiln.train.trainer import Trainer
 
 PROMPT = "The Debian"
 
@@ -30,7 +31,8 @@ def checkpoint(prepared, tmp_path_factory):
 @pytest.fixture(scope="module")
 def loaded(checkpoint):
     tok = load_tokenizer(checkpoint / "tokenizer.json")
-    model = build_model(checkpoint_config(checkpoint), tok.get_vocab_size())
+    cfg = checkpoint_config(checkpoint)
+    model = build_model(cfg.model, tok.get_vocab_size(), cfg.pack.seq_len)
     model.load_state_dict(load_checkpoint(checkpoint)["model"])
     return model.eval(), tok
 
@@ -38,7 +40,7 @@ def loaded(checkpoint):
 def argmax_continuation(model, ids: list[int], n: int) -> list[int]:
     """The reference: feed the (cropped) sequence, take the argmax, append, n times."""
     ids = list(ids)
-    window = model.args.max_seq_len
+    window = model.max_seq_len
     with torch.no_grad():
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids[-window:]]))[0, -1].argmax()))
@@ -93,7 +95,7 @@ def test_context_is_cropped_to_the_model_window(loaded):
     model, tok = loaded
     long_prompt = " ".join(["Debian reference manual chapter"] * 40)
     context = [eos_id(tok)] + tok.encode(long_prompt, add_special_tokens=False).ids
-    assert len(context) > model.args.max_seq_len
+    assert len(context) > model.max_seq_len
     ids, _ = sample_ids(model, context, 5, temperature=0)
     assert ids == argmax_continuation(model, context, 5)
 

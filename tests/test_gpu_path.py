@@ -283,15 +283,15 @@ def test_compiled_moe_model_under_activation_checkpointing_has_no_graph_break(mo
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
-    from kiln.eval import next_token_loss
-    from kiln.model import Llama, ModelArgs, MoEArgs
+    from kiln.model import Llama, ModelConfig, MoEConfig
+    from kiln.model.loss import next_token_loss
 
     monkeypatch.setattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", False)
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = Llama(ModelArgs(vocab_size=128, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16,
-                            moe=MoEArgs(n_experts=4, top_k=2)))
+    model = Llama(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, moe=MoEConfig(n_experts=4, top_k=2)),
+                  vocab_size=128, max_seq_len=16)
     parallel.apply_activation_checkpointing(model)
     backend = CompileCounterWithBackend("aot_eager")
     loss = torch.compile(next_token_loss, backend=backend)(model, torch.randint(0, 128, (2, 17)), None, None)

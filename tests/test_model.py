@@ -14,7 +14,7 @@ Covered (CPU, one torch thread, tiny models):
 - a known-answer forward pass against an independent float64 re-implementation
   (explicit matmuls, causal-mask softmax, rotate-half RoPE, repeat_interleave GQA);
 - flops_per_token = 6·(non-embedding params incl. output) + 12·layers·seq·dim (PaLM appendix B), by hand;
-- ModelArgs.hidden: 8/3·dim (floored, as Meta's Llama) rounded up to multiple_of;
+- ModelConfig.hidden: 8/3·dim (floored, as Meta's Llama) rounded up to multiple_of;
 - RoPE scaling: factor 1 leaves tables and logits bitwise unchanged (linear, llama3); linear factor k at
   position k·p equals unscaled p; llama3 equals Meta's reference loop on Llama 3.1's settings, all three regimes;
 - MoE: the vectorised block equals a float64 token-by-token reference (top-1/2/3, dropless and with drops);
@@ -34,8 +34,9 @@ import torch
 
 import torch.nn.functional as F
 
-from kiln.model.llama import Llama, ModelArgs, RMSNorm, RopeScaling, apply_rope, rope_tables, scale_frequencies
-from kiln.model.moe import (MoEArgs, MoEFeedForward, expert_capacity, load_balancing_loss, route,
+from kiln.model.config import ModelConfig, MoEConfig, RopeScalingConfig
+from kiln.model.llama import Llama, RMSNorm, apply_rope, rope_tables, scale_frequencies
+from kiln.model.moe import (MoEFeedForward, expert_capacity, load_balancing_loss, route,
                             router_z_loss)
 
 
@@ -47,10 +48,14 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def llama(vocab_size: int, max_seq_len: int = 2048, **model_keys) -> Llama:
+    """A Llama from model: keys, the vocabulary and the longest sequence (the model's own config)."""
+    return Llama(ModelConfig(**model_keys), vocab_size=vocab_size, max_seq_len=max_seq_len)
+
+
 def build(seed: int = 0, **kw) -> Llama:
     torch.manual_seed(seed)
-    args = dict(vocab_size=50, dim=32, n_layers=2, n_heads=4, max_seq_len=64) | kw
-    return Llama(ModelArgs(**args)).eval()
+    return llama(**(dict(vocab_size=50, dim=32, n_layers=2, n_heads=4, max_seq_len=64) | kw)).eval()
 
 
 def tokens(b: int, t: int, vocab: int, seed: int = 1) -> torch.Tensor:
@@ -227,7 +232,7 @@ def test_init_std_and_residual_scaling():
 
 def reference_logits(model: Llama, toks: torch.Tensor) -> torch.Tensor:
     """Straightforward float64 Llama: explicit matmuls, masked softmax, rotate-half RoPE, repeated kv heads."""
-    a = model.args
+    a = model.config
     w = {k: v.detach().double() for k, v in model.state_dict().items()}
     H, KV = a.n_heads, a.n_kv_heads or a.n_heads
     hd, half = a.dim // H, a.dim // H // 2
@@ -279,7 +284,7 @@ KNOWN = {
 def test_known_answer_forward(case):
     kw = {"init_std": 0.5, "max_seq_len": 32} | KNOWN[case]
     torch.manual_seed(0)
-    model = Llama(ModelArgs(**kw)).eval()
+    model = llama(**kw).eval()
     toks = torch.tensor([[1, 5, 3, 15, 0, 7, 7, 2, 9, 11], [4, 4, 4, 12, 13, 14, 0, 1, 2, 3]])
     with torch.no_grad():
         got = model(toks).double()
@@ -298,7 +303,7 @@ def test_flops_per_token_by_hand(tie, kv):
     m = build(vocab_size=V, dim=D, n_layers=Lyr, n_heads=H, n_kv_heads=kv, tie_embeddings=tie, multiple_of=32)
     hd, KV = D // H, kv or H
     hidden = 32 * math.ceil(int(8 * D / 3) / 32)
-    assert hidden == m.args.hidden == 128
+    assert hidden == m.config.hidden == 128
     per_layer = D * H * hd + 2 * D * KV * hd + H * hd * D + 3 * D * hidden + 2 * D
     non_embedding_with_output = Lyr * per_layer + D + V * D  # final norm, output projection
     assert m.flops_per_token(seq) == 6 * non_embedding_with_output + 12 * Lyr * seq * D
@@ -309,16 +314,16 @@ def test_flops_per_token_by_hand(tie, kv):
 @pytest.mark.parametrize("dim,multiple_of,want", [(256, 64, 704), (64, 64, 192), (8, 64, 64), (96, 256, 256),
                                                   (4096, 256, 11008), (8, 1, 21), (384, 64, 1024)])
 def test_hidden_rounds_up_to_multiple_of(dim, multiple_of, want):
-    assert ModelArgs(vocab_size=10, dim=dim, multiple_of=multiple_of).hidden == want
+    assert ModelConfig(dim=dim, multiple_of=multiple_of).hidden == want
 
 
 def test_hidden_properties_and_override():
     for dim in range(8, 600, 8):
         for mult in (1, 8, 32, 64, 256):
-            h = ModelArgs(vocab_size=10, dim=dim, multiple_of=mult).hidden
+            h = ModelConfig(dim=dim, multiple_of=mult).hidden
             base = int(8 * dim / 3)  # Meta's Llama: int(2 * 4 * dim / 3), then up to a multiple
             assert h % mult == 0 and base <= h < base + mult
-    assert ModelArgs(vocab_size=10, dim=256, ffn_hidden=100).hidden == 100
+    assert ModelConfig(dim=256, ffn_hidden=100).hidden == 100
     m = build(dim=32, ffn_hidden=40)
     assert m.layers[0].feed_forward.w1.weight.shape == (40, 32)
 
@@ -344,10 +349,10 @@ def meta_llama3_scaling(freqs: list[float], factor: float, low: float, high: flo
 @pytest.mark.parametrize("kind", ["linear", "llama3"])
 def test_rope_scaling_factor_one_is_identity(kind):
     plain = rope_tables(32, 300, 10000.0)
-    scaled = rope_tables(32, 300, 10000.0, RopeScaling(kind, 1.0, original_max_seq_len=64))
+    scaled = rope_tables(32, 300, 10000.0, RopeScalingConfig(type=kind, factor=1.0, original_max_seq_len=64))
     assert torch.equal(plain[0], scaled[0]) and torch.equal(plain[1], scaled[1])
     a = build(seed=5, init_std=0.3)
-    b = build(seed=5, init_std=0.3, rope_scaling=RopeScaling(kind, 1.0, original_max_seq_len=16))
+    b = build(seed=5, init_std=0.3, rope_scaling=RopeScalingConfig(type=kind, factor=1.0, original_max_seq_len=16))
     x = tokens(2, 40, 50)
     with torch.no_grad():
         assert torch.equal(a(x), b(x))
@@ -357,7 +362,7 @@ def test_rope_scaling_factor_one_is_identity(kind):
 def test_rope_linear_scaling_interpolates_positions(factor):
     hd, T = 16, 64
     cos, sin = rope_tables(hd, T, 10000.0)
-    cos_s, sin_s = rope_tables(hd, T * factor, 10000.0, RopeScaling("linear", float(factor)))
+    cos_s, sin_s = rope_tables(hd, T * factor, 10000.0, RopeScalingConfig(type="linear", factor=float(factor)))
     p = torch.arange(T)
     assert torch.allclose(cos_s[factor * p], cos, atol=1e-6, rtol=0)
     assert torch.allclose(sin_s[factor * p], sin, atol=1e-6, rtol=0)
@@ -366,7 +371,8 @@ def test_rope_linear_scaling_interpolates_positions(factor):
 
 def test_rope_llama3_scaling_matches_meta_reference():
     hd, theta = 128, 500000.0  # Llama 3.1: factor 8, low 1, high 4, trained at 8192
-    s = RopeScaling("llama3", 8.0, original_max_seq_len=8192, low_freq_factor=1.0, high_freq_factor=4.0)
+    s = RopeScalingConfig(type="llama3", factor=8.0, original_max_seq_len=8192, low_freq_factor=1.0,
+                          high_freq_factor=4.0)
     inv_freq = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
     got = scale_frequencies(inv_freq, s)
     want = torch.tensor(meta_llama3_scaling(inv_freq.tolist(), 8.0, 1.0, 4.0, 8192), dtype=torch.float64)
@@ -385,15 +391,15 @@ def test_rope_llama3_scaling_matches_meta_reference():
 
 def test_rope_scaling_rejects_unknown_type_and_bad_factors():
     with pytest.raises(ValueError, match="'yarn'"):
-        RopeScaling("yarn", 2.0)
+        RopeScalingConfig(type="yarn", factor=2.0)
     with pytest.raises(ValueError, match="high_freq_factor"):
-        RopeScaling("llama3", 2.0, low_freq_factor=4.0, high_freq_factor=1.0)
+        RopeScalingConfig(type="llama3", factor=2.0, low_freq_factor=4.0, high_freq_factor=1.0)
 
 
 # --- mixture of experts -------------------------------------------------------------------------------
 
-def moe_args(**kw) -> MoEArgs:
-    return MoEArgs(**({"n_experts": 4, "top_k": 2, "capacity_factor": None} | kw))
+def moe_args(**kw) -> MoEConfig:
+    return MoEConfig(**({"n_experts": 4, "top_k": 2, "capacity_factor": None} | kw))
 
 
 def make_moe(dim: int = 8, hidden: int = 12, seed: int = 0, std: float = 0.5, **kw) -> MoEFeedForward:
@@ -546,7 +552,7 @@ def test_moe_gradients_reach_router_and_every_used_expert():
 
 def test_moe_layout_names_placement_and_init():
     model = build(seed=0, vocab_size=64, dim=64, n_layers=3, n_heads=4, init_std=0.02,
-                  moe=MoEArgs(n_experts=8, top_k=2, every_n_layers=2, ffn_hidden=96))
+                  moe=MoEConfig(n_experts=8, top_k=2, every_n_layers=2, ffn_hidden=96))
     names = dict(model.named_parameters())
     for i in (0, 2):  # layers 0 and 2 are MoE (i % 2 == 0), layer 1 stays dense
         assert names[f"layers.{i}.feed_forward.router.weight"].shape == (8, 64)
@@ -554,15 +560,15 @@ def test_moe_layout_names_placement_and_init():
         assert names[f"layers.{i}.feed_forward.experts.w3"].shape == (8, 96, 64)
         assert names[f"layers.{i}.feed_forward.experts.w2"].shape == (8, 64, 96)
         assert f"layers.{i}.feed_forward.w1.weight" not in names
-    assert names["layers.1.feed_forward.w1.weight"].shape == (model.args.hidden, 64)
+    assert names["layers.1.feed_forward.w1.weight"].shape == (model.config.hidden, 64)
     assert "layers.1.feed_forward.router.weight" not in names
     resid = 0.02 / math.sqrt(2 * 3)
     assert names["layers.0.feed_forward.experts.w2"].std().item() == pytest.approx(resid, rel=0.05)
     assert names["layers.0.feed_forward.experts.w1"].std().item() == pytest.approx(0.02, rel=0.05)
     assert names["layers.2.feed_forward.router.weight"].std().item() == pytest.approx(0.02, rel=0.1)
-    assert len(build(moe=MoEArgs(n_experts=0)).moe_layers()) == 0
+    assert len(build(moe=MoEConfig(n_experts=0)).moe_layers()) == 0
     with pytest.raises(ValueError, match="top_k=5"):
-        build(moe=MoEArgs(n_experts=4, top_k=5))
+        build(moe=MoEConfig(n_experts=4, top_k=5))
 
 
 def test_moe_losses_are_zero_for_a_dense_model_and_summed_over_layers():
@@ -599,8 +605,8 @@ def test_moe_runs_under_bf16_autocast_with_fp32_router():
 def test_moe_model_trains():
     torch.manual_seed(0)
     V, T = 32, 16
-    model = Llama(ModelArgs(vocab_size=V, dim=32, n_layers=2, n_heads=4, max_seq_len=T,
-                            moe=MoEArgs(n_experts=4, top_k=2, capacity_factor=1.25)))
+    model = llama(vocab_size=V, dim=32, n_layers=2, n_heads=4, max_seq_len=T,
+                  moe=MoEConfig(n_experts=4, top_k=2, capacity_factor=1.25))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0)
     losses = []
@@ -623,7 +629,7 @@ def test_moe_model_trains():
 def test_flops_per_token_counts_active_parameters(tie):
     V, D, Lyr, H, seq, E, k, he = 100, 48, 3, 6, 128, 8, 2, 40
     m = build(vocab_size=V, dim=D, n_layers=Lyr, n_heads=H, tie_embeddings=tie, multiple_of=32,
-              moe=MoEArgs(n_experts=E, top_k=k, every_n_layers=2, ffn_hidden=he))
+              moe=MoEConfig(n_experts=E, top_k=k, every_n_layers=2, ffn_hidden=he))
     hidden = 128
     attention_and_norms = 4 * D * D + 2 * D
     dense_layer = attention_and_norms + 3 * D * hidden

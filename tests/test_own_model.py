@@ -14,7 +14,7 @@ from conftest import ROOT, tiny_config
 
 from kiln.cli import main as kiln
 from kiln.train.checkpoint import list_checkpoints, load_checkpoint
-from kiln.train.trainer import build_model
+from kiln.model.build import build_model
 
 transformers = pytest.importorskip("transformers")
 SIZES = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128}
@@ -61,7 +61,7 @@ def hf_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
 
 def kiln_logits(cfg, ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
     weights = load_checkpoint(ckpt)["model"]
-    model = build_model(cfg, weights["tok_embeddings.weight"].shape[0])
+    model = build_model(cfg.model, weights["tok_embeddings.weight"].shape[0], cfg.pack.seq_len)
     model.load_state_dict(weights)
     with torch.no_grad():
         return model.eval()(ids)

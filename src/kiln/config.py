@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from kiln.errors import ConfigError
+# The model's section is the model's own config (kiln.model.config); Section is every section's strict base.
+from kiln.model.config import ModelConfig, MoEConfig, RopeScalingConfig, Section  # noqa: F401
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -49,10 +51,6 @@ _YamlLoader.add_implicit_resolver(
 
 def parse_yaml(text: str | bytes):
     return yaml.load(text, Loader=_YamlLoader)
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class GopherQualityConfig(Section):
@@ -348,71 +346,6 @@ class LoaderConfig(Section):
     prefetch: int = Field(2, ge=0, description="batches prepared ahead by a background thread; 0 = none")
     cache_dir: str | None = Field(None, description="local cache for remote shards; null = {out_dir}/cache/shards")
     cache_max_gb: float = Field(50.0, gt=0, description="the cache evicts least recently used shards beyond this size")
-
-
-class RopeScalingConfig(Section):
-    """RoPE position scaling for a longer context than training saw (rules: kiln.model.llama's docstring)."""
-
-    type: Literal["linear", "llama3"] = Field(
-        description="linear position interpolation, or Llama 3.1's per-frequency rule"
-    )
-    factor: float = Field(gt=0, description="context extension factor; 1 changes nothing")
-    original_max_seq_len: int = Field(8192, ge=1, description="llama3: the context the model was trained at")
-    low_freq_factor: float = Field(1.0, gt=0, description="llama3: wavelengths above original/low are fully scaled")
-    high_freq_factor: float = Field(4.0, gt=0, description="llama3: wavelengths below original/high are kept")
-
-    @model_validator(mode="after")
-    def _factors_ordered(self) -> "RopeScalingConfig":
-        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError(f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
-                             f"low_freq_factor={self.low_freq_factor}")
-        return self
-
-
-class MoEConfig(Section):
-    """Mixture-of-experts feed-forward (rules: kiln.model.moe's docstring)."""
-    n_experts: int = Field(0, ge=0, description="0 = dense SwiGLU in every block")
-    top_k: int = Field(2, ge=1, description="experts per token")
-    capacity_factor: float | None = Field(
-        1.25,
-        gt=0,
-        description="expert capacity = ceil(factor * tokens * top_k / n_experts); "
-        "assignments over it are dropped and counted; null = no drops",
-    )
-    every_n_layers: int = Field(1, ge=1, description="layer i is MoE when i % every_n_layers == 0")
-    ffn_hidden: int | None = Field(None, ge=1, description="each expert's hidden width; null = the dense width")
-    aux_loss_coef: float = Field(0.01, ge=0, description="load-balancing loss weight (Switch, Mixtral)")
-    z_loss_coef: float = Field(0.001, ge=0, description="router z-loss weight (ST-MoE)")
-
-    @model_validator(mode="after")
-    def _top_k_fits(self) -> "MoEConfig":
-        if self.n_experts and self.top_k > self.n_experts:
-            raise ValueError(f"model.moe.top_k={self.top_k} must not exceed model.moe.n_experts={self.n_experts}")
-        return self
-
-
-class ModelConfig(Section):
-    dim: int = Field(256, ge=8)
-    n_layers: int = Field(4, ge=1)
-    n_heads: int = Field(4, ge=1)
-    n_kv_heads: int | None = Field(None, ge=1, description="grouped-query attention; null = n_heads")
-    ffn_hidden: int | None = Field(None, ge=1, description="null = 8/3 * dim rounded up to multiple_of")
-    multiple_of: int = Field(64, ge=1)
-    norm_eps: float = Field(1e-5, gt=0)
-    rope_theta: float = Field(10000.0, gt=0)
-    tie_embeddings: bool = False
-    init_std: float = Field(0.02, gt=0)
-    rope_scaling: RopeScalingConfig | None = Field(None, description="null = plain RoPE")
-    moe: MoEConfig = Field(default_factory=MoEConfig)
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> "ModelConfig":
-        kv = self.n_kv_heads or self.n_heads
-        if self.dim % self.n_heads:
-            raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
-        if self.n_heads % kv:
-            raise ValueError(f"model.n_heads={self.n_heads} must be divisible by model.n_kv_heads={kv}")
-        return self
 
 
 class BreathingConfig(Section):

@@ -59,7 +59,7 @@ def sample_ids(model: torch.nn.Module, context: list[int], max_new_tokens: int, 
         raise KilnError("generation needs at least one context token")
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
-    window = model.args.max_seq_len
+    window = model.max_seq_len
     was_training = model.training
     model.eval()
     ids, new = list(context), []
@@ -92,16 +92,8 @@ def generate(model: torch.nn.Module, tokenizer, prompt: str, max_new_tokens: int
 def generate_from_checkpoint(folder: str | Path, prompt: str, max_new_tokens: int = 100, temperature: float = 1.0,
                              top_k: int | None = None, seed: int = 0) -> Generation:
     """Load a verified checkpoint folder (weights, config.yaml, tokenizer.json) on the CPU and continue `prompt`."""
-    from kiln.tokenizer import load_tokenizer
-    from kiln.train.checkpoint import checkpoint_config, load_checkpoint
-    from kiln.train.trainer import build_model
+    from kiln.eval import load_eval_model
 
     check_sampling(max_new_tokens, temperature, top_k)  # before the (slow) load
-    folder = Path(folder)
-    cfg = checkpoint_config(folder)
-    tok = load_tokenizer(folder / "tokenizer.json")
-    weights = load_checkpoint(folder)["model"]
-    # The embedding's rows, not the tokenizer's size: the model may pad its vocabulary.
-    model = build_model(cfg, weights["tok_embeddings.weight"].shape[0])
-    model.load_state_dict(weights)
+    model, tok, cfg = load_eval_model(Path(folder))
     return generate(model, tok, prompt, max_new_tokens, temperature, top_k, seed, cfg.tokenizer.eos_token)

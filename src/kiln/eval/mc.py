@@ -144,16 +144,10 @@ def summarise(hits: float, hits_norm: float, count: float) -> dict[str, Any]:
 
 def evaluate_mc_checkpoint(folder: Path, task_file: Path) -> dict[str, Any]:
     """`kiln eval CKPT --mc FILE`: {"acc", "acc_norm", "n"} of a checkpoint on the CPU."""
-    from kiln.tokenizer import load_tokenizer
-    from kiln.train.checkpoint import checkpoint_config, load_checkpoint
-    from kiln.train.trainer import build_model
+    from kiln.eval import load_eval_model
 
     questions = load_questions(task_file)  # before the (slow) load
-    cfg = checkpoint_config(folder)
-    tok = load_tokenizer(Path(folder) / "tokenizer.json")
-    weights = load_checkpoint(folder)["model"]
-    model = build_model(cfg, weights["tok_embeddings.weight"].shape[0])
-    model.load_state_dict(weights)
+    model, tok, cfg = load_eval_model(folder)
     return summarise(*evaluate_questions(model, tok, questions, cfg.pack.seq_len, torch.device("cpu"),
                                          eos_token=cfg.tokenizer.eos_token))
 

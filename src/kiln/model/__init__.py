@@ -1,6 +1,8 @@
-"""The model architecture only: pure math, no I/O, no distributed code, nothing else from kiln."""
+"""The model: its config, the architecture, its loss and how it is built. Pure math, no I/O, no distributed
+code, nothing from kiln outside kiln.model (tests/test_layout.py checks it)."""
 
-from kiln.model.llama import Llama, ModelArgs, RopeScaling
-from kiln.model.moe import MoEArgs
+from kiln.model.build import build_model
+from kiln.model.config import ModelConfig, MoEConfig, RopeScalingConfig
+from kiln.model.llama import Llama
 
-__all__ = ["Llama", "ModelArgs", "MoEArgs", "RopeScaling"]
+__all__ = ["Llama", "ModelConfig", "MoEConfig", "RopeScalingConfig", "build_model"]

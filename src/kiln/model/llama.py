@@ -7,7 +7,7 @@ feed-forward `w2`) are scaled by 1/sqrt(2·n_layers) so the residual's variance
 does not grow with depth (GPT-2). Norm weights start at 1. MoE blocks (see kiln.model.moe) init the
 same way: router and experts ~ N(0, init_std²), experts.w2 with the residual scaling.
 
-RoPE position scaling, to run a model at a longer context than it was trained at (`RopeScaling`):
+RoPE position scaling, to run a model at a longer context than it was trained at (`RopeScalingConfig`):
 - "linear" (position interpolation, Chen et al. 2023): every frequency is divided by `factor`, so position
   factor·p gets the angles position p had before.
 - "llama3" (Llama 3.1): frequency-dependent. Wavelengths (2π/freq) shorter than
@@ -21,62 +21,13 @@ Both leave the tables unchanged when factor is 1.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.model.moe import MoEArgs, MoEFeedForward
-
-
-@dataclass
-class RopeScaling:
-    type: str  # "linear" | "llama3"
-    factor: float
-    original_max_seq_len: int = 8192  # llama3: the context the model was trained at
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-
-    def __post_init__(self) -> None:
-        if self.type not in ("linear", "llama3"):
-            raise ValueError(f"rope scaling type {self.type!r} is not one of 'linear', 'llama3'")
-        if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
-            raise ValueError(f"llama3 rope scaling needs high_freq_factor > low_freq_factor, "
-                             f"got {self.high_freq_factor} and {self.low_freq_factor}")
-
-
-@dataclass
-class ModelArgs:
-    vocab_size: int
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int | None = None
-    ffn_hidden: int | None = None
-    multiple_of: int = 64
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_seq_len: int = 2048
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    rope_scaling: RopeScaling | None = None
-    moe: MoEArgs | None = None  # None or n_experts=0: dense SwiGLU in every block
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def hidden(self) -> int:
-        if self.ffn_hidden:
-            return self.ffn_hidden
-        h = int(8 * self.dim / 3)
-        return self.multiple_of * math.ceil(h / self.multiple_of)
+from kiln.model.config import ModelConfig, RopeScalingConfig
+from kiln.model.moe import MoEFeedForward
 
 
 class RMSNorm(nn.Module):
@@ -91,7 +42,7 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-def scale_frequencies(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+def scale_frequencies(inv_freq: torch.Tensor, s: RopeScalingConfig) -> torch.Tensor:
     """The scaled rotary frequencies (rules in the module docstring)."""
     if s.type == "linear":
         return inv_freq / s.factor
@@ -104,7 +55,7 @@ def scale_frequencies(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float,
-                scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                scaling: RopeScalingConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     if scaling is not None:
         inv_freq = scale_frequencies(inv_freq, scaling)
@@ -121,7 +72,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, a: ModelArgs) -> None:
+    def __init__(self, a: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.kv_heads, self.head_dim = a.n_heads, a.kv_heads, a.head_dim
         self.wq = nn.Linear(a.dim, a.n_heads * a.head_dim, bias=False)
@@ -148,7 +99,7 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, a: ModelArgs) -> None:
+    def __init__(self, a: ModelConfig) -> None:
         super().__init__()
         self.w1 = nn.Linear(a.dim, a.hidden, bias=False)  # gate
         self.w3 = nn.Linear(a.dim, a.hidden, bias=False)  # up
@@ -159,7 +110,7 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, a: ModelArgs, layer_id: int) -> None:
+    def __init__(self, a: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(a.dim, a.norm_eps)
         self.attention = Attention(a)
@@ -175,35 +126,38 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, a: ModelArgs) -> None:
+    """The model takes its one config (the `model:` section) and the two sizes that are not model keys."""
+
+    def __init__(self, config: ModelConfig, vocab_size: int, max_seq_len: int) -> None:
         super().__init__()
-        self.args = a
-        self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
+        a = self.config = config
+        self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
+        self.tok_embeddings = nn.Embedding(vocab_size, a.dim)
         self.layers = nn.ModuleList(Block(a, i) for i in range(a.n_layers))
         self.norm = RMSNorm(a.dim, a.norm_eps)
-        self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
+        self.output = nn.Linear(a.dim, vocab_size, bias=False)
         if a.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
+        cos, sin = rope_tables(a.head_dim, max_seq_len, a.rope_theta, a.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        residual_std = self.args.init_std / math.sqrt(2 * self.args.n_layers)
+        residual_std = self.config.init_std / math.sqrt(2 * self.config.n_layers)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 nn.init.ones_(p)
             else:
                 residual = name.endswith(("wo.weight", "w2.weight", "experts.w2"))
-                std = residual_std if residual else self.args.init_std
+                std = residual_std if residual else self.config.init_std
                 nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab)."""
         t = tokens.shape[1]
-        if t > self.args.max_seq_len:
-            raise ValueError(f"sequence of {t} tokens exceeds max_seq_len={self.args.max_seq_len}")
+        if t > self.max_seq_len:
+            raise ValueError(f"sequence of {t} tokens exceeds max_seq_len={self.max_seq_len}")
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
@@ -218,7 +172,7 @@ class Llama(nn.Module):
         """Weights one token multiplies through: non-embedding parameters plus the output projection, and in an
         MoE block the router and only top_k of the experts."""
         n = sum(p.numel() for p in self.parameters()) - self.tok_embeddings.weight.numel()
-        if self.args.tie_embeddings:
+        if self.config.tie_embeddings:
             n += self.output.weight.numel()
         for moe in self.moe_layers():
             per_expert = sum(p[0].numel() for p in moe.experts.parameters())
@@ -228,7 +182,7 @@ class Llama(nn.Module):
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6·N for the (active) weights plus 12·layers·seq·dim for attention (PaLM,
         appendix B)."""
-        return 6 * self.active_params() + 12 * self.args.n_layers * seq_len * self.args.dim
+        return 6 * self.active_params() + 12 * self.config.n_layers * seq_len * self.config.dim
 
     def moe_layers(self) -> list[MoEFeedForward]:
         return [m for m in self.modules() if isinstance(m, MoEFeedForward)]

@@ -37,24 +37,13 @@ batched matmuls, and the results are gathered back and weighted. No Python loop 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass
-class MoEArgs:
-    n_experts: int = 0  # 0: every block keeps its dense SwiGLU
-    top_k: int = 2
-    capacity_factor: float | None = 1.25  # None: dropless
-    every_n_layers: int = 1  # layer i is MoE when i % every_n_layers == 0 (Megatron's moe_layer_freq)
-    ffn_hidden: int | None = None  # each expert's hidden width; None: the dense block's
-
-    def is_moe_layer(self, layer_id: int) -> bool:
-        return self.n_experts > 0 and layer_id % self.every_n_layers == 0
+from kiln.model.config import MoEConfig
 
 
 def expert_capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float | None) -> int:
@@ -113,7 +102,7 @@ class Experts(nn.Module):
 
 
 class MoEFeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int, m: MoEArgs) -> None:
+    def __init__(self, dim: int, hidden: int, m: MoEConfig) -> None:
         super().__init__()
         if not 1 <= m.top_k <= m.n_experts:
             raise ValueError(f"top_k={m.top_k} must be between 1 and n_experts={m.n_experts}")

@@ -230,13 +230,13 @@ def check_loader(cfg: Config, device_tflops: float, d: DoctorConfig) -> Check:
     """The loader must keep up with the fastest the device could consume tokens: measured TFLOP/s / FLOPs per token."""
     from kiln.manifest import read_manifest
     from kiln.ops.probes import loader_tokens_per_s
-    from kiln.train.trainer import build_model
+    from kiln.model.build import build_model
 
     shards = cfg.out / "shards"
     if not (shards / "manifest.json").is_file():
         return skip("loader", f"no shards at {shards} yet (run `kiln pack` first)")
     vocab = int(read_manifest(shards)["vocab_size"])
-    flops_per_token = build_model(cfg, vocab).flops_per_token(cfg.pack.seq_len)
+    flops_per_token = build_model(cfg.model, vocab, cfg.pack.seq_len).flops_per_token(cfg.pack.seq_len)
     need = device_tflops * 1e12 / flops_per_token
     got = loader_tokens_per_s(shards, cfg.train.batch_size, cfg.seed, d.probe_seconds)
     ok = got >= need

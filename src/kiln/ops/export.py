@@ -96,9 +96,7 @@ def token_names(cfg: Config, tok) -> dict[str, str | None]:
 
 
 def hf_config(cfg: Config, vocab_size: int, tok, where: Path = Path(".")) -> dict:
-    from kiln.train.trainer import build_model
-
-    args = build_model(cfg, vocab_size).args  # the resolved sizes (ffn hidden, kv heads) the weights have
+    args = cfg.model  # its properties are the resolved sizes (ffn hidden, kv heads) the weights have
     moe = moe_settings(cfg, where)
     rope = rope_parameters(cfg)
     config = {
@@ -113,7 +111,7 @@ def hf_config(cfg: Config, vocab_size: int, tok, where: Path = Path(".")) -> dic
         "num_key_value_heads": args.kv_heads,
         "head_dim": args.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": args.max_seq_len,
+        "max_position_embeddings": cfg.pack.seq_len,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
         "rope_parameters": rope,

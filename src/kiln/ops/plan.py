@@ -51,10 +51,10 @@ def _peak(cfg: Config) -> tuple[str, float | None]:
 
 
 def make_plan(cfg: Config) -> dict:
-    from kiln.train.trainer import build_model
+    from kiln.model.build import build_model
 
     with torch.device("meta"):  # sizes only: a 70B config must not allocate 280 GB here
-        model = build_model(cfg, _vocab(cfg))
+        model = build_model(cfg.model, _vocab(cfg), cfg.pack.seq_len)
     n = model.num_params(non_embedding=True)
     tokens_per_step = cfg.train.batch_size * cfg.pack.seq_len
     d = cfg.plan.tokens or cfg.train.max_steps * tokens_per_step

@@ -151,7 +151,7 @@ def apply_fsdp(model: nn.Module, d: Dist, mesh_shape: list[int] | None, param_dt
 
     from kiln.train.precision import modules_of_kind
 
-    if model.args.tie_embeddings and {"output", "embeddings"} & set(fp32_kinds):
+    if model.config.tie_embeddings and {"output", "embeddings"} & set(fp32_kinds):
         raise ValueError("train.fp32_modules with 'output' or 'embeddings' needs untied embeddings under FSDP2 "
                          "(one weight cannot sit in two shard groups of different dtypes); set "
                          "model.tie_embeddings: false, or use parallel.mode=ddp")

@@ -20,10 +20,11 @@ import torch.distributed as dist
 
 from kiln.config import Config
 from kiln.errors import KilnError
-from kiln.eval import next_token_loss, sample_batches, summed_loss
+from kiln.eval import sample_batches, summed_loss
 from kiln.eval.mc import DownstreamTasks
 from kiln.manifest import remove_stale_staging, write_atomic
-from kiln.model import Llama, ModelArgs, MoEArgs, RopeScaling
+from kiln.model.build import build_model
+from kiln.model.loss import next_token_loss
 from kiln.tokenizer import tokenizer_sha256
 from kiln.train import checkpoint as ckpt
 from kiln.train import consensus, parallel
@@ -48,18 +49,6 @@ from kiln.train.watchdog import Watchdog
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # What must match for a checkpoint to be resumed exactly; the rest is reported as a warning.
 ENV_KEYS = ("python", "torch", "cuda", "nccl", "gpus", "kiln")
-
-
-def build_model(cfg: Config, vocab_size: int) -> Llama:
-    m = cfg.model
-    rope_scaling = RopeScaling(**m.rope_scaling.model_dump()) if m.rope_scaling else None
-    moe = MoEArgs(n_experts=m.moe.n_experts, top_k=m.moe.top_k, capacity_factor=m.moe.capacity_factor,
-                  every_n_layers=m.moe.every_n_layers, ffn_hidden=m.moe.ffn_hidden) if m.moe.n_experts else None
-    args = ModelArgs(vocab_size=vocab_size, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-                     ffn_hidden=m.ffn_hidden, multiple_of=m.multiple_of, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
-                     max_seq_len=cfg.pack.seq_len, tie_embeddings=m.tie_embeddings, init_std=m.init_std,
-                     rope_scaling=rope_scaling, moe=moe)
-    return Llama(args)
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -118,7 +107,7 @@ class Trainer:
         except ValueError as exc:
             raise KilnError(str(exc)) from None
 
-        self.model = build_model(cfg, vocab).to(self.d.device)
+        self.model = build_model(cfg.model, vocab, cfg.pack.seq_len).to(self.d.device)
         self.flops_per_token = self.model.flops_per_token(cfg.pack.seq_len)
         self.moe = cfg.model.moe.n_experts > 0
         self.mode = parallel.parallel_mode(cfg.parallel.mode, self.d)
