@@ -11,7 +11,10 @@ import pytest
 
 from conftest import tiny_config
 from kiln.cli import main as kiln
-from kiln.ops.doctor import check_disk, check_env, compare_env, fingerprint
+from kiln import env
+from kiln.config import load_config
+from kiln.env import compare, fingerprint
+from kiln.ops.doctor import check_disk, check_env
 from kiln.ops.nvml import gpu_checks
 
 FAST = ["doctor.probe_seconds=0.2", "doctor.allreduce_small_bytes=4096", "doctor.allreduce_large_bytes=1048576"]
@@ -25,6 +28,16 @@ def config(prepared, tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(tiny_config(out).to_yaml())
     return path
+
+
+@pytest.fixture
+def trained_run(config):
+    """The run folder of 2 real training steps on the config: its env.json is what the trainer writes."""
+    from kiln.train.trainer import Trainer
+
+    cfg = load_config(config, ["train.max_steps=2", "train.eval_every=0"])
+    Trainer(cfg, log=lambda *_: None).run()
+    return cfg.out / "run"
 
 
 def doctor_json(capsys, *args) -> tuple[int, dict]:
@@ -60,12 +73,11 @@ def test_doctor_passes_here_with_every_probe_measured(config, monkeypatch, capsy
     assert fp == {**fingerprint(), "ram_gb": fp["ram_gb"]} and fp["torch"].startswith("2.")
 
 
-def test_doctor_fails_usefully_when_checks_are_broken_on_purpose(config, tmp_path, monkeypatch, capsys):
+def test_doctor_fails_usefully_when_checks_are_broken_on_purpose(config, trained_run, monkeypatch, capsys):
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")  # a leftover from debugging
-    recorded = {**fingerprint(), "torch": "2.0.0", "ram_gb": 1.0}
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "env.json").write_text(json.dumps(recorded))
-    rc, report = doctor_json(capsys, "--config", str(config), "--against", str(tmp_path / "run"),
+    recorded = json.loads((trained_run / "env.json").read_text())  # as the trainer wrote it
+    (trained_run / "env.json").write_text(json.dumps({**recorded, "torch": "2.0.0", "ram_gb": 1.0}))
+    rc, report = doctor_json(capsys, "--config", str(config), "--against", str(trained_run),
                              "doctor.min_free_disk_gb=1e9")  # more than any disk here
     bad = {c["name"]: c for c in report["checks"] if not c["ok"]}
     assert rc == 1 and set(bad) == {"env", "disk", "against_run"}, bad
@@ -89,10 +101,30 @@ def test_disk_check_measures_the_filesystem_the_out_dir_will_be_on(tmp_path):
     assert c.ok and f"at {tmp_path}" in c.detail
 
 
+def test_against_reports_a_driver_change_in_the_env_json_the_trainer_wrote(trained_run, capsys):
+    recorded = json.loads((trained_run / "env.json").read_text())
+    assert set(env.PINNED) <= set(recorded) and recorded == {**fingerprint(), "ram_gb": recorded["ram_gb"]}
+    (trained_run / "env.json").write_text(json.dumps({**recorded, "driver": "535.54.03"}))
+    rc, report = doctor_json(capsys, "--against", str(trained_run.parent))  # an out_dir finds run/env.json
+    bad = {c["name"]: c for c in report["checks"] if not c["ok"]}
+    assert rc == 1 and "against_run" in bad and "(driver)" in bad["against_run"]["fix"]
+    assert f"driver: 535.54.03 -> {recorded['driver']}" in bad["against_run"]["detail"]
+    assert report["against"] == [{"key": "driver", "recorded": "535.54.03", "now": recorded["driver"], "pinned": True}]
+
+
+def test_a_resume_judges_by_the_same_pinned_list_as_the_doctor():
+    now = {**fingerprint(), "driver": "550.54.15"}
+    recorded = {**now, "driver": "535.54.03", "os": "Linux-other", "layout": {"world_size": 2}}
+    assert env.resume_mismatches(recorded, now) == {"driver": ("535.54.03", "550.54.15")}  # os, layout: reported only
+    assert [d["key"] for d in compare(recorded, now) if d["pinned"]] == ["driver"]
+    older = {k: v for k, v in now.items() if k != "driver"}  # a record from before the driver was recorded
+    assert env.resume_mismatches(older, now) == {}
+
+
 def test_against_compares_gpu_names_as_the_trainer_records_them():
     now = {"torch": "2.13.0", "gpus": [{"name": "NVIDIA H100", "memory_gb": 79.6}], "os": "Linux"}
-    assert compare_env({"torch": "2.13.0", "gpus": ["NVIDIA H100"]}, now) == []
-    assert compare_env({"gpus": ["NVIDIA A100"]}, now) == [
+    assert compare({"torch": "2.13.0", "gpus": ["NVIDIA H100"]}, now) == []
+    assert compare({"gpus": ["NVIDIA A100"]}, now) == [
         {"key": "gpus", "recorded": ["NVIDIA A100"], "now": ["NVIDIA H100"], "pinned": True}]
 
 

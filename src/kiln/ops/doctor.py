@@ -3,7 +3,8 @@
 The checks, in the order the field reports diagnose a slow or failing launch: the software stack, the
 host's limits (disk, /dev/shm, open files), environment variables known to hurt, then measured
 throughput (data loader, matmul, all-reduce) and the GPUs' hardware state through NVML.
-`fingerprint()` is also what a run records in `run/env.json`; `--against RUN_DIR` compares the two.
+The fingerprint and what must match (kiln.env) are also what a run records in `run/env.json`;
+`--against RUN_DIR` compares the two.
 """
 
 from __future__ import annotations
@@ -16,67 +17,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from kiln import __version__
 from kiln.config import Config, DoctorConfig
+from kiln.env import compare, fingerprint
 from kiln.errors import KilnError
 from kiln.ops.check import Check, guarded, print_checks, skip
-
-# Differences in these between a recorded run and now change numerics or break collectives: a failed check.
-PINNED = ("kiln", "python", "torch", "cuda", "nccl", "driver", "gpus")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def fingerprint(nvml=None) -> dict:
-    """What a run depends on: versions, devices and host size. Plain JSON; a run stores it as run/env.json."""
-    import torch
-
-    from kiln.ops.nvml import driver_version, load_nvml
-
-    fp = {
-        "kiln": __version__, "python": platform.python_version(), "os": platform.platform(),
-        "cpu": _cpu_model(), "cpu_count": os.cpu_count(),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
-        "nccl": None, "driver": None, "gpus": [],
-    }
-    try:
-        fp["ram_gb"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError):
-        fp["ram_gb"] = None
-    if torch.cuda.is_available():
-        fp["gpus"] = [{"name": torch.cuda.get_device_name(i),
-                       "memory_gb": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
-                      for i in range(torch.cuda.device_count())]
-        fp["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    nvml = nvml or load_nvml()
-    if nvml is not None:
-        fp["driver"] = driver_version(nvml)
-    return fp
-
-
-def _gpu_names(value):
-    return [g.get("name") if isinstance(g, dict) else g for g in value] if isinstance(value, list) else value
-
-
-def compare_env(recorded: dict, now: dict) -> list[dict]:
-    """Every key the run recorded whose value differs now, marked `pinned` when the difference should stop a resume.
-
-    GPUs compare by model name (a run may record names only; memory follows from the model)."""
-    diffs = []
-    for k in sorted(recorded):
-        was, is_ = (_gpu_names(recorded[k]), _gpu_names(now.get(k))) if k == "gpus" else (recorded[k], now.get(k))
-        if was != is_:
-            diffs.append({"key": k, "recorded": was, "now": is_, "pinned": k in PINNED})
-    return diffs
-
 
 def recorded_env(run_dir: Path) -> dict:
     """run/env.json of a run; RUN_DIR may be the run folder or the out_dir above it."""
@@ -323,7 +267,7 @@ def collect(cfg: Config | None, out_dir: Path, against: Path | None = None,
     )
     diffs = None
     if against is not None:
-        diffs = compare_env(recorded_env(against), fp)
+        diffs = compare(recorded_env(against), fp)
         pinned = [x for x in diffs if x["pinned"]]
         text = "; ".join(f"{x['key']}: {x['recorded']} -> {x['now']}" for x in diffs) or "same environment"
         checks.append(Check("against_run", not pinned, text,

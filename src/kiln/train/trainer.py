@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kiln import env
 from kiln.config import Config
 from kiln.errors import KilnError
 from kiln.eval import sample_batches, summed_loss
@@ -47,8 +48,6 @@ from kiln.train.telemetry import Telemetry
 from kiln.train.watchdog import Watchdog
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-# What must match for a checkpoint to be resumed exactly; the rest is reported as a warning.
-ENV_KEYS = ("python", "torch", "cuda", "nccl", "gpus", "kiln")
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -58,13 +57,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
         if p.requires_grad:
             (no_decay if p.ndim < 2 or "tok_embeddings" in name else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def env_fingerprint() -> dict[str, Any]:
-    from kiln.ops.doctor import fingerprint
-
-    fp = fingerprint()
-    return {k: ([g.get("name") for g in fp[k]] if k == "gpus" else fp.get(k)) for k in ENV_KEYS}
 
 
 class Trainer:
@@ -231,8 +223,7 @@ class Trainer:
         return folder
 
     def _check_env(self, saved: dict[str, Any], folder: Path) -> None:
-        now = env_fingerprint()
-        diff = {k: (saved.get(k), now[k]) for k in ENV_KEYS if saved.get(k) != now[k]}
+        diff = env.resume_mismatches(saved)
         if not diff:
             return
         text = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in diff.items())
@@ -269,7 +260,7 @@ class Trainer:
                  "budget": self.budget.state_dict(), "schedule": self.schedule.state_dict(),
                  "scaler": self.scaler.state_dict() if self.scaler else None, "data_resets": self.data_resets}
         fields = {"config_hash": self.config_hash, "data_fingerprint": self.data_fingerprint,
-                  "env": {**env_fingerprint(), "layout": self.layout}}
+                  "env": {**env.fingerprint(), "layout": self.layout}}
         vals = {int(s): v for s, v in self.history["val_loss"].items() if int(s) > 0}
         best = min(vals, key=vals.get) if (cfg.checkpoint.keep_best and vals) else None
         if self.saver.async_save:  # the snapshot must not change while the thread writes
@@ -455,7 +446,7 @@ class Trainer:
         if self.d.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_atomic(self.run_dir / "config.yaml", cfg.to_yaml())
-            write_atomic(self.run_dir / "env.json", json.dumps(env_fingerprint(), indent=1))
+            write_atomic(self.run_dir / "env.json", json.dumps(env.fingerprint(), indent=1))
             self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", self.step if resumed else -1,
                                       self.run_dir / "tensorboard" if "tensorboard" in t.loggers else None,
                                       open_sinks(t.loggers, self.run_dir, cfg.model_dump(mode="json"), t.wandb_project))
