@@ -49,7 +49,8 @@ _CHILD = r"""
 import json, sys
 from pathlib import Path
 from kiln.config import DataConfig
-from kiln.data.pipeline import read_docs, read_part, run_data
+from kiln.data.docs import read_docs, read_part
+from kiln.data.pipeline import run_data
 inputs, out = json.loads(sys.argv[1]), Path(sys.argv[2])
 run_data(inputs, out, DataConfig())
 kept = {d["url"]: d["lang"] for d in read_docs(out)}

@@ -198,7 +198,7 @@ def run(corpus: Path, out: Path, workers: int) -> dict:
 
 
 def score(out: Path, truth: dict) -> dict:
-    from kiln.data.pipeline import read_part
+    from kiln.data.docs import read_part
 
     removed, filtered = set(), set()  # by dedup; by an earlier stage (language ID, gates)
     for part in sorted((out / "docs" / "rejects").glob("part-*.jsonl.zst")):

@@ -50,7 +50,7 @@ if __name__ == "__main__":
 
 def prepare(tmp: Path) -> tuple[Path, Path]:
     from kiln.config import build_config
-    from kiln.data.pipeline import read_docs
+    from kiln.data.docs import read_docs
     from kiln.flow import run_data_stage, run_tokenizer_stage
 
     cfg = build_config({"out_dir": str(tmp / "out"), "data": {"inputs": [str(ROOT / "examples/data/sample.warc.gz")],

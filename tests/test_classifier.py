@@ -16,7 +16,7 @@ pytest.importorskip("floret")
 from conftest import english_pages, write_warc
 
 from kiln.cli import main as kiln
-from kiln.data.pipeline import read_docs, read_part
+from kiln.data.docs import read_docs, read_part
 
 SALES = [
     "amazing",

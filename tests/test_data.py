@@ -36,7 +36,8 @@ from kiln.config import DataConfig
 from kiln.data.dedup import text_key
 from kiln.data.extract import binary_fraction, decode_html, looks_binary
 from kiln.data.gates import low_letters, repetitive_lines, too_short
-from kiln.data.pipeline import expand_inputs, read_docs, run_data
+from kiln.data.docs import read_docs
+from kiln.data.pipeline import expand_inputs, run_data
 from kiln.errors import KilnError
 from kiln.manifest import MANIFEST, read_manifest, verify_folder
 

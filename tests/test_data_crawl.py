@@ -13,7 +13,8 @@ from fastwarc.warc import ArchiveIterator, WarcRecordType
 
 from conftest import SAMPLE_WARC, write_warc
 from kiln.config import DataConfig
-from kiln.data.pipeline import read_docs, run_data
+from kiln.data.docs import read_docs
+from kiln.data.pipeline import run_data
 
 REAL = ["ch03.en.html", "ch04.de.html", "ch05.fr.html", "ch06.es.html", "ch08.it.html", "ch03.ja.html",
         "ch04.zh-cn.html", "ch04.pt.html"]

@@ -16,7 +16,8 @@ from conftest import write_warc
 from kiln.config import DataConfig
 from kiln.data.extract import resiliparse_text
 from kiln.data.gates.text import TextView
-from kiln.data.pipeline import read_docs, read_part, run_data
+from kiln.data.docs import read_docs, read_part
+from kiln.data.pipeline import run_data
 
 DOCS_WARC = Path(__file__).parent / "data" / "docs_pages.warc.gz"
 LANGS = {"de", "fr", "ja", "ko", "nl", "pt", "ru", "zh", "en"}

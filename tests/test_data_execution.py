@@ -24,7 +24,8 @@ import pytest
 from conftest import write_warc
 from kiln.config import DataConfig
 from kiln.data.executor import run_tasks
-from kiln.data.pipeline import plan_tasks, read_docs, read_part, run_data
+from kiln.data.docs import read_docs, read_part
+from kiln.data.pipeline import plan_tasks, run_data
 from kiln.errors import KilnError
 from kiln.data.read import find_member
 from test_data import BASIC_GATES_ONLY, assert_same_output, english, members, page, rejects

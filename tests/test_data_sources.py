@@ -19,7 +19,8 @@ import zstandard
 
 from conftest import html_page, write_warc
 from kiln.config import DataConfig
-from kiln.data.pipeline import read_docs, run_data
+from kiln.data.docs import read_docs
+from kiln.data.pipeline import run_data
 from kiln.errors import KilnError
 from test_data import BASIC_GATES_ONLY, GERMAN, SHORT, english, members, read_member, rejects
 

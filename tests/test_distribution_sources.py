@@ -16,7 +16,8 @@ from conftest import tiny_config
 
 from kiln.config import DataConfig, SourceConfig, build_config
 from kiln.data.gates.distribution import NO_HOST, source_group
-from kiln.data.pipeline import read_docs, run_data
+from kiln.data.docs import read_docs
+from kiln.data.pipeline import run_data
 from kiln.errors import ConfigError, KilnError
 from kiln.ops.report import composition_table
 from kiln.shards.format import ShardSet

@@ -366,7 +366,7 @@ def test_missing_remote_manifest_is_a_clear_error(tmp_path):
 def test_weight_from_the_data_stage_scales_a_source_share(prepared, tmp_path):
     """`weight: data`: a source's share is its size times the data stage's distribution weight,
     averaged over its training tokens (recorded by pack as `data_weight`)."""
-    from kiln.data.pipeline import read_docs
+    from kiln.data.docs import read_docs
 
     docs = prepared.out / "docs"
     sources = {d["source"] for d in read_docs(docs)}

@@ -18,7 +18,7 @@ import torch
 from conftest import ROOT, english_pages, tiny_config, warc_pages, write_warc
 
 from kiln.cli import main as kiln
-from kiln.data.pipeline import read_docs, read_part
+from kiln.data.docs import read_docs, read_part
 from kiln.eval import load_eval_model, summed_loss, text_windows
 from kiln.tokenizer import eos_id
 from kiln.train.checkpoint import list_checkpoints

@@ -125,7 +125,7 @@ def test_report_has_the_users_plots_rounded_numbers_and_the_config_changes(run_d
 
 
 def test_data_stage_and_pack_count_what_the_report_shows(prepared):
-    from kiln.data.pipeline import read_docs
+    from kiln.data.docs import read_docs
     from kiln.shards.pack import split_of
 
     stats = json.loads((prepared.out / "docs" / "stats.json").read_text())

@@ -26,7 +26,8 @@ from conftest import ROOT, SAMPLE_WARC, tiny_config, write_warc
 from kiln.cli import main as kiln
 from kiln.config import load_config
 from kiln.data.document import ReadReport
-from kiln.data.pipeline import PartWriter, read_docs, run_data
+from kiln.data.docs import PartWriter, read_docs
+from kiln.data.pipeline import run_data
 from kiln.data.sources import read_jsonl
 from kiln.errors import ConfigError, IntegrityError, KilnError
 from kiln.manifest import read_manifest, staging_dir, verify_folder, write_manifest

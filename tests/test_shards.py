@@ -49,7 +49,7 @@ import pytest
 
 from kiln.cli import main as cli_main
 from kiln.config import PackConfig
-from kiln.data.pipeline import read_docs
+from kiln.data.docs import read_docs
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import read_manifest
 from kiln.shards.format import (

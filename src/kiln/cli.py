@@ -119,7 +119,7 @@ def cmd_data_explain(keys: list[str], docs_dir: Path) -> int:
 
 def cmd_tokenizer_train(args) -> int:
     from kiln.config import load_config
-    from kiln.data.pipeline import read_docs
+    from kiln.data.docs import read_docs
     from kiln.data.rejections import few_documents_message
     from kiln.tokenizer import train_tokenizer
 
@@ -134,7 +134,7 @@ def cmd_tokenizer_train(args) -> int:
 
 def cmd_pack(args) -> int:
     from kiln.config import load_config
-    from kiln.data.pipeline import read_docs
+    from kiln.data.docs import read_docs
     from kiln.shards.pack import pack
 
     cfg = load_config(args.config, args.overrides)

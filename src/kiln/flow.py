@@ -8,7 +8,8 @@ import time
 from typing import Any, Callable
 
 from kiln.config import Config
-from kiln.data.pipeline import expand_inputs, fingerprint as data_fingerprint, read_docs, run_data
+from kiln.data.docs import read_docs
+from kiln.data.pipeline import expand_inputs, fingerprint as data_fingerprint, run_data
 from kiln.data.rejections import few_documents_message
 from kiln.errors import KilnError
 from kiln.manifest import is_complete, read_manifest

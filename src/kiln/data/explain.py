@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from kiln.data.document import SCORE_FIELDS
-from kiln.data.pipeline import read_part
+from kiln.data.docs import read_part
 from kiln.errors import KilnError
 from kiln.manifest import read_manifest
 

@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import zstandard
 
@@ -32,6 +32,7 @@ from kiln.data.dedup import LEDGER, write_ledger
 from kiln.data.dedup.index import add_run, runs_before
 from kiln.data.dedup.stages import Signer, Verdicts, dedup_layout, run_stages
 from kiln.data.gates.distribution import Composition, SourceProfiles, record_field, source_group
+from kiln.data.docs import PartWriter, read_part
 from kiln.data.document import Document, ReadReport
 from kiln.data.executor import engine, run_tasks
 from kiln.data.extract import extract
@@ -239,38 +240,7 @@ def _commit(work: Path, result: tuple[dict[str, Any], dict[str, bytes]]) -> dict
     return summary
 
 
-def read_part(path: Path) -> Iterator[dict[str, Any]]:
-    """The records of one zstd-compressed JSONL file (a docs part, a rejects part, a task's outcomes), streamed."""
-    with open(path, "rb") as f:
-        for line in io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(f), encoding="utf-8"):
-            if line.strip():
-                yield json.loads(line)
-
-
 # --- the stage ------------------------------------------------------------------------------------
-
-class PartWriter:
-    """Writes records as part-NNNNN.jsonl.zst files of at most `per_part` records each."""
-
-    def __init__(self, folder: Path, per_part: int) -> None:
-        self.folder, self.per_part = folder, per_part
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.parts, self.buffer = 0, []
-
-    def add(self, rec: dict[str, Any]) -> None:
-        self.buffer.append(json.dumps(rec, ensure_ascii=False))
-        if len(self.buffer) >= self.per_part:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.buffer or self.parts == 0:
-            data = ("\n".join(self.buffer) + "\n" if self.buffer else "").encode()
-            (self.folder / f"part-{self.parts:05d}.jsonl.zst").write_bytes(
-                zstandard.ZstdCompressor(level=3).compress(data)
-            )
-            self.parts += 1
-            self.buffer = []
-
 
 def check_config(cfg: DataConfig) -> None:
     """What can be checked before any work starts."""
@@ -525,10 +495,3 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
             }
         },
     }
-
-
-def read_docs(folder: Path) -> Iterable[dict[str, Any]]:
-    """Kept documents of a docs folder, in order, verified against its manifest (`DocsReader`)."""
-    from kiln.data.docs_reader import DocsReader
-
-    return DocsReader(folder)

@@ -96,7 +96,7 @@ def _record_fields(docs_dir) -> list[str] | None:
     import json
     from pathlib import Path
 
-    from kiln.data.pipeline import read_part
+    from kiln.data.docs import read_part
     from kiln.data.sources import _lines, is_url, open_input
 
     for part in sorted((Path(docs_dir) / "rejects").glob("part-*.jsonl.zst")):

@@ -35,7 +35,7 @@ def write_rows(path: Path, rows: Iterable[dict[str, Any]]) -> None:
 
 def read_rows(path: Path) -> dict[int, dict[str, Any]]:
     """{doc: row} of one shard's side file (memory: that shard's documents)."""
-    from kiln.data.pipeline import read_part
+    from kiln.data.docs import read_part
 
     return {row["doc"]: row for row in read_part(Path(path))}
 

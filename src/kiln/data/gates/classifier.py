@@ -158,7 +158,7 @@ def cut_below(docs: Iterator, lowest_bin: int, fraction: float) -> Iterator:
 def _texts(path: str) -> Iterator[str]:
     """Documents of a kiln docs folder, a JSONL file (.jsonl/.gz/.zst, field `text`), or a text file."""
     from kiln.data.document import ReadReport
-    from kiln.data.pipeline import read_docs
+    from kiln.data.docs import read_docs
     from kiln.data.sources import input_format, read_jsonl
 
     p = Path(path)

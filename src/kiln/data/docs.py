@@ -1,4 +1,7 @@
-"""Reading a committed docs folder back, verified against its manifest without a second pass.
+"""The docs/ format: part-NNNNN.jsonl.zst files of JSON records (kept documents; rejects/ and review/ too),
+written by `PartWriter`, read back by `read_part`, and a committed docs folder read by `read_docs`, verified
+against its manifest without a second pass. The pipeline writes it; the tokenizer, pack, explain and the
+report read it, through this module only.
 
 Iterating `DocsReader(folder)` first checks that every part the manifest lists is there with its size (a
 deleted or cut part stops here, before the first document is handed out); while the documents stream, each part's
@@ -13,7 +16,7 @@ import io
 import json
 import re
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterable, Iterator
 
 import zstandard
 
@@ -89,3 +92,39 @@ class DocsReader:
             if digest != manifest["files"][name]["sha256"]:
                 raise IntegrityError(f"{path}: sha256 {digest[:16]}… != {MANIFEST}; the docs folder changed after "
                                      f"`kiln data` wrote it, run `kiln data` again")
+
+
+def read_docs(folder: Path) -> Iterable[dict[str, Any]]:
+    """Kept documents of a docs folder, in order, verified against its manifest (`DocsReader`)."""
+    return DocsReader(folder)
+
+
+def read_part(path: Path) -> Iterator[dict[str, Any]]:
+    """The records of one zstd-compressed JSONL file (a docs part, a rejects part, a task's outcomes), streamed."""
+    with open(path, "rb") as f:
+        for line in io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(f), encoding="utf-8"):
+            if line.strip():
+                yield json.loads(line)
+
+
+class PartWriter:
+    """Writes records as part-NNNNN.jsonl.zst files of at most `per_part` records each."""
+
+    def __init__(self, folder: Path, per_part: int) -> None:
+        self.folder, self.per_part = folder, per_part
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.parts, self.buffer = 0, []
+
+    def add(self, rec: dict[str, Any]) -> None:
+        self.buffer.append(json.dumps(rec, ensure_ascii=False))
+        if len(self.buffer) >= self.per_part:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.buffer or self.parts == 0:
+            data = ("\n".join(self.buffer) + "\n" if self.buffer else "").encode()
+            (self.folder / f"part-{self.parts:05d}.jsonl.zst").write_bytes(
+                zstandard.ZstdCompressor(level=3).compress(data)
+            )
+            self.parts += 1
+            self.buffer = []
