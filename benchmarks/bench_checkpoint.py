@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kiln.model import Llama, ModelConfig
+from kiln.model.config import ModelConfig
+from kiln.model.llama import Llama
 from kiln.train.checkpoint import Saver, load_checkpoint, rng_state, snapshot, write_checkpoint
 
 VOCAB, ARGS = 32_000, ModelConfig(dim=512, n_layers=8, n_heads=8)

@@ -283,7 +283,8 @@ def test_compiled_moe_model_under_activation_checkpointing_has_no_graph_break(mo
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
 
-    from kiln.model import Llama, ModelConfig, MoEConfig
+    from kiln.model.config import ModelConfig, MoEConfig
+    from kiln.model.llama import Llama
     from kiln.model.loss import next_token_loss
 
     monkeypatch.setattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", False)

@@ -1,8 +1,5 @@
-"""The model: its config, the architecture, its loss and how it is built. Pure math, no I/O, no distributed
-code, nothing from kiln outside kiln.model (tests/test_layout.py checks it)."""
+"""The model: config.py (the `model:` section, pydantic only), llama.py and moe.py (the architecture), loss.py
+(next-token cross-entropy), build.py (build_model). Pure math, no I/O, no distributed code, nothing from kiln
+outside kiln.model (tests/test_layout.py checks it).
 
-from kiln.model.build import build_model
-from kiln.model.config import ModelConfig, MoEConfig, RopeScalingConfig
-from kiln.model.llama import Llama
-
-__all__ = ["Llama", "ModelConfig", "MoEConfig", "RopeScalingConfig", "build_model"]
+Nothing is imported here: `kiln.config` reads model/config.py, and that must not load torch."""
