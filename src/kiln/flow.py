@@ -12,7 +12,7 @@ from kiln.data.docs import read_docs
 from kiln.data.pipeline import expand_inputs, fingerprint as data_fingerprint, run_data
 from kiln.data.rejections import few_documents_message
 from kiln.errors import KilnError
-from kiln.manifest import is_complete, read_manifest
+from kiln.manifest import MANIFEST, is_complete, read_manifest, sha256_file
 from kiln.shards.pack import pack
 from kiln.train.console import stage_progress, stderr_is_terminal
 from kiln.tokenizer import tokenizer_sha256, train_tokenizer, use_tokenizer
@@ -20,10 +20,6 @@ from kiln.tokenizer import tokenizer_sha256, train_tokenizer, use_tokenizer
 
 def _hash(*parts: str) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-
-def _manifest_sha(folder) -> str:
-    return hashlib.sha256((folder / "manifest.json").read_bytes()).hexdigest()
 
 
 def run_data_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
@@ -51,7 +47,7 @@ def run_tokenizer_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, An
             log(f"tokenizer: using {cfg.tokenizer.path} -> {out}")
             use_tokenizer(out, cfg.tokenizer, fingerprint=fp)
         return read_manifest(out)
-    fp = _hash(_manifest_sha(docs), cfg.section_hash("tokenizer"))
+    fp = _hash(sha256_file(docs / MANIFEST), cfg.section_hash("tokenizer"))
     if is_complete(out, fp):
         log(f"tokenizer: skipping, {out} is complete and up to date")
     else:
@@ -63,7 +59,7 @@ def run_tokenizer_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, An
 
 def run_pack_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
     docs, tok, out = cfg.out / "docs", cfg.out / "tokenizer", cfg.out / "shards"
-    fp = _hash(_manifest_sha(docs), tokenizer_sha256(tok), cfg.section_hash("pack"))
+    fp = _hash(sha256_file(docs / MANIFEST), tokenizer_sha256(tok), cfg.section_hash("pack"))
     if is_complete(out, fp):
         log(f"pack: skipping, {out} is complete and up to date")
     else:
@@ -74,11 +70,11 @@ def run_pack_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
 
 
 def run_train_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
-    from kiln.train.checkpoint import latest_valid
+    from kiln.train.checkpoint import latest_valid, step_of
     from kiln.train.trainer import Trainer
 
     latest = latest_valid(cfg.out / "run" / "checkpoints", log=log)
-    if latest is not None and int(latest.name.split("-")[1]) >= cfg.train.max_steps:
+    if latest is not None and step_of(latest) >= cfg.train.max_steps:
         log(f"train: skipping, {latest} already reached train.max_steps={cfg.train.max_steps}")
     else:
         log(f"train: {cfg.train.max_steps} steps -> {cfg.out / 'run'}")
