@@ -154,6 +154,26 @@ def test_keep_top_fraction_keeps_that_share_whatever_the_workers(trained):
         assert x.read_bytes() == y.read_bytes()
 
 
+def test_keep_top_fraction_cuts_after_dedup_so_duplicates_are_found(trained):
+    """The dedup stages number the kept documents before any cut; the cut must come after their verdicts, or a
+    cut page ahead of a duplicate shifts the numbers: the duplicate is kept and another page dropped instead."""
+    tmp, model, _, good, _ = trained
+    pages = {u: p for u, p in english_pages()}
+    rng = random.Random(2)
+    shop = [(f"http://cheap{i}.example/", f"<html><body><p>{sales_copy(rng)}</p></body></html>".encode())
+            for i in range(2)]
+    urls = sorted(good)
+    copy = "http://mirror.example/copy"
+    records = shop + [(u, pages[u]) for u in urls[:1]] + [(copy, pages[urls[0]])] + [(u, pages[u]) for u in urls[1:]]
+    warc = write_warc(tmp / "dup.warc.gz", [(u, p, "text/html") for u, p in records])
+    out = tmp / "top-dedup"
+    assert kiln(["data", str(warc), "--out", str(out), f"data.quality.classifier.model={model}",
+                 "data.quality.classifier.keep_top_fraction=0.7"]) == 0
+    assert {d["url"] for d in read_docs(out)} == good
+    why = {u: r["reason"] for u, r in rejects(out).items()}
+    assert why == {copy: "exact_duplicate", **{u: "classifier_below_top_fraction" for u, _ in shop}}, why
+
+
 def test_classifier_config_errors(trained, tmp_path, capsys):
     _, model, warc, _, _ = trained
     assert kiln(["data", str(warc), "--out", str(tmp_path / "x"), f"data.quality.classifier.model={tmp_path}/none.bin",

@@ -35,13 +35,12 @@ from kiln.data.gates.distribution import Composition, SourceProfiles, record_fie
 from kiln.data.docs import PartWriter, read_part
 from kiln.data.document import Document, ReadReport
 from kiln.data.executor import engine, run_tasks
-from kiln.data.extract import extract
-from kiln.data.gates import apply_gates, default_gates
 from kiln.data.gates.semantic import REVIEW as SEMANTIC_REVIEW
 from kiln.data.gates.semantic import prepare as prepare_semantic
-from kiln.data.language import check_model, identify_language
+from kiln.data.language import check_model
 from kiln.data.read import read_warc, splittable
 from kiln.data.shape import CorpusShape
+from kiln.data.steps import StepTimer, merge_steps, run_steps, task_steps
 from kiln.data.sources import (
     expand_inputs as _expand,
     input_format,
@@ -112,36 +111,6 @@ def work_key(data_fingerprint: str, tasks: list[Task]) -> str:
     return hashlib.sha256(json.dumps([data_fingerprint, plan, WORK_LAYOUT]).encode()).hexdigest()[:16]
 
 
-class StepTimer:
-    """Seconds spent in each step of a lazy generator chain.
-
-    Each wrapped generator is timed including the steps upstream of it (pulling a
-    document runs them); a step's own time is the difference to the step before.
-    """
-
-    def __init__(self) -> None:
-        self.cumulative: dict[str, float] = {}
-
-    def wrap(self, step: str, docs: Iterator[Document]) -> Iterator[Document]:
-        self.cumulative.setdefault(step, 0.0)  # now, in chain order (the generator below starts last-first)
-        return self._timed(step, docs)
-
-    def _timed(self, step: str, docs: Iterator[Document]) -> Iterator[Document]:
-        while True:
-            t0 = time.perf_counter()
-            doc = next(docs, None)
-            self.cumulative[step] += time.perf_counter() - t0
-            if doc is None:
-                return
-            yield doc
-
-    def own(self) -> dict[str, float]:
-        out, before = {}, 0.0
-        for step, total in self.cumulative.items():
-            out[step], before = round(max(total - before, 0.0), 4), total
-        return out
-
-
 def read_task(task: Task, cfg: DataConfig, report: ReadReport) -> Iterator[Document]:
     kind = input_format(task.source)
     fields = (cfg.text_field, cfg.id_field, cfg.url_field, record_field(cfg.distribution.source_key))
@@ -153,17 +122,8 @@ def read_task(task: Task, cfg: DataConfig, report: ReadReport) -> Iterator[Docum
 
 
 def process_task(task: Task, cfg: DataConfig, report: ReadReport, timer: StepTimer) -> Iterator[Document]:
-    docs = timer.wrap("read", read_task(task, cfg, report))
-    docs = timer.wrap("extract", extract(docs, cfg.max_page_bytes, cfg.extractor))
-    docs = timer.wrap(
-        "language", identify_language(docs, cfg.languages, cfg.lang_threshold, cfg.lang_max_chars, cfg.lang_model)
-    )
-    docs = timer.wrap("gates", apply_gates(docs, default_gates(cfg)))
-    if cfg.quality.perplexity.on:
-        from kiln.data.gates.perplexity import score_perplexity  # torch only when the gate is on
-
-        docs = timer.wrap("perplexity", score_perplexity(docs, cfg.quality.perplexity))
-    return docs
+    """A task's documents, read and through `task_steps(cfg)` (extract, language, gates, perplexity)."""
+    return run_steps(timer.wrap("read", read_task(task, cfg, report)), task_steps(cfg), timer)
 
 
 READ_ATTEMPTS = 3
@@ -325,22 +285,6 @@ def _progress_sink(progress, tasks: list[Task], todo: list[Task]):
     return nullcontext(lambda _summary: None)
 
 
-def apply_verdicts(docs: Iterator[Document], verdicts: Verdicts, first: int) -> Iterator[Document]:
-    """Reject the duplicates the dedup stages found, by document number: the kept documents in canonical
-    order are numbered from `first` (the documents of a data.dedup.index come before them)."""
-    q = first
-    for doc in docs:
-        if doc.rejection is None:
-            if (hit := verdicts.exact.get(q)) is not None:
-                doc.reject("dedup", "exact_duplicate", **hit)
-            elif (row := verdicts.near.get(q)) is not None:
-                extra = {"duplicate_in": row["survivor_run"]} if "survivor_run" in row else {}
-                doc.reject("dedup", "near_duplicate", duplicate_of=row["survivor"], similarity=row["similarity"],
-                           cluster=row["cluster"], **extra)
-            q += 1
-        yield doc
-
-
 def profile_task(args: tuple[str, int, list[int], DataConfig]) -> tuple[int, dict[str, Any]]:
     """After dedup, on a worker: the distribution profile (per-source token frequency sums) of one data
     task's kept documents, those dedup removed left out (`removed`: their numbers within the task)."""
@@ -386,28 +330,10 @@ def source_profiles(work: Path, summaries: list[dict[str, Any]], layout, verdict
     return total
 
 
-def top_fraction_cut(docs: Iterator[Document], summaries: list[dict[str, Any]]) -> Iterator[Document]:
-    """data.quality.classifier.keep_top_fraction: the cut at the score that keeps the top fraction, from the
-    tasks' score histograms. After dedup: the dedup stages number the tasks' kept documents, before any cut."""
-    fraction = summaries[0].get("keep_top_fraction") if summaries else None
-    if not fraction:
-        return docs
-    from kiln.data.gates.classifier import cut_below, top_fraction_bin
-
-    return cut_below(docs, top_fraction_bin((s["score_histogram"] for s in summaries), fraction), fraction)
-
-
 def _documents(work: Path, summaries: list[dict[str, Any]]) -> Iterator[Document]:
-    """Every task's outcomes in canonical order (with the classifier's top-fraction cut, when set)."""
-    docs = (
-        Document.from_record(rec) for s in summaries for rec in read_part(work / f"task-{s['index']:05d}.jsonl.zst")
-    )
-    fraction = summaries[0].get("keep_top_fraction") if summaries else None
-    if fraction:
-        from kiln.data.gates.classifier import cut_below, top_fraction_bin
-
-        docs = cut_below(docs, top_fraction_bin((s["score_histogram"] for s in summaries), fraction), fraction)
-    yield from docs
+    """Every task's outcomes in canonical order."""
+    for s in summaries:
+        yield from (Document.from_record(rec) for rec in read_part(work / f"task-{s['index']:05d}.jsonl.zst"))
 
 
 def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConfig, verdicts: Verdicts,
@@ -415,12 +341,10 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
     kept_w, rej_w = PartWriter(out, cfg.docs_per_part), PartWriter(out / "rejects", cfg.docs_per_part)
     review_w = PartWriter(out / "review", cfg.docs_per_part) if cfg.quality.semantic.action == "review" \
         and cfg.quality.semantic.keywords else None
-    timer = StepTimer()
-    docs = timer.wrap("tasks", _documents(work, summaries))
     if cfg.dedup.method != "none":
         write_ledger(out / LEDGER, verdicts.ledger)
-    docs = timer.wrap("dedup", apply_verdicts(docs, verdicts, first))
-    docs = top_fraction_cut(docs, summaries)
+    timer = StepTimer()
+    docs = run_steps(timer.wrap("tasks", _documents(work, summaries)), merge_steps(verdicts, first, summaries), timer)
     composition = Composition()
     edits: Counter[str] = Counter()
 
