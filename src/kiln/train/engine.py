@@ -151,9 +151,11 @@ class Engine:
 
     # --- forward/backward -------------------------------------------------------------------------
 
-    def train_step(self, micro_batches: Sequence[torch.Tensor], flags: dict[str, bool] | None = None) -> dict:
-        """Forward/backward over this rank's micro-batches, then agree on the mean loss and on `flags` (any
-        rank's True is every rank's) in one all-reduce: the one host sync of the step."""
+    def train_step(self, micro_batches: Sequence[torch.Tensor],
+                   flags: Callable[[], dict[str, bool]] = dict) -> dict:
+        """Forward/backward over this rank's micro-batches, then agree on the mean loss and on the `flags()`
+        asked for after backward (a request that came during it counts; any rank's True is every rank's) in one
+        all-reduce: the one host sync of the step."""
         tick = time.perf_counter()
         n = len(micro_batches)
         loss_sum: torch.Tensor | float = 0.0  # sums stay on the device until the one sync below
@@ -167,7 +169,7 @@ class Engine:
             loss_sum = loss_sum + loss.detach()
         t_fwd_bwd = time.perf_counter() - tick
         tick = time.perf_counter()
-        flags = flags or {}
+        flags = flags()
         agreed = torch.tensor([0.0, *map(float, flags.values())], dtype=torch.float64, device=self.d.device)
         agreed[0] = loss_sum / n
         local = [torch.as_tensor(v, dtype=torch.float64, device=self.d.device).reshape(1)

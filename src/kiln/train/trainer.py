@@ -238,7 +238,7 @@ class Trainer:
         lr = self.lr_at(step)
         batches = self.loader.next_batch()
         t_data = time.perf_counter() - tick
-        measured = {**self.engine.train_step(batches, self.flags()), "time_data_s": t_data}
+        measured = {**self.engine.train_step(batches, self.flags), "time_data_s": t_data}
         result = self.engine.optimizer_step(step, lr, measured["loss"], step % t.update_ratio_every == 0)
         if first:  # the first step of this process is over: from now on a long collective means a hung rank
             set_step_timeout(self.d, cfg.parallel.step_timeout_s)
