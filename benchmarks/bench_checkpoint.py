@@ -15,7 +15,7 @@ MB/s = the state's tensor bytes / seconds, so both sides are charged for the sam
 rounds, the two sides alternating (order flipped every round); the files are in the page cache when read.
 
 Stall: a training loop on the same model (batch 1 x 128 tokens, 2 threads) saves through `Saver` exactly as
-`Trainer._write` does (async: the snapshot is cloned at the step boundary, then written by the thread). The
+`Checkpointer._write` does (async: the snapshot is cloned at the step boundary, then written by the thread). The
 stall is the time from the step boundary until the loop may run its next step; for async saves the loop's
 step time while the background write runs is reported against its step time with no save in flight.
 
@@ -117,7 +117,7 @@ def throughput(tmp: Path, model: Llama, opt: torch.optim.Optimizer, tokenizer: P
 
 def stall(tmp: Path, model: Llama, opt: torch.optim.Optimizer, tokenizer: Path, async_save: bool,
           step: int) -> dict[str, float]:
-    """One save in the middle of a loop, as Trainer._write does it: the stall and the step times around it."""
+    """One save in the middle of a loop, as Checkpointer._write does it: the stall and the step times around it."""
     saver = Saver(async_save, log=lambda *_: None)
     quiet_steps = [train_step(model, opt) for _ in range(STALL_STEPS)]
     t0 = time.perf_counter()

@@ -17,6 +17,11 @@ RUNS runs.
 
     python -m benchmarks train_step
     KILN_BENCH_DATA=DIR python -m benchmarks train_step   # keep the prepared shards in DIR between runs
+    KILN_BENCH_OLD_SRC=/tmp/old/src python -m benchmarks train_step   # kiln against kiln-old instead of plain
+
+KILN_BENCH_OLD_SRC names the src/ of another Kiln checkout (`git worktree add /tmp/old COMMIT`): its
+`Trainer.run()` is the baseline contender `kiln-old`, run by the same worker in lockstep with this one, to show
+what a change costs. KILN_BENCH_RUNS sets the number of runs (default 5).
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ SAMPLE_WARC = ROOT / "examples" / "data" / "sample.warc.gz"
 SEQ, BATCH, THREADS = 256, 8, 2
 MODEL = {"dim": 256, "n_layers": 4, "n_heads": 4}
 VOCAB = 4096
-WARMUP, STEPS, RUNS = 5, 20, 5
+WARMUP, STEPS = 5, 20
+RUNS = int(os.environ.get("KILN_BENCH_RUNS", "5"))
+OLD_SRC = os.environ.get("KILN_BENCH_OLD_SRC")  # another checkout's src/: the `kiln-old` contender
 
 
 def bench_config(out_dir: Path, dtype: str = "fp32", compile: bool = False, **train):
@@ -189,18 +196,19 @@ def plain_worker(out: Path, dtype: str, compile: bool, warmup: int, steps: int, 
     return clock.result(warmup)
 
 
-WORKERS = {"kiln": kiln_worker, "plain": plain_worker}
+WORKERS = {"kiln": kiln_worker, "kiln-old": kiln_worker, "plain": plain_worker}
 
 
 def worker_command(module: str, name: str, out: Path, dtype: str, compile: bool = False, warmup: int = WARMUP,
                    steps: int = STEPS, python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that run one contender's worker."""
     cmd = [python, "-m", module, "--worker", name, str(out), dtype, str(int(compile)), str(warmup), str(steps)]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-    }
-    return cmd, env
+    # kiln-old imports kiln from OLD_SRC alone (the caller's PYTHONPATH may name this checkout's src).
+    if name == "kiln-old":
+        path = [str(ROOT), OLD_SRC]
+    else:
+        path = [str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]
+    return cmd, {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
 def lockstep(commands: dict[str, tuple[list[str], dict[str, str]]], total: int) -> dict[str, dict]:
@@ -268,39 +276,43 @@ def main() -> None:
         data = prepare(root)
         print(f"prepared shards in {time.perf_counter() - t0:.0f} s ({data})")
         table = []
+        base = "kiln-old" if OLD_SRC else "plain"
         for dtype in ("fp32", "bf16"):
-            print(f"{dtype}: {RUNS} lockstep runs of kiln and plain, {WARMUP} warm-up + {STEPS} timed steps each")
-            res: dict[str, list[dict]] = {"kiln": [], "plain": []}
+            print(f"{dtype}: {RUNS} lockstep runs of kiln and {base}, {WARMUP} warm-up + {STEPS} timed steps each")
+            res: dict[str, list[dict]] = {"kiln": [], base: []}
             for r in range(RUNS):
-                order = ["kiln", "plain"] if r % 2 == 0 else ["plain", "kiln"]
+                order = ["kiln", base] if r % 2 == 0 else [base, "kiln"]
                 run = lockstep({c: worker_command("benchmarks.bench_train_step", c, fresh_out(data, Path(tmp)), dtype)
                                 for c in order}, WARMUP + STEPS)
                 for c in res:
                     res[c].append(run[c])
-                print(
-                    f"  run {r + 1}: kiln {run['kiln']['tokens_per_s']:,.0f}, "
-                    f"plain {run['plain']['tokens_per_s']:,.0f} tok/s",
-                    flush=True,
-                )
+                print(f"  run {r + 1}: kiln {run['kiln']['tokens_per_s']:,.0f}, "
+                      f"{base} {run[base]['tokens_per_s']:,.0f} tok/s, paired median step ratio "
+                      f"{paired_ratio(run['kiln'], run[base]):.3f}", flush=True)
             med = {c: statistics.median(r["tokens_per_s"] for r in v) for c, v in res.items()}
             mem = {c: statistics.median(r["peak_rss_mb"] for r in v) for c, v in res.items()}
             window = {c: statistics.median(r["window_tokens_per_s"] for r in v) for c, v in res.items()}
             skipped = sum(r["skipped"] for r in res["kiln"])
             table.append((dtype, med, mem, res, skipped, window))
-        print(
-            f"\n{'dtype':6} {'kiln tok/s':>11} {'plain tok/s':>12} {'ratio':>6} "
-            f"{'kiln MB':>8} {'plain MB':>9} {'mem ratio':>9}"
-        )
+        print(f"\n{'dtype':6} {'kiln tok/s':>11} {base + ' tok/s':>14} {'ratio':>6} {'paired':>6} "
+              f"{'kiln MB':>8} {base + ' MB':>11} {'mem ratio':>9}")
         for dtype, med, mem, res, skipped, window in table:
+            paired = statistics.median(paired_ratio(a, b) for a, b in zip(res["kiln"], res[base]))
             print(
-                f"{dtype:6} {med['kiln']:11,.0f} {med['plain']:12,.0f} {med['kiln'] / med['plain']:6.3f} "
-                f"{mem['kiln']:8.0f} {mem['plain']:9.0f} {mem['kiln'] / mem['plain']:9.3f}"
-                + f"  (whole-window tok/s: {window['kiln']:,.0f} / {window['plain']:,.0f}"
-                f" = {window['kiln'] / window['plain']:.3f})"
+                f"{dtype:6} {med['kiln']:11,.0f} {med[base]:14,.0f} {med['kiln'] / med[base]:6.3f} {paired:6.3f} "
+                f"{mem['kiln']:8.0f} {mem[base]:11.0f} {mem['kiln'] / mem[base]:9.3f}"
+                + f"  (whole-window tok/s: {window['kiln']:,.0f} / {window[base]:,.0f}"
+                f" = {window['kiln'] / window[base]:.3f})"
                 + (f"  ({skipped} kiln steps skipped by guards)" if skipped else "")
             )
-            for c in ("kiln", "plain"):
+            for c in ("kiln", base):
                 print(f"       {c} runs: " + ", ".join(f"{r['tokens_per_s']:,.0f}" for r in res[c]))
+
+
+def paired_ratio(kiln: dict, base: dict) -> float:
+    """Median over the timed steps of (base's step time / kiln's at the same step): > 1 when kiln is faster. In
+    lockstep both took the same step side by side, so a burst of outside load falls on both alike."""
+    return statistics.median(b / a for a, b in zip(kiln["step_s"], base["step_s"]))
 
 
 if __name__ == "__main__":

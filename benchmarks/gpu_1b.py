@@ -108,7 +108,8 @@ def throughput(cfg, warmup: int, steps: int, report: Path):
     value = mfu(trainer.flops_per_token, tps, trainer.peak, d.world)
     return {
         "device": torch.cuda.get_device_name(d.device) if cuda else "cpu",
-        "world": d.world, "mode": trainer.mode, "params": sum(p.numel() for p in trainer.model.parameters()),
+        "world": d.world, "mode": trainer.engine.parallel.name,
+        "params": sum(p.numel() for p in trainer.model.parameters()),
         "flops_per_token": trainer.flops_per_token, "tokens_per_step": tokens, "timed_steps": len(times),
         "tokens_per_s": tps, "window_tokens_per_s": tokens * len(times) / (window[-1] - window[0]),
         "mfu": value, "mfu_target": MFU_TARGET, "mfu_target_met": value is not None and value >= MFU_TARGET,
@@ -126,36 +127,36 @@ def checkpoint(trainer) -> tuple[dict, list[str]]:
     import torch
 
     from kiln.train import checkpoint as ckpt
-    from kiln.train import parallel
 
     failures = []
-    trainer.saver.async_save = False
-    before = parallel.full_state_dict(trainer.wrapped, trainer.mode)
+    saver, parallel = trainer.checkpointer.saver, trainer.engine.parallel
+    saver.async_save = False
+    before = parallel.state_dict()
     t0 = time.perf_counter()
     trainer.save("benchmark")
     save_s = time.perf_counter() - t0
-    folder = ckpt.list_checkpoints(trainer.ckpt_dir)[-1]
+    folder = ckpt.list_checkpoints(trainer.checkpointer.ckpt_dir)[-1]
     size_gb = sum(f.stat().st_size for f in folder.iterdir()) / 1e9
     t0 = time.perf_counter()
     ckpt.verify_checkpoint(folder)
     verify_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    trainer._load(folder, resume=False)
+    trainer.checkpointer.load(folder, rollback=True)
     if trainer.d.device.type == "cuda":
         torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
-    after = parallel.full_state_dict(trainer.wrapped, trainer.mode)
+    after = parallel.state_dict()
     same = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     if not same:
         failures.append(f"checkpoint: the weights loaded back from {folder} differ from those saved")
 
-    trainer.saver.async_save = True
-    trainer.step += 1  # a folder of its own
+    saver.async_save = True
+    trainer.state.step += 1  # a folder of its own
     t0 = time.perf_counter()
     trainer.save("benchmark-async")
     stall_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    trainer.saver.wait()
+    saver.wait()
     write_s = time.perf_counter() - t0 + stall_s
     return {"size_gb": size_gb, "save_s": save_s, "save_gb_per_s": size_gb / save_s, "verify_s": verify_s,
             "load_s": load_s, "load_bitwise": same, "async_stall_s": stall_s, "async_write_s": write_s,
@@ -303,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             result["failures"].append("checkpoint: no trainer (the throughput phase was skipped or failed)")
         elif "t" in trainer:
             phase("checkpoint", lambda: checkpoint(trainer["t"]))
-            trainer["t"].saver.wait()
+            trainer["t"].checkpointer.wait()
             trainer["t"].loader.close()
             trainer.clear()  # free the 1B model before the resume runs
             import gc

@@ -95,8 +95,8 @@ def watch(name, module, weight):
 watch("output", model.output, lambda m: m.weight)
 watch("attention", model.layers[0].attention, lambda m: m.wq.weight)
 watch("feed_forward", model.layers[0].feed_forward, lambda m: m.w1.weight)
-measured = trainer.train_step()
-result = trainer.optimizer_step(1e-3, measured["loss"], False)
+measured = trainer.engine.train_step(trainer.loader.next_batch())
+result = trainer.engine.optimizer_step(1, 1e-3, measured["loss"])
 if trainer.d.is_main:
     print(json.dumps({"seen": seen, "loss": measured["loss"], "grad_norm": result["grad_norm"]}))
 """
@@ -121,7 +121,8 @@ def test_fsdp2_keeps_chosen_module_kinds_in_fp32(workdir, tmp_path):
 
 
 def test_fsdp2_fp32_head_with_tied_embeddings_is_a_clear_error():
-    from kiln.train.parallel import Dist, apply_fsdp
+    from kiln.train.parallel import Dist
+    from kiln.train.parallel.parallelize import apply_fsdp
 
     model = Llama(ModelConfig(dim=32, n_layers=2, n_heads=4, tie_embeddings=True), vocab_size=64, max_seq_len=2048)
     with pytest.raises(ValueError, match="needs untied embeddings under FSDP2.*model.tie_embeddings: false"):
@@ -173,7 +174,7 @@ def test_compiled_model_matches_eager(workdir, tmp_path):
 
 def test_fp16_overflow_lowers_the_scale_and_skips_without_escalating(workdir):
     trainer = Trainer(tiny_config(workdir, train={"max_steps": 6, "dtype": "fp16"}), log=lambda *_: None)
-    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)  # certain to overflow at first
+    trainer.engine.scaling.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)  # certain to overflow at first
     summary = trainer.run()
     events = read_metrics(workdir / "run" / "metrics.jsonl")
     scales = [e for e in events if e["event"] == "scale"]

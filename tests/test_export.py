@@ -123,6 +123,26 @@ def test_import_writes_the_checkpoint_a_new_run_starts_from(trained, exported, p
         import_hf(exported, new_cfg)
 
 
+def test_import_starts_no_process_group_loader_or_watchdog(trained, exported, prepared, tmp_path, monkeypatch):
+    import threading
+
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # (nothing before this test left a process group behind)
+    # parallel.mode=fsdp: a Trainer would set up a process group (of one) to shard the model, and the loader
+    # prefetches; writing one checkpoint needs neither.
+    cfg = tiny_config(fresh_out(prepared, tmp_path), parallel={"mode": "fsdp"}, loader={"prefetch": 2})
+    threads, started, start = set(threading.enumerate()), [], threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self.name), start(self))[1])
+    step0 = import_hf(exported, cfg)
+    assert not dist.is_initialized() and started == []  # no kiln-watchdog, loader prefetch or checkpoint thread
+    assert not set(threading.enumerate()) - threads, [t.name for t in set(threading.enumerate()) - threads]
+    saved = load_checkpoint(step0)
+    want = load_checkpoint(trained[1])["model"]
+    assert saved["state"]["step"] == 0 and saved["model"].keys() == want.keys()
+    assert all(torch.equal(saved["model"][k], want[k].float()) for k in want)
+
+
 def test_import_refuses_a_config_that_describes_another_model(exported, prepared, tmp_path):
     cfg = tiny_config(fresh_out(prepared, tmp_path), model={"dim": 32})
     with pytest.raises(KilnError, match=r"hidden_size: config.json has 64, the config gives 32"):

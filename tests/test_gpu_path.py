@@ -19,7 +19,8 @@ from conftest import ROOT, tiny_config
 from kiln.errors import KilnError
 from kiln.manifest import read_manifest, write_manifest
 from kiln.train import checkpoint as ckpt
-from kiln.train import parallel
+from kiln.train.parallel import dist as parallel  # the process group: Dist, init_distributed, torch's dist
+from kiln.train.parallel.parallelize import apply_activation_checkpointing
 from kiln.train.metrics import read_metrics
 from kiln.train.trainer import Trainer
 
@@ -155,7 +156,7 @@ def test_ranks_with_different_shards_stop_naming_the_rank(workdir, tmp_path):
 
 def test_watchdog_judges_a_rank_by_the_startup_timeout_until_its_first_step(tmp_path):
     from kiln.config import WatchdogConfig
-    from kiln.train.watchdog import Watchdog
+    from kiln.train.parts.watchdog import Watchdog
 
     dog = Watchdog(parallel.Dist(), WatchdogConfig(stall_timeout_s=300), tmp_path, startup_timeout_s=1800)
     dog.beat(7)  # resumed at step 7; the resume's eval and save beat at the same step
@@ -220,15 +221,16 @@ from kiln.config import load_config
 from kiln.train.trainer import Trainer
 
 trainer = Trainer(load_config(sys.argv[1]), log=lambda *_: None)
-measured = trainer.train_step()
+measured = trainer.engine.train_step(trainer.loader.next_batch())
 params = [p for p in trainer.model.parameters() if p.grad is not None and p.grad.to_local().numel()]
 if trainer.d.rank == 1:  # an overflow in one element of rank 1's shard only
     params[0].grad.to_local().view(-1)[0] = float("inf")
 before = [p.detach().to_local().clone() for p in trainer.model.parameters()]
-scale = trainer.scaler.get_scale()
-result = trainer.optimizer_step(1e-3, measured["loss"], False)
+scaler = trainer.engine.scaling.scaler
+scale = scaler.get_scale()
+result = trainer.engine.optimizer_step(1, 1e-3, measured["loss"])
 moved = any(not torch.equal(b, p.detach().to_local()) for b, p in zip(before, trainer.model.parameters()))
-emit({"rank": trainer.d.rank, "moved": moved, "scale": [scale, trainer.scaler.get_scale()],
+emit({"rank": trainer.d.rank, "moved": moved, "scale": [scale, scaler.get_scale()],
       "reason": result["skip_reason"]})
 """
 
@@ -293,7 +295,7 @@ def test_compiled_moe_model_under_activation_checkpointing_has_no_graph_break(mo
     torch.manual_seed(0)
     model = Llama(ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, moe=MoEConfig(n_experts=4, top_k=2)),
                   vocab_size=128, max_seq_len=16)
-    parallel.apply_activation_checkpointing(model)
+    apply_activation_checkpointing(model)
     backend = CompileCounterWithBackend("aot_eager")
     loss = torch.compile(next_token_loss, backend=backend)(model, torch.randint(0, 128, (2, 17)), None, None)
     loss.backward()
@@ -324,29 +326,29 @@ def test_a_training_step_syncs_the_host_once_whatever_the_micro_batches(workdir,
                       log=lambda *_: None)
     trainer.loader.next_batch()  # the loader's first batch outside the count (start-up)
     seen = _count_host_syncs(monkeypatch)
-    measured = trainer.train_step()  # 4 micro-batches of 2
+    measured = trainer.engine.train_step(trainer.loader.next_batch())  # 4 micro-batches of 2
     assert seen == ["tolist"], seen
     if moe:
         assert measured["moe/routed_tokens"] == 4 * 2 * 64 * 2 * 2  # micro-batches x rows x tokens x top_k x layers
         assert isinstance(measured["moe/dropped_tokens"], int)
     seen.clear()
-    result = trainer.optimizer_step(1e-3, measured["loss"], measure_update=True)
+    result = trainer.engine.optimizer_step(1, 1e-3, measured["loss"], measure_update=True)
     with_ratio = len(seen)
-    trainer.train_step()
+    trainer.engine.train_step(trainer.loader.next_batch())
     seen.clear()
-    trainer.optimizer_step(1e-3, measured["loss"], measure_update=False)
+    trainer.engine.optimizer_step(2, 1e-3, measured["loss"], measure_update=False)
     assert with_ratio - len(seen) == 1  # the update ratio: one sync for every parameter tensor together
     assert result["update_to_weight"] > 0
 
 
 def test_update_ratio_equals_its_definition():
-    from kiln.train.trainer import _update_ratio
+    from kiln.train.engine import update_ratio
 
     before = [torch.randn(3, 4), torch.randn(5)]
     after = [b + 0.01 * torch.randn_like(b) for b in before]
     want = (sum(float((a - b).pow(2).sum()) for a, b in zip(after, before))
             / sum(float(b.pow(2).sum()) for b in before)) ** 0.5
-    assert _update_ratio(before, after, parallel.Dist(), sharded=False) == pytest.approx(want, rel=1e-6)
+    assert update_ratio(before, after, sum_shards_=lambda sums: sums) == pytest.approx(want, rel=1e-6)
 
 
 # --- 17. deterministic mode and the layout it records ---------------------------------------------
@@ -400,8 +402,8 @@ def test_garbage_collector_is_off_in_the_loop_and_collects_every_n_steps(workdir
 
     trainer = Trainer(tiny_config(workdir, train={"max_steps": 6, "gc_every": 3}), log=lambda *_: None)
     enabled, collected = [], []
-    step = trainer.optimizer_step
-    monkeypatch.setattr(trainer, "optimizer_step", lambda *a: (enabled.append(gc.isenabled()), step(*a))[1])
+    step = trainer.engine.optimizer_step
+    monkeypatch.setattr(trainer.engine, "optimizer_step", lambda *a: (enabled.append(gc.isenabled()), step(*a))[1])
     collect = gc.collect
     monkeypatch.setattr(gc, "collect", lambda generation=2: (collected.append((trainer.step, generation)),
                                                              collect(generation))[1])

@@ -166,7 +166,7 @@ def test_retention_keeps_last_every_mth_and_best(workdir):
                                   checkpoint={"every": 2, "keep_last": 2, "keep_every": 6, "keep_best": True}),
                       log=lambda *_: None)
     trainer.run()
-    vals = {int(s): v for s, v in trainer.history["val_loss"].items() if int(s) > 0}
+    vals = {int(s): v for s, v in trainer.validator.val_loss.items() if int(s) > 0}
     best = min(vals, key=vals.get)
     kept = {int(p.name[5:]) for p in list_checkpoints(workdir / "run" / "checkpoints")}
     assert kept == {12, 14, 6} | {best}
@@ -304,7 +304,7 @@ def test_a_checkpoint_with_non_finite_weights_is_never_written(workdir):
     trainer.run()
     with torch.no_grad():
         trainer.model.norm.weight[0] = float("nan")
-    trainer.step = 6
+    trainer.state.step = 6
     trainer.save()
     assert [p.name for p in list_checkpoints(workdir / "run" / "checkpoints")][-1] == "step-00000005"
 

@@ -9,10 +9,10 @@ import math
 
 import pytest
 
-from kiln.config import build_config
+from kiln.config import BreathingConfig, WarmupCalibrationConfig, build_config
 from kiln.errors import ConfigError
 from kiln.train.schedule import (Breathing, Constant, Cosine, Warmup, WarmupCalibrator, WarmupStableDecay,
-                                 build_schedule, gradient_spread, warmup_cosine)
+                                 build_schedule, gradient_spread)
 
 CALM, NOISY = 0.001, 0.01  # grad_norm / param_norm with param_norm = 1 (threshold 0.003)
 
@@ -27,9 +27,11 @@ def non_increasing(xs) -> bool:
 
 # --- stateless curves --------------------------------------------------------------------------------
 
-def test_cosine_is_the_warmup_cosine_function():
+def test_cosine_is_linear_warmup_then_half_a_cosine():
     lrs = curve(Cosine(1.0, 10, 100, 0.1), 100)
-    assert lrs == pytest.approx([warmup_cosine(s, 1.0, 10, 100, 0.1) for s in range(1, 101)], rel=1e-12)
+    closed_form = [s / 10 if s <= 10 else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 10) / 90))
+                   for s in range(1, 101)]
+    assert lrs == pytest.approx(closed_form, rel=1e-12)
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == 1.0 and lrs[-1] == pytest.approx(0.1)
     assert lrs[54] == pytest.approx(0.55)  # halfway through the cosine: the mean of peak and floor
     assert non_increasing(lrs[9:]) and lrs[:10] == sorted(lrs[:10])
@@ -66,11 +68,13 @@ def test_wsd_decay_never_starts_inside_the_warmup():
 
 def test_build_schedule_picks_each_kind_from_config():
     for name, cls in [("cosine", Cosine), ("wsd", WarmupStableDecay), ("constant", Constant), ("breathing", Breathing)]:
-        s = build_schedule(build_config({"train": {"schedule": name, "lr": 0.5, "warmup_steps": 5, "max_steps": 50}}))
+        train = {"schedule": name, "lr": 0.5, "warmup_steps": 5, "max_steps": 50}
+        s = build_schedule(build_config({"train": train}).train)
         assert type(s) is cls and s.lr(5) == 0.5 and s.describe()["schedule"] == name
         assert s.measures_noise == (name == "breathing") and not s.wants_layer_norms()
-    assert type(build_schedule(build_config({}))) is Cosine  # the default
-    wsd = build_schedule(build_config({"train": {"schedule": "wsd", "decay_fraction": 0.3, "decay_shape": "linear"}}))
+    assert type(build_schedule(build_config({}).train)) is Cosine  # the default
+    wsd = build_config({"train": {"schedule": "wsd", "decay_fraction": 0.3, "decay_shape": "linear"}})
+    wsd = build_schedule(wsd.train)
     described = wsd.describe()
     assert {k: described[k] for k in ("decay_fraction", "decay_shape", "decay_start")} == \
         {"decay_fraction": 0.3, "decay_shape": "linear", "decay_start": 70}
@@ -81,7 +85,7 @@ def test_build_schedule_picks_each_kind_from_config():
 def breathing(**kw) -> Breathing:
     figures = dict(inhale_steps=5, decay=0.5, noise_threshold=0.003, calm_steps=3, pause_steps=4,
                    pause_eval_every=0, restart_factor=1.2)
-    return Breathing(1.0, 2, 1000, 0.0, **(figures | kw))
+    return Breathing(1.0, 2, 1000, 0.0, BreathingConfig(**(figures | kw)))
 
 
 class Feed:
@@ -129,8 +133,8 @@ def test_breathing_no_restart_when_validation_loss_did_not_fall():
 
 
 def test_breathing_restart_never_exceeds_the_peak_and_exhale_stops_at_the_floor():
-    s = Breathing(1.0, 0, 1000, 0.2, inhale_steps=1, decay=0.5, calm_steps=3, pause_steps=2, pause_eval_every=0,
-                  restart_factor=100.0)
+    s = Breathing(1.0, 0, 1000, 0.2, BreathingConfig(inhale_steps=1, decay=0.5, calm_steps=3, pause_steps=2,
+                                                     pause_eval_every=0, restart_factor=100.0))
     f = Feed(s, val_losses=[2.0, 1.0]).run([NOISY] + [CALM] * 3)  # exhale 0.5, 0.25, 0.2 (floor): pause
     assert f.lrs == [1.0, 0.5, 0.25, 0.2] and s.phase == "pause"
     f.run([NOISY] * 3)
@@ -211,7 +215,7 @@ def test_calibrated_warmup_with_seeds_figures(sigma, total, expected):
 
 
 def test_calibrated_warmup_follows_sigma_below_the_caps():
-    c = WarmupCalibrator(steps_per_sigma=1_000, total=1_000_000)
+    c = WarmupCalibrator(WarmupCalibrationConfig(steps_per_sigma=1_000), total=1_000_000)
     assert c.calibrated_steps(0.5) == 500 and c.calibrated_steps(2.0) == 2_000
 
 
@@ -221,7 +225,7 @@ def spread_norms(sigma: float) -> list[float]:
 
 
 def test_calibrator_stretches_the_warmup_without_a_jump():
-    cal = WarmupCalibrator(steps=10, total=10_000)  # caps: 5,000 steps and 1,500 (15%)
+    cal = WarmupCalibrator(WarmupCalibrationConfig(steps=10), total=10_000)  # caps: 5,000 steps and 1,500 (15%)
     s = Constant(1.0, 20, 10_000, 0.0, calibrator=cal)
     for step in range(1, 11):
         assert s.lr(step) == pytest.approx(step / 20) and s.wants_layer_norms()
@@ -238,7 +242,7 @@ def test_calibrator_stretches_the_warmup_without_a_jump():
 
 
 def test_calibrator_keeps_the_warmup_when_layers_agree():
-    cal = WarmupCalibrator(steps=10, total=10_000)
+    cal = WarmupCalibrator(WarmupCalibrationConfig(steps=10), total=10_000)
     s = Cosine(1.0, 20, 10_000, 0.1, calibrator=cal)
     reference = curve(Cosine(1.0, 20, 10_000, 0.1), 100)
     for step in range(1, 11):
@@ -249,7 +253,8 @@ def test_calibrator_keeps_the_warmup_when_layers_agree():
 
 def test_calibrator_state_resumes_mid_window():
     def fresh():
-        return Constant(1.0, 20, 10_000, 0.0, calibrator=WarmupCalibrator(steps=10, total=10_000))
+        cal = WarmupCalibrator(WarmupCalibrationConfig(steps=10), total=10_000)
+        return Constant(1.0, 20, 10_000, 0.0, calibrator=cal)
 
     a, b = fresh(), fresh()
     for step in range(1, 6):
@@ -262,8 +267,9 @@ def test_calibrator_state_resumes_mid_window():
 
 
 def test_breathing_inhale_starts_after_a_calibrated_warmup():
-    cal = WarmupCalibrator(steps=2, max_steps=8, total=1000)
-    s = Breathing(1.0, 4, 1000, 0.0, inhale_steps=3, decay=0.5, calm_steps=3, pause_steps=4, calibrator=cal)
+    cal = WarmupCalibrator(WarmupCalibrationConfig(steps=2, max_steps=8), total=1000)
+    s = Breathing(1.0, 4, 1000, 0.0, BreathingConfig(inhale_steps=3, decay=0.5, calm_steps=3, pause_steps=4),
+                  calibrator=cal)
     f = Feed(s)
     for _ in range(2):
         f.step += 1
@@ -280,7 +286,7 @@ def test_linear_scaling_rule_sets_lr():
     cfg = build_config({"train": {"base_lr": 0.0015, "batch_size": 512}})
     assert cfg.train.lr == pytest.approx(0.003) and cfg.train.reference_batch_size == 256
     cfg = build_config({"train": {"base_lr": 0.001, "batch_size": 64, "reference_batch_size": 32}})
-    assert cfg.train.lr == pytest.approx(0.002) and build_schedule(cfg).peak == pytest.approx(0.002)
+    assert cfg.train.lr == pytest.approx(0.002) and build_schedule(cfg.train).peak == pytest.approx(0.002)
     assert build_config({"train": {"lr": 0.01}}).train.lr == 0.01  # no base_lr: lr as given
 
 
@@ -317,7 +323,7 @@ def test_warmup_calibration_defaults_and_its_warmup_check():
     cfg = build_config({"train": {"warmup_calibration": {}, "warmup_steps": 500, "max_steps": 10_000}})
     c = cfg.train.warmup_calibration
     assert (c.steps, c.sigma_threshold, c.max_steps, c.max_fraction) == (100, 0.15, 5_000, 0.15)
-    assert build_schedule(cfg).describe()["warmup_calibration"]["steps"] == 100
+    assert build_schedule(cfg.train).describe()["warmup_calibration"]["steps"] == 100
     assert build_config({}).train.warmup_calibration is None
     with pytest.raises(ConfigError, match="warmup_steps=10 must exceed train.warmup_calibration.steps=100"):
         build_config({"train": {"warmup_calibration": {}}})

@@ -161,14 +161,15 @@ def test_the_trainer_records_telemetry_at_log_steps_and_alerts_in_metrics_and_co
     messages: list[str] = []
     trainer = Trainer(tiny_config(workdir, train={"max_steps": 20, "log_every": 5}), log=messages.append)
     nvml, allocator = FakeNVML(), FakeAllocator()
-    trainer.telemetry = Telemetry(trainer.d, trainer.cfg.telemetry, nvml=nvml, memory_stats=allocator)
-    original = trainer.telemetry.sample
+    telemetry = trainer.step_log.telemetry = Telemetry(trainer.d, trainer.cfg.telemetry, nvml=nvml,
+                                                       memory_stats=allocator)
+    original = telemetry.sample
 
     def sample(step, tokens):  # mid-run, the GPU starts to throttle and the allocator to retry
         if step >= 15:
             nvml.s["reasons"], allocator.retries = 0x40, 2
         return original(step, tokens)
-    trainer.telemetry.sample = sample
+    telemetry.sample = sample
     trainer.run()
     records = read_metrics(workdir / "run" / "metrics.jsonl")
     steps = [r for r in records if r["event"] == "step"]

@@ -26,7 +26,7 @@ from kiln.errors import IntegrityError
 from kiln.manifest import write_manifest
 from kiln.train.checkpoint import latest_valid, list_checkpoints, load_checkpoint, verify_checkpoint
 from kiln.train.metrics import read_metrics
-from kiln.train.schedule import warmup_cosine
+from kiln.train.schedule import Cosine
 from kiln.train.trainer import Trainer
 
 
@@ -51,11 +51,11 @@ def assert_same_weights(a: dict, b: dict) -> None:
 # --- schedule and loader ------------------------------------------------------------------------
 
 def test_warmup_cosine_curve():
-    lrs = [warmup_cosine(s, 1.0, 10, 100, 0.1) for s in range(1, 101)]
+    lrs = [Cosine(1.0, 10, 100, 0.1).lr(s) for s in range(1, 101)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))  # non-increasing after warmup
     assert lrs[-1] == pytest.approx(0.1)
-    assert warmup_cosine(55, 1.0, 10, 100, 0.1) == pytest.approx(0.55)  # halfway through the cosine
+    assert Cosine(1.0, 10, 100, 0.1).lr(55) == pytest.approx(0.55)  # halfway through the cosine
 
 
 # --- the loop -----------------------------------------------------------------------------------

@@ -348,12 +348,12 @@ def import_hf(hf_dir: Path, cfg: Config) -> Path:
     """Write `{out_dir}/run/checkpoints/step-00000000/` from an HF Llama/Mixtral folder; `kiln train` resumes from it.
 
     The config must describe the same model (checked against config.json), and the run's tokenizer and shards
-    must exist and be the folder's tokenizer. The checkpoint is written by the Trainer itself, so it carries
-    exactly the state (config hash, loader, guards, environment) a resume expects.
+    must exist and be the folder's tokenizer. No Trainer is built: no process group, data loader or watchdog
+    is started; the checkpoint is the state of a run at step 0 (train/state.py: its parts start fresh),
+    which `kiln train` resumes like any other.
     """
     from kiln.lock import OutputLock
-    from kiln.train.checkpoint import list_checkpoints, step_dir
-    from kiln.train.trainer import Trainer
+    from kiln.train.checkpoint import list_checkpoints
 
     hf_dir = Path(hf_dir)
     for name in ("config.json", "tokenizer.json"):
@@ -382,15 +382,48 @@ def import_hf(hf_dir: Path, cfg: Config) -> Path:
     weights = {k: v.to(torch.float32) for k, v in from_hf(state, hf_dir).items()}
     if cfg.model.tie_embeddings:
         weights.setdefault("output.weight", weights["tok_embeddings.weight"])
-    trainer = Trainer(cfg, log=lambda *_: None)
-    with OutputLock(trainer.run_dir, "`kiln import --hf`"):  # the lock `kiln train` takes: no run writes meanwhile
-        if list_checkpoints(trainer.ckpt_dir):
-            raise KilnError(f"{trainer.ckpt_dir} already holds checkpoints; import into a new run (another out_dir)")
+    ckpt_dir = cfg.out / "run" / "checkpoints"
+    with OutputLock(cfg.out / "run", "`kiln import --hf`"):  # the lock `kiln train` takes: no run writes meanwhile
+        if list_checkpoints(ckpt_dir):
+            raise KilnError(f"{ckpt_dir} already holds checkpoints; import into a new run (another out_dir)")
+        return write_step_zero(cfg, weights, hf_dir / "model.safetensors")
+
+
+def write_step_zero(cfg: Config, weights: dict[str, torch.Tensor], source: Path) -> Path:
+    """{out_dir}/run/checkpoints/step-00000000 with `weights`: what a run at step 0 would save.
+
+    The weights are loaded into the config's model first (a mismatch is a one-line error naming `source`);
+    the optimizer state is a fresh AdamW's and the RNG state the one a run has after building its model, so
+    the run that resumes from here is the run that would have started with these weights.
+    """
+    from kiln.train import resume as resume_checks
+    from kiln.train.checkpoint import rng_state
+    from kiln.train.data import open_splits
+    from kiln.train.determinism import layout
+    from kiln.train.engine import build_optimizer
+    from kiln.train.parallel import Dist
+    from kiln.train.state import FullCheckpoint, RunInputs, TrainState, config_hash
+    from kiln import env
+    from kiln.model.build import build_model
+
+    resume_checks.require_prepared(cfg)
+    tokenizer = cfg.out / "tokenizer" / "tokenizer.json"
+    tok_sha = tokenizer_sha256(cfg.out / "tokenizer")
+    train_set, _ = open_splits(cfg, tok_sha)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)  # as the Trainer does before building its model
+        model = build_model(cfg.model, int(train_set.manifest["vocab_size"]), cfg.pack.seq_len)
         try:
-            trainer.model.load_state_dict(weights)
+            model.load_state_dict(weights)
         except RuntimeError as exc:
-            raise KilnError(f"{hf_dir / 'model.safetensors'} does not fit the config's model: "
-                            f"{str(exc)[:300]}") from None
-        trainer.save("import")
-        trainer.saver.wait()
-    return step_dir(trainer.ckpt_dir, 0)
+            raise KilnError(f"{source} does not fit the config's model: {str(exc)[:300]}") from None
+        rngs = [rng_state(torch.device("cpu"))]
+    d = Dist()
+    inputs = RunInputs(resume_checks.data_fingerprint(train_set), tok_sha, tokenizer,
+                       cfg.out / "shards" / "manifest.json", layout(d, cfg.train.deterministic), env.fingerprint)
+    state = TrainState((), d.world, config_hash(cfg))  # no parts: each starts fresh on resume
+    optimizer = build_optimizer(model, cfg.train, d.device)
+    model_state = {k: v.detach() for k, v in model.state_dict().items()}
+    fields = inputs.manifest_fields(state.config_hash)
+    return FullCheckpoint().write(cfg.out / "run" / "checkpoints", 0, (model_state, optimizer.state_dict()), rngs,
+                                  state.state_dict(), cfg.to_yaml(), tokenizer, fields, cfg.checkpoint.signing_key)

@@ -13,7 +13,7 @@ import re
 import torch
 from torch import nn
 
-from kiln.train.parallel import local_tensor
+from kiln.train.parallel import full_value
 
 GROUPS = ("embeddings", "lower", "middle", "upper")
 _BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -37,7 +37,7 @@ def layer_groups(model: nn.Module, n_layers: int, upper_layers: int) -> dict[str
 
 
 def group_norms(groups: dict[str, list[nn.Parameter]]) -> dict[str, torch.Tensor]:
-    return {g: local_tensor(torch.nn.utils.get_total_norm([p.grad for p in ps if p.grad is not None]))
+    return {g: full_value(torch.nn.utils.get_total_norm([p.grad for p in ps if p.grad is not None]))
             for g, ps in groups.items()}
 
 

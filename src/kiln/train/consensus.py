@@ -75,7 +75,7 @@ def agreed_checkpoint(d: Dist, root: Path, log: Callable[[str], None],
     and the next older one is tried, as one process skips a corrupt checkpoint. None: start from scratch.
 
     Ranks other than 0 verify only the small files they read themselves (SMALL_FILES); rank 0 verifies the
-    whole folder and broadcasts the weights (parallel.load_states). `before`: only checkpoints of earlier
+    whole folder and broadcasts the weights (Parallelized.load). `before`: only checkpoints of earlier
     steps (a rollback)."""
     candidates = [c for c in ckpt.list_checkpoints(root) if before is None or ckpt.step_of(c) < before]
     if d.world == 1:

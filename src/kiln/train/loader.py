@@ -119,6 +119,8 @@ def _close(running: list[Prefetcher]) -> None:
 
 
 class Loader:
+    state_key = "loader"  # saved in every checkpoint (train/state.py); a rollback keeps the position
+
     def __init__(self, samples: Mixture | ShardSet, global_batch: int, micro_batch: int, rank: int, world: int,
                  seed: int, prefetch: int = 0) -> None:
         samples = samples if isinstance(samples, Mixture) else Mixture([samples])

@@ -104,7 +104,7 @@ def check_vocab_size(weights: dict[str, Any], vocab_size: int, folder: Path) -> 
                         f"tokenizer and repack with it")
 
 
-def resume_notes(folder: Path, cfg, step: int) -> list[str]:
+def resume_notes(folder: Path, train, step: int) -> list[str]:
     """Lines a resumed run owes: a changed train.batch_size, and a max_steps below the checkpoint's step."""
     notes = []
     try:
@@ -112,12 +112,12 @@ def resume_notes(folder: Path, cfg, step: int) -> list[str]:
         old_batch = saved.get("train", {}).get("batch_size")
     except (OSError, yaml.YAMLError, AttributeError):
         old_batch = None
-    if old_batch is not None and old_batch != cfg.train.batch_size:
+    if old_batch is not None and old_batch != train.batch_size:
         notes.append(f"warning: {folder.name} was trained with train.batch_size={old_batch}, this run uses "
-                     f"{cfg.train.batch_size}: the sample order goes on from the same position, but each step now "
-                     f"takes {cfg.train.batch_size} sequences, so the run is no longer the same as an "
+                     f"{train.batch_size}: the sample order goes on from the same position, but each step now "
+                     f"takes {train.batch_size} sequences, so the run is no longer the same as an "
                      f"uninterrupted one")
-    if step > cfg.train.max_steps:
-        notes.append(f"{folder.name} is at step {step}, beyond train.max_steps={cfg.train.max_steps}: nothing to "
+    if step > train.max_steps:
+        notes.append(f"{folder.name} is at step {step}, beyond train.max_steps={train.max_steps}: nothing to "
                      f"train; raise train.max_steps above {step} to continue")
     return notes

@@ -34,13 +34,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-
-def warmup_cosine(step: int, peak: float, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warmup from peak/warmup to peak over `warmup` steps, then cosine to min_ratio·peak at `total`."""
-    if warmup and step <= warmup:
-        return peak * step / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+from kiln.config import BreathingConfig, TrainConfig, WarmupCalibrationConfig
 
 
 @dataclass
@@ -70,6 +64,8 @@ class Schedule:
     """Warmup, then `after_warmup`. Stateless schedules only implement `after_warmup`."""
 
     name = "schedule"
+    state_key = "schedule"  # saved in every checkpoint (train/state.py)
+    restore_on_rollback = True  # the breathing phases and a calibrated warmup rewind with the step
     measures_noise = False  # whether observe_step needs a real param_norm (the trainer may skip computing it)
 
     def __init__(self, peak: float, warmup: int, total: int, min_ratio: float,
@@ -191,22 +187,20 @@ class Breathing(Schedule):
              peak) and inhale again; otherwise exhale on from the frozen LR with the calm count
              reset. A pause whose final loss never arrives ends at the next step as "no restart".
 
-    SEEDS' figures are the defaults: inhale 10,000, decay 0.9995, noise 0.003 for 500 steps,
-    pause 2,000, restart 1.2×; its peak of 0.0015 is `train.lr`. `train.max_steps` only matters
-    to the warmup calibrator's cap: breathing has no end of its own.
+    The figures are `cfg` (train.breathing, config.BreathingConfig, whose defaults are SEEDS': inhale 10,000,
+    decay 0.9995, noise 0.003 for 500 steps, pause 2,000, restart 1.2×); its peak of 0.0015 is `train.lr`.
+    `train.max_steps` only matters to the warmup calibrator's cap: breathing has no end of its own.
     """
 
     name = "breathing"
     measures_noise = True
 
-    def __init__(self, peak: float, warmup: int, total: int, min_ratio: float, *, inhale_steps: int = 10_000,
-                 decay: float = 0.9995, noise_threshold: float = 0.003, calm_steps: int = 500,
-                 pause_steps: int = 2_000, pause_eval_every: int = 500, restart_factor: float = 1.2,
-                 calibrator: "WarmupCalibrator | None" = None) -> None:
+    def __init__(self, peak: float, warmup: int, total: int, min_ratio: float,
+                 cfg: BreathingConfig = BreathingConfig(), calibrator: "WarmupCalibrator | None" = None) -> None:
         super().__init__(peak, warmup, total, min_ratio, calibrator)
-        self.inhale_steps, self.decay, self.noise_threshold = inhale_steps, decay, noise_threshold
-        self.calm_steps, self.pause_steps, self.pause_eval_every = calm_steps, pause_steps, pause_eval_every
-        self.restart_factor = restart_factor
+        self.inhale_steps, self.decay, self.noise_threshold = cfg.inhale_steps, cfg.decay, cfg.noise_threshold
+        self.calm_steps, self.pause_steps, self.pause_eval_every = cfg.calm_steps, cfg.pause_steps, cfg.pause_eval_every
+        self.restart_factor = cfg.restart_factor
         # The first inhale starts when the warmup ends, which a calibrator may still move: start=1
         # means "right after the warmup", whatever its length turns out to be.
         self.phase, self.start, self.level = "inhale", 1, peak
@@ -304,7 +298,8 @@ def gradient_spread(layer_grad_norms: Sequence[float]) -> float | None:
 class WarmupCalibrator:
     """SEEDS' dynamic warmup: measure the per-layer gradient-norm spread, then set the warmup.
 
-    Over steps 1..`steps`, each step's spread (`gradient_spread` of the per-layer norms the
+    The figures are `cfg` (train.warmup_calibration, config.WarmupCalibrationConfig, where their defaults
+    live). Over steps 1..`steps`, each step's spread (`gradient_spread` of the per-layer norms the
     trainer passes, one per transformer block) is recorded; σ is their median, so one odd step
     cannot decide. At step `steps`, if σ > `sigma_threshold` the warmup becomes
     min(`max_steps`, `steps_per_sigma` × σ, `max_fraction` × total steps); otherwise it stays
@@ -315,10 +310,9 @@ class WarmupCalibrator:
     > `steps`), and the calibrator only ever lengthens the ramp from the point it has reached.
     """
 
-    def __init__(self, steps: int = 100, sigma_threshold: float = 0.15, max_steps: int = 5_000,
-                 max_fraction: float = 0.15, steps_per_sigma: float = 200_000, total: int = 0) -> None:
-        self.steps, self.sigma_threshold, self.max_steps = steps, sigma_threshold, max_steps
-        self.max_fraction, self.steps_per_sigma, self.total = max_fraction, steps_per_sigma, total
+    def __init__(self, cfg: WarmupCalibrationConfig = WarmupCalibrationConfig(), total: int = 0) -> None:
+        self.steps, self.sigma_threshold, self.max_steps = cfg.steps, cfg.sigma_threshold, cfg.max_steps
+        self.max_fraction, self.steps_per_sigma, self.total = cfg.max_fraction, cfg.steps_per_sigma, total
         self.spreads: list[float] = []
         self.sigma: float | None = None
         self.decided = False
@@ -356,22 +350,14 @@ class WarmupCalibrator:
                 "decided": self.decided}
 
 
-def build_schedule(cfg) -> Schedule:
-    """The schedule that `cfg.train` (a TrainConfig, or a whole Config) describes."""
-    t = getattr(cfg, "train", cfg)
-    calibrator = None
-    if t.warmup_calibration is not None:
-        c = t.warmup_calibration
-        calibrator = WarmupCalibrator(c.steps, c.sigma_threshold, c.max_steps, c.max_fraction, c.steps_per_sigma,
-                                      total=t.max_steps)
+def build_schedule(t: TrainConfig) -> Schedule:
+    """The schedule that the train section describes."""
+    calibrator = WarmupCalibrator(t.warmup_calibration, total=t.max_steps) if t.warmup_calibration else None
     common = dict(peak=t.lr, warmup=t.warmup_steps, total=t.max_steps, min_ratio=t.min_lr_ratio, calibrator=calibrator)
     if t.schedule == "wsd":
         return WarmupStableDecay(decay_fraction=t.decay_fraction, shape=t.decay_shape, **common)
     if t.schedule == "constant":
         return Constant(**common)
     if t.schedule == "breathing":
-        b = t.breathing
-        return Breathing(inhale_steps=b.inhale_steps, decay=b.decay, noise_threshold=b.noise_threshold,
-                         calm_steps=b.calm_steps, pause_steps=b.pause_steps, pause_eval_every=b.pause_eval_every,
-                         restart_factor=b.restart_factor, **common)
+        return Breathing(cfg=t.breathing, **common)
     return Cosine(**common)

@@ -27,6 +27,17 @@ class StopRequests:
             signal.signal(sig, fn)
         self._previous.clear()
 
+    # --- hooks (train/parts) ----------------------------------------------------------------------
+
+    def pre_train(self) -> None:
+        self.install()
+
+    def flags(self) -> dict[str, bool]:
+        return {"stop": self.stop, "save": self.save}
+
+    def close(self) -> None:
+        self.uninstall()
+
     def _on_term(self, *_):
         self.stop = True
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from kiln.config import GuardConfig
 
@@ -23,10 +24,12 @@ class NonFiniteGuard:
 class SpikeGuard:
     """A loss or gradient norm far above the rolling window of accepted steps (z-score)."""
 
-    def __init__(self, zscore: float, grad_zscore: float | None, window: int, min_history: int) -> None:
-        self.zscore, self.grad_zscore, self.min_history = zscore, grad_zscore, min_history
-        self.losses: deque[float] = deque(maxlen=window)
-        self.norms: deque[float] = deque(maxlen=window)
+    state_key = "spikes"
+
+    def __init__(self, cfg: GuardConfig) -> None:
+        self.zscore, self.grad_zscore, self.min_history = cfg.spike_zscore, cfg.grad_spike_zscore, cfg.spike_min_history
+        self.losses: deque[float] = deque(maxlen=cfg.spike_window)
+        self.norms: deque[float] = deque(maxlen=cfg.spike_window)
 
     def check(self, loss: float, grad_norm: float) -> str | None:
         checks = (
@@ -56,6 +59,8 @@ class SpikeGuard:
 @dataclass
 class Escalation:
     """N skipped steps within a window call for a rollback; M rollbacks stop the run."""
+
+    state_key: ClassVar[str] = "escalation"
 
     cfg: GuardConfig
     skipped_steps: int = 0

@@ -43,6 +43,17 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    # --- hooks (train/parts) ----------------------------------------------------------------------
+
+    def pre_train(self) -> None:
+        self.start()
+
+    def post_step(self, outcome) -> None:
+        self.beat(outcome.step)
+
+    def close(self) -> None:
+        self.stop()
+
     def beat(self, step: int) -> None:
         self.step = step
         self.progress += 1

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from kiln.config import BudgetConfig
+from kiln.train.parts import Outcome
 
 
 class Budget:
-    def __init__(self, cfg: BudgetConfig, world: int) -> None:
-        self.cfg, self.world = cfg, world
+    """A part: spends each step's wall time, warns at budget.warn_fractions and flags `budget_exhausted` (agreed
+    by every rank, so all stop at the same step). Its spend is saved in checkpoints and resumed."""
+
+    state_key = "budget"
+
+    def __init__(self, cfg: BudgetConfig, world: int, event: Callable[[dict], None] = lambda r: None,
+                 log: Callable[[str], None] = lambda *_: None) -> None:
+        self.cfg, self.world, self.event, self.log = cfg, world, event, log
         self.device_hours = 0.0
         self.warned: list[float] = []
 
@@ -33,6 +42,20 @@ class Budget:
 
     def exhausted(self) -> bool:
         return self.fraction is not None and self.fraction >= 1.0
+
+    # --- hooks --------------------------------------------------------------------------------------
+
+    def flags(self) -> dict[str, bool]:
+        # Every rank's verdict on the steps so far: one rank alone must never stop (it would enter the save's
+        # collectives while the others start the next step's).
+        return {"budget_exhausted": self.exhausted()}
+
+    def post_step(self, outcome: Outcome) -> None:
+        self.spend(outcome.dt)
+        for fraction in self.new_warnings():
+            self.event({"event": "budget", "step": outcome.step, "fraction": fraction, "cost": self.cost})
+            self.log(f"budget: {fraction:.0%} of budget.device_hours spent "
+                     f"({self.device_hours:.3f} h, cost {self.cost:.2f})")
 
     def state_dict(self) -> dict:
         return {"device_hours": self.device_hours, "warned": self.warned}

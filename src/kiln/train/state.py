@@ -1,0 +1,254 @@
+"""TrainState: where the run is and what its parts hold, and the one path by which it is saved, resumed and rolled
+back (OLMo-core's trainer state over its callbacks).
+
+A checkpoint's state.json is `{"step", "tokens_seen", "world_size", "config_hash", **{key: part.state_dict()}}`
+for every registered part (a part is registered by having a `state_key`, see train/parts/__init__.py); a
+resume restores each part by its key, a rollback only the parts with `restore_on_rollback`. The keys are the
+ones Kiln has always written (loader, spikes, escalation, budget, schedule, scaler, history, data_resets), so
+checkpoints written before this registry resume unchanged. A part a checkpoint has no entry for keeps its fresh
+state.
+
+The weights and the optimizer state go through a checkpoint format (`FullCheckpoint`: whole tensors gathered on
+every rank and written by rank 0); a sharded format is one more class with the same four methods.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch.distributed as dist
+
+from kiln import env
+from kiln.config import CheckpointConfig, GuardConfig, TrainConfig
+from kiln.errors import KilnError
+from kiln.train import checkpoint as ckpt
+from kiln.train import consensus
+from kiln.train import resume as resume_checks
+from kiln.train.determinism import layout_warning
+from kiln.train.parallel import Dist
+from kiln.train.parallel.parallelize import Parallelized
+
+
+# The settings a checkpoint cannot be resumed under when they change (train.max_steps, say, may change).
+RESUME_SECTIONS = ("model", "pack", "tokenizer")
+
+
+def config_hash(cfg) -> str:
+    return cfg.section_hash(*RESUME_SECTIONS)
+
+
+class TrainState:
+    """step, tokens_seen and the registered parts, by key."""
+
+    def __init__(self, parts: Iterable[Any], world: int, config_hash: str) -> None:
+        self.step, self.tokens_seen = 0, 0
+        self.world, self.config_hash = world, config_hash
+        self.parts: dict[str, Any] = {}
+        for part in parts:
+            key = getattr(part, "state_key", None)
+            if key is None:
+                continue
+            if key in self.parts or key in ("step", "tokens_seen", "world_size", "config_hash"):
+                raise ValueError(f"two parts save their state as {key!r}")
+            self.parts[key] = part
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "world_size": self.world,
+                "config_hash": self.config_hash, **{key: part.state_dict() for key, part in self.parts.items()}}
+
+    def load_state_dict(self, state: dict[str, Any], rollback: bool = False) -> None:
+        """Restore every part the state has an entry for (on a rollback only those that rewind with the step)."""
+        for key, part in self.parts.items():
+            if key in state and (not rollback or getattr(part, "restore_on_rollback", False)):
+                part.load_state_dict(state[key])
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+
+
+class FullCheckpoint:
+    """The checkpoint format of checkpoint.write_checkpoint: whole (unsharded) weights and optimizer state."""
+
+    def gather(self, parallel: Parallelized, optimizer) -> tuple[dict, dict]:
+        """Every rank takes part (FSDP2 gathers); the whole tensors, on CPU."""
+        return parallel.state_dict(), parallel.optimizer_state_dict(optimizer)
+
+    def write(self, root: Path, step: int, weights: tuple[dict, dict], rngs: list, state: dict, config_yaml: str,
+              tokenizer_file: Path, fields: dict, signing_key: str | None) -> Path:
+        """Rank 0 only."""
+        return ckpt.write_checkpoint(root, step, *weights, rngs, state, config_yaml, tokenizer_file, fields,
+                                     signing_key)
+
+    def read(self, folder: Path, d: Dist) -> dict[str, Any]:
+        # Verified by consensus.agreed_checkpoint; only rank 0 reads the weights, and broadcasts them (load).
+        return ckpt.load_checkpoint(folder, verify=False, weights=d.is_main)
+
+    def load(self, parallel: Parallelized, optimizer, data: dict[str, Any]) -> None:
+        parallel.load(optimizer, data["model"], data["optimizer"])
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """What a checkpoint must have been trained on to be resumed as is (resume.check_resume_data)."""
+
+    data_fingerprint: str
+    tokenizer_sha: str
+    tokenizer_file: Path
+    manifest: Path  # the shards' manifest.json
+    layout: dict[str, Any]  # determinism.layout
+    env: Callable[[], dict[str, Any]]  # env.fingerprint: what a checkpoint records of the environment
+
+    def manifest_fields(self, config_hash: str) -> dict[str, Any]:
+        """What a checkpoint's manifest.json records of them, for the next resume's checks."""
+        return {"config_hash": config_hash, "data_fingerprint": self.data_fingerprint,
+                "env": {**self.env(), "layout": self.layout}}
+
+
+class Checkpointer:
+    """Saves, resumes and rolls back through the TrainState; the loop asks `should_save(step, last_step=...)`.
+
+    `engine` supplies the parallelized model and the optimizer; `beat` is the watchdog's sign of life.
+    """
+
+    def __init__(self, cfg: CheckpointConfig, run_dir: Path, state: TrainState, engine, d: Dist, inputs: RunInputs,
+                 config_yaml: str, best_step: Callable[[], int | None], event: Callable[[dict], None],
+                 log: Callable[[str], None], beat: Callable[[int], None], fmt: FullCheckpoint | None = None) -> None:
+        self.cfg, self.run_dir, self.ckpt_dir = cfg, run_dir, run_dir / "checkpoints"
+        self.state, self.engine, self.d, self.inputs, self.config_yaml = state, engine, d, inputs, config_yaml
+        self.best_step, self.event, self.log, self.beat = best_step, event, log, beat
+        self.format = fmt or FullCheckpoint()
+        self.saver = ckpt.Saver(cfg.async_save, log)
+
+    def should_save(self, step: int, last_step: bool, requested: bool = False) -> bool:
+        return requested or last_step or step % self.cfg.every == 0
+
+    # --- save -------------------------------------------------------------------------------------
+
+    def save(self, reason: str = "schedule") -> None:
+        """Every rank takes part (FSDP2 gathers, the RNG states meet); rank 0 writes, in the background when
+        async. Weights or optimizer state that are not finite are refused, not written."""
+        weights = self.format.gather(self.engine.parallel, self.engine.optimizer)
+        rngs = [ckpt.rng_state(self.d.device)]
+        if self.d.world > 1:
+            mine, rngs = rngs[0], [None] * self.d.world
+            dist.all_gather_object(rngs, mine)
+        step = self.state.step
+        if self.d.is_main:
+            if not ckpt.all_finite(*weights):
+                self.event({"event": "save", "step": step, "refused": "non-finite weights or optimizer state"})
+                self.log(f"step {step}: not saving a checkpoint with non-finite weights or optimizer state")
+            else:
+                self._write(weights, rngs, reason)
+        self.beat(step)
+        if self.d.world > 1:
+            dist.barrier()
+
+    def _write(self, weights: tuple[dict, dict], rngs: list, reason: str) -> None:
+        state, step, cfg = self.state.state_dict(), self.state.step, self.cfg
+        fields = self.inputs.manifest_fields(self.state.config_hash)
+        best = self.best_step() if cfg.keep_best else None
+        if self.saver.async_save:  # the snapshot must not change while the thread writes
+            weights = (ckpt.snapshot(weights[0]), ckpt.snapshot(weights[1]))
+
+        def write() -> None:
+            self.format.write(self.ckpt_dir, step, weights, rngs, state, self.config_yaml, self.inputs.tokenizer_file,
+                              fields, cfg.signing_key)
+            ckpt.retain(self.ckpt_dir, cfg.keep_last, cfg.keep_every, best)
+
+        stall = self.saver.save(write)
+        self.event({"event": "save", "step": step, "reason": reason, "stall_s": round(stall, 4),
+                    "async": self.saver.async_save})
+
+    def wait(self) -> None:
+        self.saver.wait()
+
+    # --- load -------------------------------------------------------------------------------------
+
+    def load(self, folder: Path, rollback: bool = False) -> dict[str, Any]:
+        """Weights, optimizer state and the parts' states from `folder`; on a resume the RNG states too."""
+        data = self.format.read(folder, self.d)
+        state = data["state"]
+        if state.get("config_hash") != self.state.config_hash:
+            raise KilnError(f"{folder} was written with different model/pack/tokenizer settings; "
+                            f"use a new out_dir, or delete {self.ckpt_dir} to start over")
+        resume_checks.check_vocab_size(data["model"], self.engine.model.tok_embeddings.num_embeddings, folder)
+        self.format.load(self.engine.parallel, self.engine.optimizer, data)
+        self.state.load_state_dict(state, rollback=rollback)
+        if not rollback:
+            rngs = data["rng"]
+            ckpt.restore_rng(rngs[self.d.rank] if self.d.rank < len(rngs) else rngs[0], self.d.device)
+        return state
+
+    def agreed(self, before: int | None = None) -> Path | None:
+        """The newest checkpoint every rank can read (consensus.agreed_checkpoint), or None."""
+        quiet = self.log if self.d.is_main and before is None else (lambda *_: None)
+        return consensus.agreed_checkpoint(self.d, self.ckpt_dir, quiet, self.cfg.public_key, before=before)
+
+    def check_env(self, saved: dict[str, Any], folder: Path) -> None:
+        """A checkpoint from another environment (env.PINNED): refused under checkpoint.strict_env, else a warning."""
+        diff = env.resume_mismatches(saved, self.inputs.env())
+        if not diff:
+            return
+        text = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in diff.items())
+        if self.cfg.strict_env:
+            raise KilnError(f"{folder} was written under another environment ({text}); "
+                            "set checkpoint.strict_env=false to resume anyway")
+        if self.d.is_main:
+            self.log(f"warning: resuming {folder} under another environment: {text}")
+
+    def read_manifest(self, folder: Path) -> dict[str, Any]:
+        return json.loads((folder / "manifest.json").read_text())
+
+    # --- resume and rollback ----------------------------------------------------------------------
+
+    def resume(self, train: TrainConfig, data_resets) -> Path | None:
+        """Resume from the newest checkpoint every rank agrees on (None: start fresh). Refuses a checkpoint of
+        other settings or, unless train.resume_on_new_data, other data; on new data the loader starts over
+        (`data_resets`, parts/data_resets.py)."""
+        quiet = self.log if self.d.is_main else (lambda *_: None)
+        i = self.inputs
+        consensus.check_same_inputs(self.d, {"data": (i.data_fingerprint, i.manifest),
+                                             "tokenizer": (i.tokenizer_sha, i.tokenizer_file)})
+        folder = self.agreed()
+        if folder is None:
+            if self.cfg.public_key and ckpt.list_checkpoints(self.ckpt_dir):
+                raise KilnError(f"{self.ckpt_dir}: no checkpoint carries a valid signature for checkpoint.public_key")
+            return None
+        manifest = self.read_manifest(folder)
+        self.check_env(manifest.get("env", {}), folder)
+        changes = resume_checks.check_resume_data(manifest, folder, i.data_fingerprint, i.tokenizer_sha,
+                                                  train.resume_on_new_data, quiet)
+        if (warning := layout_warning(manifest.get("env", {}).get("layout"), i.layout)) and self.d.is_main:
+            self.log(f"warning: {folder}: {warning}")
+        state = self.load(folder)
+        if changes:  # the old position means nothing on other shards: start the loader clean, and say so
+            data_resets.reset(self.state.step, folder.name, changes, i.data_fingerprint, i.tokenizer_sha)
+        for note in resume_checks.resume_notes(folder, train, self.state.step):
+            quiet(note)
+        if state["world_size"] != self.d.world:
+            quiet(f"resuming a run saved with {state['world_size']} ranks on {self.d.world}; the sample order is kept")
+        return folder
+
+    def rollback(self, reason: str, escalation, guards: GuardConfig, loader) -> None:
+        """Back to the newest good checkpoint, keeping the data position: the window that caused the trouble is
+        skipped, and the learning rate is lowered for a while (escalation.lr_factor)."""
+        self.saver.wait()
+        trouble = escalation.first_recent_skip()
+        folder = self.agreed(before=trouble)
+        logs = self.run_dir / "metrics.jsonl"
+        at = self.state.step
+        if folder is None:
+            raise KilnError(f"step {at}: {reason}, and no checkpoint from before step {trouble} to roll back to; "
+                            f"see {logs}")
+        position, epoch = loader.state.position, loader.state.epoch
+        self.load(folder, rollback=True)  # the loader keeps its position
+        stop = escalation.record_rollback(self.state.step)
+        self.event({"event": "rollback", "step": at, "to_step": self.state.step, "reason": reason,
+                    "data_position": position, "epoch": epoch, "rollbacks": escalation.rollbacks})
+        self.log(f"step {at}: {reason}; rolled back to {folder.name}, skipping the data since, "
+                 f"lr x{guards.rollback_lr_factor} for {guards.rollback_lr_steps} steps")
+        if stop:
+            raise KilnError(f"training diverged: {escalation.rollbacks} rollbacks (guards.max_rollbacks="
+                            f"{guards.max_rollbacks}), last at step {at} ({reason}); "
+                            f"the skip and rollback events are in {logs}")
