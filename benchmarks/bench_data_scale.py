@@ -13,8 +13,10 @@ document must stay. Recall = planted copies removed / planted copies;
 precision = planted copies removed / documents dedup removed. Recall is also given for Jaccard 0.80-0.92.
 
 `kiln run CONFIG --until pack` runs in a fresh process for N and 4N documents (2 workers), and for N
-with 1 worker. Peak RSS: the run's own ru_maxrss (the driver) and the largest of its waited-for
-children (pool workers of the data and dedup stages, pack's encoders). The tokenizer samples
+with 1 worker. Peak RSS: the run's own VmHWM (the driver) and the largest ru_maxrss of its waited-for
+children (pool workers of the data and dedup stages, pack's encoders; an upper bound: a spawned encoder's
+ru_maxrss starts from the driver's size when it was started). The corpus is built in a process of its own.
+The tokenizer samples
 `tokenizer.max_docs` = min(20,000, N / 2) documents at both sizes (its memory is bounded by that, by design),
 and pack writes shards of the default 65,536 samples of 1,025 tokens (SHARD_SAMPLES=... to change it; pack
 streams each shard to disk, so its memory does not depend on the shard size). CPU seconds are user + sys of
@@ -83,9 +85,12 @@ from kiln.cli import main
 t0, load0 = time.perf_counter(), os.getloadavg()[0]
 rc = main(["run", sys.argv[1], "--until", "pack"])
 me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the forked parent's image, so a child of a
+# large process would report the parent's size (the earlier 584 MB "driver" was the benchmark's own corpus).
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
 print(json.dumps({"rc": rc, "wall_s": time.perf_counter() - t0, "load": [load0, os.getloadavg()[0]],
                   "cpu_s": me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime,
-                  "driver_rss_mb": me.ru_maxrss / 1024, "worker_rss_mb": kids.ru_maxrss / 1024}))
+                  "driver_rss_mb": hwm / 1024, "worker_rss_mb": kids.ru_maxrss / 1024}))
 """
 
 
@@ -179,6 +184,10 @@ def build(folder: Path, n: int, seed: int = 0) -> dict:
     return {"go": go, "unplanned": unplanned}
 
 
+def build_to(corpus: str, n: str, truth: str) -> None:
+    Path(truth).write_text(json.dumps(build(Path(corpus), int(n))))
+
+
 def run(corpus: Path, out: Path, workers: int) -> dict:
     config = out.parent / f"{out.name}.yaml"
     config.write_text(json.dumps({  # JSON is YAML
@@ -228,8 +237,11 @@ def main() -> None:
         for label, n, workers in (("N", N, 2), ("4N", 4 * N, 2), ("N, 1 worker", N, 1)):
             corpus = tmp / f"corpus-{n}"
             t0 = time.perf_counter()
-            truth = build(corpus, n) if not corpus.exists() else json.loads((tmp / f"truth-{n}.json").read_text())
-            (tmp / f"truth-{n}.json").write_text(json.dumps(truth))
+            if not corpus.exists():  # in a process of its own: this one stays small (see _CHILD)
+                code = "import sys; from benchmarks.bench_data_scale import build_to; build_to(*sys.argv[1:])"
+                subprocess.run([sys.executable, "-c", code, str(corpus), str(n), str(tmp / f"truth-{n}.json")],
+                               check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+            truth = json.loads((tmp / f"truth-{n}.json").read_text())
             built = time.perf_counter() - t0
             out = tmp / f"out-{n}-{workers}"
             r = run(corpus, out, workers) | score(out, truth)
