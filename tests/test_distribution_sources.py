@@ -223,3 +223,33 @@ def test_a_grouped_source_with_a_given_weight_keeps_it_in_total(drifting_corpus)
     with pytest.raises(KilnError, match=r"loader.sources\[1\].weight is missing"):
         open_splits(run.model_copy(update={"loader": run.loader.model_copy(update={"sources": [
             SourceConfig(path=shards, weight=3.0), SourceConfig(path=shards)]})}), manifest["tokenizer_sha256"])
+
+
+def test_spilled_profiles_report_what_one_profile_of_everything_reports_keeping_only_candidate_tokens(tmp_path):
+    """The data stage sums the per-task profile parts through SpilledProfiles, which keeps each source's sums
+    only for the tokens that can be among the corpus's top_tokens (2 x top_tokens), not every source's whole
+    vocabulary: with 40 sources of 300 distinct words each, the report equals a SourceProfiles that held all."""
+    from kiln.data.gates.distribution import SourceProfiles, SpilledProfiles
+
+    rng = random.Random(3)
+    common = [f"w{i}" for i in range(30)]
+    everything, spilled = SourceProfiles(top_tokens=10), SpilledProfiles(tmp_path / "p", top_tokens=10, max_z=3.0)
+    for task in range(40):
+        part, src = SourceProfiles(top_tokens=10), f"s{task // 2}"  # two tasks a source, like a file in 2 tasks
+        own = [f"s{task}x{i}" for i in range(300)]
+        words = common[20:] if task >= 36 else common[:20]  # the last two sources use other common words
+        for _ in range(20):
+            text = " ".join(rng.choice(words) if rng.random() < 0.6 else rng.choice(own)
+                            for _ in range(80))
+            part.add(src, text)
+            everything.add(src, text)
+        spilled.add(task, {"docs": part.docs, "sum_f": part.sum_f, "sum_f2": part.sum_f2})
+    total = spilled.total()
+    assert max(len(c) for c in total.sum_f.values()) <= 20 < min(len(c) for c in everything.sum_f.values())
+    want = everything.report()
+    got = total.report()
+    assert list(got) == list(want) and len(got) == 20  # the sums of f differ only in float addition order
+    for src, w in want.items():
+        assert got[src]["docs"] == w["docs"] and got[src]["z"] == pytest.approx(w["z"], abs=2e-4)
+        assert got[src]["weight"] == pytest.approx(w["weight"], abs=2e-4)
+    assert sorted(got, key=lambda src: got[src]["z"])[-2:] in (["s18", "s19"], ["s19", "s18"])  # the drifting two

@@ -755,3 +755,54 @@ def test_pack_streams_its_documents(prepared, tmp_path):
             tracemalloc.stop()
         assert m["documents"] == n
     assert peaks[4_000] < 1.5 * peaks[500], peaks
+
+
+@pytest.mark.parametrize("mode", ["concat", "best_fit"])
+def test_split_writer_streams_shards_and_holds_less_than_a_sample_whatever_the_shard_size(tmp_path, mode):
+    """The writer keeps less than one sample of tokens between documents and only the provenance of
+    documents not fully written, however large a shard is (the old writer buffered a whole shard, so a
+    realistic pack.samples_per_shard made pack's memory grow with the corpus until a shard filled).
+    Its files are those of the stream cut into whole samples and shards."""
+    from kiln.config import PackConfig
+    from kiln.shards.format import ShardHeader, read_header, read_index, read_tokens
+    from kiln.shards.packing import make_packer
+    from kiln.shards.provenance import read_rows, side_file
+    from kiln.shards.writer import SplitWriter
+
+    L, rng = 33, np.random.default_rng(0)
+    cfg = PackConfig(seq_len=L - 1, samples_per_shard=40, mode=mode, best_fit_window=4)
+    header = ShardHeader(2, 1000, L, 0, "ab" * 32)
+    w = SplitWriter(tmp_path, "train", header, cfg.samples_per_shard, make_packer(cfg, pad_id=999))
+    docs = [rng.integers(0, 990, int(rng.integers(1, 3 * L))).astype(np.uint16) for _ in range(600)]
+    held = 0
+    for k, ids in enumerate(docs):
+        w.add(ids, k, {"id": f"d{k}"})
+        held = max(held, w.buffered)
+        in_held = {doc for _, _, doc, _ in w.held_pieces}
+        if mode == "concat":  # provenance kept only for the documents whose tokens are held
+            assert set(w.pending) <= in_held | {k}
+        else:  # ... or in the packer's window (each of its pieces at least one token)
+            assert set(w.pending) <= in_held | {doc for _, doc in w.packer.pieces}
+    info = w.close()
+    assert held < L, held  # the old writer held up to samples_per_shard * L = 1,320 tokens
+    assert len(info["files"]) > 3
+    stream = np.concatenate([read_tokens(tmp_path / f) for f in info["files"]])
+    assert len(stream) == info["tokens"] == info["samples"] * L
+    for f in info["files"][:-1]:
+        assert read_header(tmp_path / f).num_tokens == cfg.samples_per_shard * L
+    if mode == "concat":
+        whole = np.concatenate(docs)
+        assert np.array_equal(stream, whole[:len(stream)]) and info["dropped_tail_tokens"] == len(whole) - len(stream)
+    pieces: dict[int, list[np.ndarray]] = {}
+    for f in info["files"]:
+        tokens, rows = read_tokens(tmp_path / f), read_rows(tmp_path / side_file(f))
+        entries = read_index(tmp_path / f.replace(".bin", ".idx"))
+        assert list(rows) == list(dict.fromkeys(int(d) for d in entries["doc"]))  # a row per document, in order
+        for e in entries:
+            pieces.setdefault(int(e["doc"]), []).append(tokens[int(e["start"]):int(e["start"]) + int(e["length"])])
+            assert rows[int(e["doc"])]["tokens"] == len(docs[int(e["doc"])])
+    for k, got in pieces.items():  # every document's pieces, in order, are its tokens (the tail's last cut short)
+        joined = np.concatenate(got)
+        assert np.array_equal(joined, docs[k][:len(joined)])
+        if mode == "concat" and k < max(pieces):
+            assert len(joined) == len(docs[k])

@@ -31,8 +31,8 @@ from kiln.config import DataConfig
 from kiln.data.dedup import LEDGER, write_ledger
 from kiln.data.dedup.index import add_run, runs_before
 from kiln.data.dedup.stages import Signer, Verdicts, dedup_layout, run_stages
-from kiln.data.gates.distribution import Composition, SourceProfiles, record_field, source_group
 from kiln.data.docs import PartWriter, read_part
+from kiln.data.gates.distribution import Composition, SourceProfiles, SpilledProfiles, record_field, source_group
 from kiln.data.document import Document, ReadReport
 from kiln.data.executor import engine, run_tasks
 from kiln.data.gates.semantic import REVIEW as SEMANTIC_REVIEW
@@ -304,10 +304,9 @@ def source_profiles(work: Path, summaries: list[dict[str, Any]], layout, verdict
                     workers: int) -> SourceProfiles:
     """The corpus's distribution profile: one `profile_task` per data task on the engine, added up in task
     order (so the sums are the same for any number of workers). Memory: the profile, and the parts that
-    arrived ahead of their turn."""
-    total = SourceProfiles(cfg.distribution.top_tokens, cfg.distribution.max_z)
+    arrived ahead of their turn, then SpilledProfiles's bound."""
     if not cfg.distribution.enabled:  # data.distribution.enabled=false: no weights, no profile
-        return total
+        return SourceProfiles(cfg.distribution.top_tokens, cfg.distribution.max_z)
     removed = verdicts.removed()
     jobs = []
     for k, part in enumerate(layout.parts):
@@ -318,16 +317,13 @@ def source_profiles(work: Path, summaries: list[dict[str, Any]], layout, verdict
     waiting: dict[int, dict[str, Any]] = {}
     order = iter([s["index"] for s in summaries])
     turn = next(order, None)
+    spilled = SpilledProfiles(work / "profiles", cfg.distribution.top_tokens, cfg.distribution.max_z)
     for index, part in run_tasks(profile_task, jobs, workers, cfg.executor, cfg.ray_address):
         waiting[index] = part
         while turn is not None and turn in waiting:
-            part = waiting.pop(turn)
-            total.docs.update(part["docs"])
-            for src in part["docs"]:
-                total.sum_f[src].update(part["sum_f"][src])
-                total.sum_f2[src].update(part["sum_f2"][src])
+            spilled.add(turn, waiting.pop(turn))
             turn = next(order, None)
-    return total
+    return spilled.total()
 
 
 def _documents(work: Path, summaries: list[dict[str, Any]]) -> Iterator[Document]:

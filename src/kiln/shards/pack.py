@@ -8,8 +8,9 @@ and counted. Each shard's document provenance goes into its side file
 (provenance.py), not the manifest.
 
 Memory: documents stream through (the docs parts are read one at a time); a split
-holds the tokens of the shard it is filling, the packer's window, and the
-provenance rows of the documents whose tokens are not all written yet. Nothing
+holds the packer's window, less than one sample of tokens, and the provenance rows
+of the documents whose tokens are not all written yet: shards are streamed to disk
+as they fill (writer.py), so not even one shard is held, whatever its size. Nothing
 grows with the corpus except per-source token counts (one number per input file).
 """
 
@@ -20,16 +21,16 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
-import numpy as np
 import xxhash
 
 from kiln.config import PackConfig
 from kiln.errors import KilnError
 from kiln.manifest import staging_dir, write_manifest, writes_folder
 from kiln.shards.encode import encode_documents
-from kiln.shards.format import FORMAT_VERSION, IDX_ENTRY, ShardHeader, token_dtype, write_shard
-from kiln.shards.packing import Entry, Packer, make_packer
-from kiln.shards.provenance import SUFFIX as PROVENANCE, side_file, write_rows
+from kiln.shards.format import FORMAT_VERSION, ShardHeader, token_dtype
+from kiln.shards.packing import make_packer
+from kiln.shards.provenance import SUFFIX as PROVENANCE
+from kiln.shards.writer import SplitWriter
 from kiln.tokenizer import TOKENIZER_FILE, eos_id, load_tokenizer, pad_id, special_names, tokenizer_sha256
 
 SPLITS = ("train", "val")
@@ -38,74 +39,6 @@ SPLITS = ("train", "val")
 def split_of(doc_id: str, val_fraction: float) -> str:
     """Stable per document: adding documents never moves an existing one to the other split."""
     return "val" if xxhash.xxh64_intdigest(doc_id.encode()) / 2**64 < val_fraction else "train"
-
-
-class SplitWriter:
-    """Accumulates one split's token stream from its packer and writes full shards as they fill."""
-
-    def __init__(self, folder: Path, split: str, header: ShardHeader, samples_per_shard: int, packer: Packer,
-                 prefix: str = "") -> None:
-        self.folder, self.split, self.header, self.packer = folder / split, split, header, packer
-        self.prefix = prefix  # a shard group's files: {split}/{prefix}NNNNN.bin
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.shard_tokens = samples_per_shard * header.sample_len
-        self.tokens: list[np.ndarray] = []
-        self.entries: list[Entry] = []  # start relative to the buffered tokens
-        self.buffered = 0
-        self.files: list[str] = []
-        self.total_tokens = self.documents = 0
-        self.pending: dict[int, dict[str, Any]] = {}  # provenance of documents with tokens still to write
-        self.unwritten: dict[int, int] = {}
-
-    def add(self, ids: np.ndarray, doc: int, provenance: dict[str, Any] | None = None) -> None:
-        self.documents += 1
-        self.pending[doc] = {"doc": doc, **(provenance or {}), "tokens": len(ids)}
-        self.unwritten[doc] = len(ids)
-        for chunk, entries in self.packer.add(ids, doc):
-            self._append(chunk, entries)
-
-    def _append(self, tokens: np.ndarray, entries: list[Entry]) -> None:
-        self.tokens.append(tokens)
-        self.entries += [(self.buffered + start, length, doc) for start, length, doc in entries]
-        self.buffered += len(tokens)
-        while self.buffered >= self.shard_tokens:
-            self._write(self.shard_tokens)
-
-    def _write(self, n: int) -> None:
-        stream = np.concatenate(self.tokens)
-        head, rest = stream[:n], stream[n:]
-        index, carry = [], []
-        for start, length, doc in self.entries:
-            if start < n:
-                index.append((start, min(length, n - start), doc))
-            if start + length > n:
-                cut = max(start, n)
-                carry.append((cut - n, start + length - cut, doc))
-        name = f"{self.split}/{self.prefix}{len(self.files):05d}.bin"
-        header = ShardHeader(
-            self.header.token_bytes, self.header.vocab_size, self.header.sample_len, n, self.header.tokenizer_sha256
-        )
-        write_shard(self.folder.parent / name, head, header, np.array(index, dtype=IDX_ENTRY))
-        in_shard = dict.fromkeys(doc for _, _, doc in index)  # each document once, in order of appearance
-        write_rows(self.folder.parent / side_file(name), (self.pending[doc] for doc in in_shard))
-        for _, length, doc in index:
-            self.unwritten[doc] -= length
-            if not self.unwritten[doc]:
-                del self.unwritten[doc], self.pending[doc]
-        self.files.append(name)
-        self.total_tokens += n
-        self.tokens, self.entries, self.buffered = ([rest] if len(rest) else []), carry, len(rest)
-
-    def close(self) -> dict[str, Any]:
-        for chunk, entries in self.packer.finish():
-            self._append(chunk, entries)
-        L = self.header.sample_len
-        full = (self.buffered // L) * L
-        if full:
-            self._write(full)
-        return {"files": self.files, "tokens": self.total_tokens, "samples": self.total_tokens // L,
-                "documents": self.documents, "dropped_tail_tokens": self.buffered,
-                "split_documents": self.packer.split_documents, "pad_tokens": self.packer.pad_tokens}
 
 
 def packing_efficiency(splits: dict[str, dict[str, Any]]) -> float:

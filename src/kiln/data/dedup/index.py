@@ -94,6 +94,7 @@ def add_run(cfg: DedupConfig, key: str, docs: str, layout, removed: np.ndarray) 
             keep = ~np.isin(np.arange(start, start + part.count, dtype=np.uint64), removed)
             for kind, data in _kept_files(layout, k, keep).items():
                 write_atomic(tmp / f"{part.name}.{kind}", data)
+            layout.forget(k)  # its maps' pages leave the driver's memory: one part at a time
             parts.append({"name": part.name, "count": int(keep.sum())})
         write_manifest(tmp, stage="dedup-index", key=key, docs=docs)
     index["runs"].append({"name": name, "key": key, "docs": docs, "documents": sum(p["count"] for p in parts),

@@ -32,6 +32,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
@@ -129,11 +130,36 @@ class Part:
     run: str | None = None  # the index run it belongs to; None: this run
 
 
+class NpyFile:
+    """Random reads from one .npy file with `os.pread`, not a memory map: the pages read stay in the page
+    cache, not in this process's resident set (a map keeps every page it touched resident while it is
+    open, so the driver's lookups over a corpus would grow it with the corpus)."""
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(f)
+            self.offset = f.tell()
+        self.dtype, self.shape = np.dtype(dtype), shape
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        """Items a..b of the flat array."""
+        size = self.dtype.itemsize
+        return np.frombuffer(os.pread(self.fd, (b - a) * size, self.offset + a * size), dtype=self.dtype)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 class Layout:
     """The parts in canonical order and each one's first document number; random access to a document's
-    shingles, fingerprint and id (files memory-mapped, a bounded number held open at a time)."""
+    shingles, fingerprint and id. Memory: a bounded number of files held open at a time (`OPEN`); the key
+    runs that stage tasks slice are memory-mapped (one task's slices), the per-document lookups read with
+    `NpyFile`, and ids are looked up in batches (`doc_ids`), one part's id list at a time."""
 
-    OPEN = 256  # files held open (memory maps, each an open file): least recently used closed first
+    OPEN = 256  # files held open (memory maps or NpyFiles, each an open file): least recently used closed first
 
     def __init__(self, parts: list[Part], cfg: DedupConfig, work: Path) -> None:
         self.parts, self.cfg, self.work = parts, cfg, Path(work)
@@ -164,12 +190,35 @@ class Layout:
         if key in self._open:
             self._open.move_to_end(key)
         else:
-            if len(self._open) >= self.OPEN:
-                self._open.popitem(last=False)
-            part = self.parts[k]
-            path = Path(part.folder) / f"{part.name}.{kind}"
+            self._make_room()
+            path = self.path(k, kind)
             self._open[key] = json.loads(path.read_text()) if kind.endswith(".json") else np.load(path, mmap_mode="r")
         return self._open[key]
+
+    def _make_room(self) -> None:
+        if len(self._open) >= self.OPEN:
+            _, gone = self._open.popitem(last=False)
+            if isinstance(gone, NpyFile):
+                gone.close()
+
+    def path(self, k: int, kind: str) -> Path:
+        return Path(self.parts[k].folder) / f"{self.parts[k].name}.{kind}"
+
+    def reader(self, k: int, kind: str) -> NpyFile:
+        """An NpyFile of part k's `kind` (held open among the `OPEN` files)."""
+        key = (k, f"{kind}@pread")
+        if key not in self._open:
+            self._make_room()
+            self._open[key] = NpyFile(self.path(k, kind))
+        self._open.move_to_end(key)
+        return self._open[key]
+
+    def forget(self, k: int) -> None:
+        """Close what is open of part k (its maps' pages leave this process's resident set)."""
+        for key in [key for key in self._open if key[0] == k]:
+            gone = self._open.pop(key)
+            if isinstance(gone, NpyFile):
+                gone.close()
 
     def locate(self, q: int) -> tuple[int, int]:
         k = int(np.searchsorted(self.starts, q, side="right") - 1)
@@ -177,16 +226,27 @@ class Layout:
 
     def shingles(self, q: int) -> np.ndarray:
         k, local = self.locate(q)
-        spans = self.array(k, "spans.npy")
-        return self.array(k, "shingles.npy")[int(spans[local]):int(spans[local + 1])]
+        a, b = self.reader(k, "spans.npy").read(local, local + 2).tolist()
+        return self.reader(k, "shingles.npy").read(a, b)
 
     def fingerprint(self, q: int) -> int:
         k, local = self.locate(q)
-        return int(self.array(k, "prints.npy")[local])
+        return int(self.reader(k, "prints.npy").read(local, local + 1)[0])
+
+    def doc_ids(self, qs) -> dict[int, str]:
+        """{q: id} for the document numbers `qs`, reading each part's id list once, one at a time."""
+        by_part: dict[int, list[int]] = {}
+        for q in sorted(set(qs)):
+            by_part.setdefault(self.locate(q)[0], []).append(q)
+        out = {}
+        for k, members in by_part.items():
+            ids = json.loads(self.path(k, "ids.json").read_text())
+            start = int(self.starts[k])
+            out.update((q, ids[q - start]) for q in members)
+        return out
 
     def doc_id(self, q: int) -> str:
-        k, local = self.locate(q)
-        return self.array(k, "ids.json")[local]
+        return self.doc_ids([q])[q]
 
     def run_of(self, q: int) -> str | None:
         return self.parts[self.locate(q)[0]].run
@@ -312,20 +372,22 @@ def verdicts(layout: Layout) -> Verdicts:
     folder = layout.work / STAGE_DIR
     removed = layout.exact_removed()
 
-    def named(q: int) -> dict[str, Any]:
-        run = layout.run_of(q)
-        return {"duplicate_of": layout.doc_id(q), **({"duplicate_in": run} if run else {})}
-
-    exact = {int(d): named(int(s)) for d, s in zip(removed[0].tolist(), removed[1].tolist())}
     pairs: list[Pair] = []
     for path in sorted(folder.glob("band-*.npy")):
         pairs += [(int(p["j"]), int(p["i"]), float(p["sim"])) for p in np.load(path)]
     uf, links = cluster_links(pairs)
     _, similarity = layout.confirm()
     rows = ledger_rows(uf, links, similarity)
+    ids = layout.doc_ids(removed[1].tolist() + [row[k] for row in rows for k in ("survivor", "member", "linked_to")])
+
+    def named(q: int) -> dict[str, Any]:
+        run = layout.run_of(q)
+        return {"duplicate_of": ids[q], **({"duplicate_in": run} if run else {})}
+
+    exact = {int(d): named(int(s)) for d, s in zip(removed[0].tolist(), removed[1].tolist())}
     dropped_before = removed[0]
     ledger, near = [], {}
-    for row, out in zip(rows, name_rows(rows, layout.doc_id)):
+    for row, out in zip(rows, name_rows(rows, ids.__getitem__)):
         q = row["member"]
         out["position"] = q - layout.indexed - int(np.searchsorted(dropped_before, q))
         if (run := layout.run_of(row["survivor"])) is not None:

@@ -11,7 +11,8 @@ frequency (so that "the" counts more than the thousandth token, whose per-docume
 is mostly noise): 0 for a source that looks like the corpus, large when its common words are
 not the corpus's. A source with z > max_z
 gets sampling weight max_z / z (recorded in the manifest; nothing is dropped). Accumulating
-per-source sums of f and f^2 keeps this one pass and O(sources x vocabulary) in memory.
+per-source sums of f and f^2 keeps this one pass; the data stage adds them up from per-task parts with
+`SpilledProfiles`, whose memory is the corpus vocabulary plus sources x top_tokens, not sources x vocabulary.
 
 What a source is, `data.distribution.source_key`: the input file (default), the URL's host, or a
 JSONL/Parquet record field (`field:NAME`). Each kept document carries its `source_group`; `kiln pack`
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
+from pathlib import Path
 from typing import Iterable
 from urllib.parse import urlsplit
 
@@ -113,6 +115,45 @@ class SourceProfiles:
                 else 0.0
             )
             out[src] = {"docs": n, "z": round(z, 4), "weight": round(min(1.0, self.max_z / z) if z else 1.0, 4)}
+        return out
+
+
+class SpilledProfiles:
+    """The corpus's profile summed from per-task parts, in task order, without holding every source's whole
+    vocabulary: each part is spilled to `folder` as it is added and only the corpus-wide sum of f is kept;
+    `total()` then re-reads the parts one at a time, keeping each source's sums for the tokens that can be
+    among the corpus's `top_tokens` (twice as many, so float rounding in the first ranking cannot move a
+    token across the cut). The report is the same as a SourceProfiles that held everything.
+    Memory: the corpus vocabulary's sum of f, then sources x 2 x top_tokens sums, and one part."""
+
+    def __init__(self, folder: Path, top_tokens: int, max_z: float) -> None:
+        self.folder, self.top_tokens, self.max_z = Path(folder), top_tokens, max_z
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.corpus_f1: Counter[str] = Counter()
+        self.order: list[int] = []
+
+    def add(self, index: int, part: dict) -> None:
+        """Task `index`'s part ({"docs", "sum_f", "sum_f2"}), in task order."""
+        import pickle
+
+        (self.folder / f"{index:05d}.pkl").write_bytes(pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL))
+        self.order.append(index)
+        for src in part["docs"]:
+            self.corpus_f1.update(part["sum_f"].get(src, {}))
+
+    def total(self) -> SourceProfiles:
+        import pickle
+
+        ranked = sorted(self.corpus_f1.items(), key=lambda kv: (-kv[1], kv[0]))[: 2 * self.top_tokens]
+        keep = {t for t, _ in ranked}
+        self.corpus_f1 = Counter()
+        out = SourceProfiles(self.top_tokens, self.max_z)
+        for index in self.order:
+            part = pickle.loads((self.folder / f"{index:05d}.pkl").read_bytes())
+            out.docs.update(part["docs"])
+            for src in part["docs"]:
+                for sums, into in ((part["sum_f"], out.sum_f), (part["sum_f2"], out.sum_f2)):
+                    into[src].update({t: v for t, v in sums.get(src, {}).items() if t in keep})
         return out
 
 
