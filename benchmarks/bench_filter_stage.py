@@ -45,7 +45,8 @@ def measure(path: Path) -> dict:
     from kiln.config import DataConfig
     from kiln.data.document import ReadReport
     from kiln.data.extract import extract
-    from kiln.data.pipeline import StepTimer, Task, process_task, read_task
+    from kiln.data.pipeline import Task, process_task, read_task
+    from kiln.data.steps import StepTimer
 
     cfg, task = DataConfig(), Task(0, str(path))
     base, full, base_wall, full_wall, steps = [], [], [], [], []
