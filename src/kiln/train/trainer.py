@@ -28,6 +28,7 @@ from kiln.tokenizer import tokenizer_sha256
 from kiln.train import checkpoint as ckpt
 from kiln.train import consensus, parallel
 from kiln.train import resume as resume_checks
+from kiln.train import sharded_checkpoint as sharded
 from kiln.train.budget import Budget
 from kiln.train.clip import clip, group_norms, layer_groups
 from kiln.train.console import TrainConsole, warnings_for
@@ -167,6 +168,8 @@ class Trainer:
         self.saver = ckpt.Saver(cfg.checkpoint.async_save, log)
         self.requests = StopRequests()
         self.watchdog = Watchdog(self.d, cfg.watchdog, self.run_dir, log, cfg.parallel.startup_timeout_s)
+        self.saver.busy = functools.partial(self.watchdog.saving, cfg.checkpoint.save_timeout_s)
+        self.ckpt_format = sharded.resolve_format(cfg.checkpoint.format, self.mode)
         self.peak, self.peak_source = peak_tflops(self.d.device, t.dtype, t.peak_tflops)
         self.tasks = DownstreamTasks(cfg.eval.tasks, cfg.eval.tasks_every, self.tokenizer_file, cfg.tokenizer.eos_token)
         self.telemetry = Telemetry.create(self.d, cfg.telemetry, log)
@@ -190,14 +193,21 @@ class Trainer:
     # --- checkpoints ------------------------------------------------------------------------
 
     def _load(self, folder: Path, resume: bool) -> dict[str, Any]:
-        # Verified by consensus.agreed_checkpoint; only rank 0 reads the weights, and broadcasts them.
-        data = ckpt.load_checkpoint(folder, verify=False, weights=self.d.is_main)
+        # Verified by consensus.agreed_checkpoint; only rank 0 reads the weights, and broadcasts them (a sharded
+        # checkpoint: every rank reads its own pieces, whatever the world size it was written with).
+        in_pieces = sharded.is_sharded(folder)
+        data = ckpt.load_checkpoint(folder, verify=False, weights=self.d.is_main and not in_pieces)
         state = data["state"]
         if state.get("config_hash") != self.config_hash:
             raise KilnError(f"{folder} was written with different model/pack/tokenizer settings; "
                             f"use a new out_dir, or delete {self.ckpt_dir} to start over")
-        resume_checks.check_vocab_size(data["model"], self.model.tok_embeddings.num_embeddings, folder)
-        parallel.load_states(self.wrapped, self.optimizer, self.mode, data["model"], data["optimizer"], self.d.world)
+        resume_checks.check_vocab_size(sharded.model_shapes(folder) if in_pieces else data["model"],
+                                       self.model.tok_embeddings.num_embeddings, folder)
+        if in_pieces:
+            sharded.load(folder, self.wrapped, self.optimizer, self.d, self.cfg.checkpoint.save_timeout_s)
+        else:
+            parallel.load_states(self.wrapped, self.optimizer, self.mode, data["model"], data["optimizer"],
+                                 self.d.world)
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if resume:
@@ -255,6 +265,8 @@ class Trainer:
 
     def save(self, reason: str = "schedule") -> None:
         """Every rank takes part (FSDP2 gathers); rank 0 writes, in the background when async."""
+        if self.ckpt_format == "sharded":
+            return self._save_sharded(reason)
         model_state = parallel.full_state_dict(self.wrapped, self.mode)
         optim_state = parallel.optimizer_state(self.wrapped, self.optimizer, self.mode)
         rng = ckpt.rng_state(self.d.device)
@@ -269,10 +281,30 @@ class Trainer:
             else:
                 self._write(model_state, optim_state, rngs, reason)
         self.watchdog.beat(self.step)
-        if self.d.world > 1:
-            dist.barrier()
+        sharded.save_barrier(self.d, self.watchdog, self.cfg.checkpoint.save_timeout_s)
 
-    def _write(self, model_state, optim_state, rngs, reason: str) -> None:
+    def _save_sharded(self, reason: str) -> None:
+        """Every rank writes its own pieces (train/sharded_checkpoint.py), in the background when async."""
+        cfg, step = self.cfg, self.step
+        state, fields, best = self._checkpoint_meta()
+        with self.watchdog.saving(cfg.checkpoint.save_timeout_s):
+            stall, refused = sharded.save(
+                self.ckpt_dir, step, self.wrapped, self.optimizer, self.d, self.saver, state=state,
+                rng=ckpt.rng_state(self.d.device), config_yaml=cfg.to_yaml(), tokenizer_file=self.tokenizer_file,
+                manifest_fields=fields, signing_key=cfg.checkpoint.signing_key,
+                timeout_s=cfg.checkpoint.save_timeout_s,
+                after_commit=lambda: ckpt.retain(self.ckpt_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every,
+                                                 best))
+        if refused:
+            self.event({"event": "save", "step": step, "refused": refused})
+            if self.d.is_main:
+                self.log(f"step {step}: not saving a checkpoint with {refused}")
+            return
+        self.event({"event": "save", "step": step, "reason": reason, "stall_s": round(stall, 4),
+                    "async": self.saver.async_save, "format": "sharded"})
+
+    def _checkpoint_meta(self) -> tuple[dict[str, Any], dict[str, Any], int | None]:
+        """state.json's content, the manifest's fields, and the best step retention keeps."""
         cfg = self.cfg
         state = {"step": self.step, "tokens_seen": self.tokens_seen, "loader": self.loader.state_dict(),
                  "world_size": self.d.world, "config_hash": self.config_hash, "history": self.history,
@@ -283,6 +315,11 @@ class Trainer:
                   "env": {**env_fingerprint(), "layout": self.layout}}
         vals = {int(s): v for s, v in self.history["val_loss"].items() if int(s) > 0}
         best = min(vals, key=vals.get) if (cfg.checkpoint.keep_best and vals) else None
+        return state, fields, best
+
+    def _write(self, model_state, optim_state, rngs, reason: str) -> None:
+        cfg = self.cfg
+        state, fields, best = self._checkpoint_meta()
         if self.saver.async_save:  # the snapshot must not change while the thread writes
             model_state, optim_state = ckpt.snapshot(model_state), ckpt.snapshot(optim_state)
         step = self.step
