@@ -34,6 +34,7 @@ _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", 
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
               torch.bool: "BOOL"}
 _TORCH_DTYPES = {str(dt).removeprefix("torch."): dt for dt in _ST_DTYPES}
+FROM_SAFETENSORS = {v: k for k, v in _ST_DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

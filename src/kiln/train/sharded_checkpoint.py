@@ -44,7 +44,8 @@ from torch import nn
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import STAGING_MARK, read_manifest, sha256_file, staging_dir, write_atomic, write_manifest
 from kiln.train import checkpoint as ckpt
-from kiln.train.shard_storage import Piece, PieceIndex, dtype_name, rank_file, write_index, write_pieces
+from kiln.train.shard_storage import (FROM_SAFETENSORS, Piece, PieceIndex, dtype_name, rank_file, write_index,
+                                      write_pieces)
 
 INDEX = "index.json"
 FORMAT = "kiln-sharded"
@@ -436,3 +437,50 @@ def _restore_groups(saved: list[dict], current: list[dict], folder: Path) -> lis
     for s, c in zip(saved, current):
         out.append({k: tuple(v) if isinstance(c.get(k), tuple) and isinstance(v, list) else v for k, v in s.items()})
     return out
+
+
+class CheckpointWeights:
+    """A checkpoint's weights read one tensor at a time, full or sharded: `keys()`, `shape(k)`, `dtype(k)` from
+    the headers and indexes, `get(k)` the whole tensor (a sharded one assembled from its pieces). Memory: the
+    tensor asked for. Use as a context manager (it keeps the files open)."""
+
+    def __init__(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        self._pieces = pieces(folder, "model") if is_sharded(folder) else None
+        self._file = None if self._pieces else safe_open(str(self.folder / "model.safetensors"), framework="pt")
+
+    def __enter__(self) -> "CheckpointWeights":
+        if self._file is not None:
+            self._file = self._file.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pieces is not None:
+            self._pieces.close()
+        else:
+            self._file.__exit__(*exc)
+
+    def keys(self) -> list[str]:
+        return self._pieces.keys() if self._pieces is not None else list(self._file.keys())
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        if self._pieces is not None:
+            return tuple(self._pieces.global_shape(key))
+        return tuple(self._file.get_slice(key).get_shape())
+
+    def dtype(self, key: str) -> torch.dtype:
+        if self._pieces is not None:
+            return self._pieces.dtype(key)
+        return self.get_meta(key).dtype
+
+    def get_meta(self, key: str) -> torch.Tensor:
+        """A meta tensor of `key`'s shape and dtype (nothing read)."""
+        if self._pieces is not None:
+            return torch.empty(self.shape(key), dtype=self.dtype(key), device="meta")
+        s = self._file.get_slice(key)
+        return torch.empty(tuple(s.get_shape()), dtype=FROM_SAFETENSORS[s.get_dtype()], device="meta")
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._pieces.full(key) if self._pieces is not None else self._file.get_tensor(key)

@@ -1,0 +1,354 @@
+"""Sharded checkpoints (checkpoint.format: sharded): each rank's own pieces, verified, signed, resumed on another
+world size and mesh, read without pickle, exported one tensor at a time.
+
+Every run here is real torch.distributed on gloo (2 CPU ranks under torchrun). A GPU run would add: NCCL as the
+training group beside the checkpoint's gloo group, pinned-memory snapshots of CUDA shards for async saves, and
+HSDP's replicated mesh dimension on several nodes (only the replica at coordinate 0 writes).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, tiny_config
+from kiln.cli import main as kiln
+from kiln.errors import IntegrityError
+from kiln.manifest import read_manifest
+from kiln.train.checkpoint import latest_valid, list_checkpoints, load_checkpoint, verify_checkpoint
+from kiln.train.shard_storage import Piece, PieceIndex, write_index, write_pieces, write_safetensors
+from kiln.train.trainer import Trainer
+from test_resilience import ENV, clone, events, finish, launch, losses, write_config
+
+QUIET = lambda *_: None  # noqa: E731
+
+
+# --- the storage layer ---------------------------------------------------------------------------
+
+def _split(folder: Path, full: torch.Tensor, rows: list[int], cols: list[int]) -> list[str]:
+    """Write `full` as a grid of pieces (row and column boundaries), one file and index per piece."""
+    names = []
+    for i, (r0, r1) in enumerate(zip(rows, rows[1:])):
+        for j, (c0, c1) in enumerate(zip(cols, cols[1:])):
+            rank = i * (len(cols) - 1) + j
+            file = f"model-{rank:05d}.safetensors"
+            write_pieces(folder / file, {"w": full[r0:r1, c0:c1].clone()})
+            write_index(folder / f"index-{rank:05d}.json",
+                        {"model": {"w": Piece(file, (r0, c0), (r1 - r0, c1 - c0), tuple(full.shape), "float32")}})
+            names.append(f"index-{rank:05d}.json")
+    return names
+
+
+def test_pieces_of_one_layout_assemble_any_other_box(tmp_path):
+    full = torch.arange(7 * 6, dtype=torch.float32).reshape(7, 6)
+    names = _split(tmp_path, full, rows=[0, 3, 5, 7], cols=[0, 4, 6])  # 3 x 2 uneven pieces
+    with PieceIndex(tmp_path, names, "model") as p:
+        p.check_complete()
+        p.check_files()
+        assert torch.equal(p.full("w"), full)
+        for offsets, shape in [((0, 0), (4, 6)), ((4, 0), (3, 6)), ((2, 1), (4, 4)), ((6, 5), (1, 1))]:
+            out = p.read_box("w", torch.empty(shape), offsets)  # another world size's shard
+            assert torch.equal(out, full[offsets[0]:offsets[0] + shape[0], offsets[1]:offsets[1] + shape[1]])
+        with pytest.raises(IntegrityError, match="another size"):
+            p.read_box("w", torch.empty(8, 6))
+    with PieceIndex(tmp_path, names[:-1], "model") as p:  # one piece's index missing: a gap
+        with pytest.raises(IntegrityError, match="cover"):
+            p.check_complete()
+        with pytest.raises(IntegrityError, match="incomplete"):
+            p.full("w")
+    with PieceIndex(tmp_path, names + names[:1], "model") as p:  # one piece listed twice
+        with pytest.raises(IntegrityError, match="exactly once"):
+            p.check_complete()
+
+
+def test_the_streaming_writer_writes_what_safetensors_reads(tmp_path):
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(4, dtype=torch.int64), "c": torch.randn(2, 2).bfloat16(),
+               "scalar": torch.tensor(3.0), "empty": torch.empty(0, 4)}
+    served = []
+
+    def tensor_for(name):
+        served.append(name)
+        return tensors[name]
+
+    names = [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
+    write_safetensors(tmp_path / "x.safetensors", names, tensor_for, metadata={"format": "pt"})
+    back = load_file(str(tmp_path / "x.safetensors"))
+    assert back.keys() == tensors.keys() and all(torch.equal(back[k], tensors[k]) for k in tensors)
+    assert served == list(tensors)  # each asked for once, in order: one tensor in memory at a time
+    with pytest.raises(ValueError, match="header says"):
+        write_safetensors(tmp_path / "y.safetensors", [("a", torch.float32, (5, 3))], tensors.__getitem__)
+
+
+# --- one process -------------------------------------------------------------------------------
+
+def _fresh_out(prepared, tmp_path_factory, name: str) -> Path:
+    out = tmp_path_factory.mktemp(name) / "out"
+    for part in ("tokenizer", "shards"):
+        shutil.copytree(prepared.out / part, out / part)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_process_run(prepared, tmp_path_factory):
+    """A single-process run with checkpoint.format=sharded: checkpoints at steps 4 and 8 (tests restore what
+    they change)."""
+    out = _fresh_out(prepared, tmp_path_factory, "one")
+    cfg = tiny_config(out, train={"max_steps": 8, "eval_every": 0}, checkpoint={"format": "sharded", "every": 4})
+    Trainer(cfg, log=QUIET).run()
+    return out
+
+
+def _corrupt_each_file(folder: Path):
+    """Yield (name) after flipping one byte in the middle of each file the manifest lists, restoring after."""
+    for name in read_manifest(folder)["files"]:
+        path = folder / name
+        data = bytearray(path.read_bytes())
+        original = bytes(data)
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+        try:
+            yield name
+        finally:
+            path.write_bytes(original)
+
+
+def test_one_process_sharded_checkpoint_verifies_and_every_flipped_byte_is_caught(one_process_run):
+    root = one_process_run / "run" / "checkpoints"
+    older, newest = list_checkpoints(root)
+    files = set(read_manifest(newest)["files"])
+    assert {"index.json", "model-00000.safetensors", "optimizer-00000.safetensors", "index-00000.json",
+            "rng.pt", "state.json"} <= files and "model.safetensors" not in files
+    assert read_manifest(newest)["checkpoint_format"] == "sharded"
+    assert kiln(["ckpt", "verify", str(newest)]) == 0
+    caught = []
+    for name in _corrupt_each_file(newest):
+        with pytest.raises(IntegrityError) as err:
+            verify_checkpoint(newest)
+        assert name in str(err.value)
+        caught.append(name)
+        assert latest_valid(root, log=QUIET) == older  # the fallback: the previous valid checkpoint
+    assert set(caught) == files
+    assert latest_valid(root, log=QUIET) == newest
+
+
+def test_loading_a_sharded_checkpoint_runs_no_pickle(one_process_run, monkeypatch):
+    """Every unpickler and torch.load(weights_only=False) is disabled: weights and optimizer state still load
+    (rng.pt is read by torch's weights_only loader, which never imports a class)."""
+    folder = list_checkpoints(one_process_run / "run" / "checkpoints")[-1]
+    cfg = tiny_config(one_process_run, train={"max_steps": 8})
+    fresh = Trainer(cfg, log=QUIET)
+
+    def refuse(*_, **__):
+        raise AssertionError("pickle used while loading")
+
+    class RefusingUnpickler(pickle.Unpickler):  # what torch.load(weights_only=False) would unpickle with
+        find_class = refuse
+
+    monkeypatch.setattr(pickle, "Unpickler", RefusingUnpickler)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: refuse() if not k.get("weights_only") else real_load(*a, **k))
+    verify_checkpoint(folder)
+    weights = load_checkpoint(folder)["model"]
+    fresh._load(folder, resume=True)
+    monkeypatch.undo()
+    model_state = {k: v for k, v in fresh.model.state_dict().items()}
+    assert weights.keys() == model_state.keys() and all(torch.equal(weights[k], model_state[k]) for k in weights)
+    assert fresh.step == 8 and fresh.optimizer.state  # the AdamW moments came back too
+    for name in read_manifest(folder)["files"]:  # and nothing but rng.pt is a pickle or a zip of one
+        head = (folder / name).read_bytes()[:2]
+        assert name == "rng.pt" or head not in (b"PK", b"\x80\x02", b"\x80\x04"), name
+    assert not list(folder.glob("*.metadata"))
+
+
+def test_export_of_a_sharded_checkpoint_writes_the_same_weights(one_process_run, tmp_path):
+    from kiln.ops.export import to_hf
+
+    folder = list_checkpoints(one_process_run / "run" / "checkpoints")[-1]
+    assert kiln(["export", "--hf", str(folder), str(tmp_path / "hf")]) == 0
+    hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    expected = to_hf(load_checkpoint(folder)["model"], folder)
+    if json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"]:
+        expected.pop("lm_head.weight")
+    assert hf.keys() == expected.keys() and all(torch.equal(hf[k], expected[k]) for k in hf)
+
+
+# --- the watchdog and the collective timeouts during a save ------------------------------------
+
+WATCHDOG_SCRIPT = """
+import sys, time
+from pathlib import Path
+from kiln.config import WatchdogConfig
+from kiln.train.checkpoint import Saver
+from kiln.train.parallel import Dist
+from kiln.train.watchdog import Watchdog
+import functools
+dog = Watchdog(Dist(), WatchdogConfig(stall_timeout_s=1.0, heartbeat_s=0.1), Path(sys.argv[1]), print)
+dog.step = dog.first_step = 0
+dog.beat(1)
+dog.start()
+saver = Saver(async_save=False)
+if sys.argv[2] == "saving":
+    saver.busy = functools.partial(dog.saving, 30)
+saver.save(lambda: time.sleep(2.5))  # a save longer than stall_timeout_s
+dog.stop()
+print("finished")
+"""
+
+
+@pytest.mark.parametrize("told", [True, False])
+def test_a_save_longer_than_the_stall_timeout_is_not_a_stall(tmp_path, told):
+    """The watchdog is real (its own thread and os._exit); only the save is a sleep. Told of the save
+    (Saver.busy = Watchdog.saving, as the trainer sets it) it waits; not told, it reports a stall (exit 3)."""
+    proc = subprocess.run([sys.executable, "-c", WATCHDOG_SCRIPT, str(tmp_path), "saving" if told else "no"],
+                          env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    if told:
+        assert proc.returncode == 0 and "finished" in proc.stdout, proc.stdout + proc.stderr
+    else:
+        assert proc.returncode == 3 and "has not advanced" in proc.stdout, proc.stdout + proc.stderr
+
+
+BARRIER_SCRIPT = """
+import os, time
+from datetime import timedelta
+import torch.distributed as dist
+from kiln.train.parallel import Dist
+from kiln.train.sharded_checkpoint import save_barrier
+dist.init_process_group("gloo", timeout=timedelta(seconds=2))  # parallel.step_timeout_s, shortened
+d = Dist(rank=dist.get_rank(), world=dist.get_world_size())
+if d.rank == 0:
+    time.sleep(5)  # rank 0 still writing a checkpoint while rank 1 waits
+save_barrier(d, None, timeout_s=60)
+print(f"rank {d.rank} passed")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_the_end_of_save_barrier_waits_longer_than_the_step_timeout(tmp_path):
+    script = tmp_path / "barrier.py"
+    script.write_text(BARRIER_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script)], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "rank 0 passed" in proc.stdout and "rank 1 passed" in proc.stdout
+
+
+# --- two ranks ---------------------------------------------------------------------------------
+
+STEPS = {"max_steps": 10, "eval_every": 0}
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(prepared, tmp_path_factory):
+    """FSDP2 on 2 gloo ranks to step 10, checkpoint.format left to its default (sharded under FSDP)."""
+    out = _fresh_out(prepared, tmp_path_factory, "fsdp")
+    cfg = write_config(out.parent / "c.yaml", out, train=STEPS, parallel={"mode": "fsdp"}, checkpoint={"every": 5})
+    finish(launch(cfg, nproc=2))
+    return out
+
+
+def _resume_from_step_5(run: Path, dst: Path, cfg_path: Path, nproc: int, **sections) -> Path:
+    """A copy of `run` with its step-10 checkpoint removed, continued from step 5 on `nproc` processes."""
+    out = clone(run, dst)
+    shutil.rmtree(out / "run" / "checkpoints" / "step-00000010")
+    finish(launch(write_config(cfg_path, out, train=STEPS, **sections), nproc=nproc))
+    return out
+
+
+def _step_losses(out: Path) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in events(out, "step")}
+
+
+def _close(a: dict[int, float], b: dict[int, float], steps: range, rel: float = 1e-3) -> bool:
+    return all(abs(a[s] - b[s]) <= rel * abs(b[s]) for s in steps)
+
+
+@pytest.mark.slow
+def test_fsdp_two_ranks_each_write_their_own_pieces_and_verify(fsdp_run):
+    folder = list_checkpoints(fsdp_run / "run" / "checkpoints")[-1]
+    manifest = read_manifest(folder)
+    assert manifest["world_size"] == 2 and manifest["checkpoint_format"] == "sharded"
+    for rank in (0, 1):
+        index = json.loads((folder / f"index-{rank:05d}.json").read_text())["pieces"]
+        files = {p["file"] for kind in index.values() for p in kind.values()}
+        assert files == {f"model-{rank:05d}.safetensors", f"optimizer-{rank:05d}.safetensors"}
+        # FSDP2 shards dim 0: rank r holds rows [r * n/2, (r+1) * n/2) of the embeddings, and only those
+        emb = index["model"]["tok_embeddings.weight"]
+        assert emb["offsets"] == [rank * 512, 0] and emb["shape"] == [512, 64] and emb["global_shape"] == [1024, 64]
+        assert load_file(str(folder / f"model-{rank:05d}.safetensors"))["tok_embeddings.weight"].shape == (512, 64)
+    assert kiln(["ckpt", "verify", str(folder)]) == 0
+    assert kiln(["ckpt", "list", str(fsdp_run / "run")]) == 0
+    for name in _corrupt_each_file(folder):
+        with pytest.raises(IntegrityError, match=name.replace(".", r"\.")):
+            verify_checkpoint(folder)
+    # The whole weights, assembled, are what the 2-rank run trained: the exported model's too.
+    whole = load_checkpoint(folder)["model"]
+    assert whole["tok_embeddings.weight"].shape == (1024, 64)
+
+
+@pytest.mark.slow
+def test_two_rank_fsdp_checkpoint_resumes_on_one_process(fsdp_run, tmp_path):
+    one = _resume_from_step_5(fsdp_run, tmp_path / "one", tmp_path / "one.yaml", nproc=1)
+    assert _close(_step_losses(one), _step_losses(fsdp_run), range(6, 11))
+    assert events(one, "save")[-1]["step"] == 10  # one process writes the full format by default
+    assert (list_checkpoints(one / "run" / "checkpoints")[-1] / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_two_rank_fsdp_checkpoint_resumes_bitwise_on_the_same_layout(fsdp_run, tmp_path):
+    same = _resume_from_step_5(fsdp_run, tmp_path / "same", tmp_path / "same.yaml", nproc=2,
+                               parallel={"mode": "fsdp"})
+    assert _step_losses(same) == _step_losses(fsdp_run)
+    a = load_checkpoint(list_checkpoints(same / "run" / "checkpoints")[-1])["model"]
+    b = load_checkpoint(list_checkpoints(fsdp_run / "run" / "checkpoints")[-1])["model"]
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.mark.slow
+def test_two_rank_fsdp_checkpoint_resumes_under_ddp(fsdp_run, tmp_path):
+    ddp = _resume_from_step_5(fsdp_run, tmp_path / "ddp", tmp_path / "ddp.yaml", nproc=2,
+                              parallel={"mode": "ddp"}, checkpoint={"format": "sharded"})
+    assert _close(_step_losses(ddp), _step_losses(fsdp_run), range(6, 11))
+    # DDP's replicated weights are written once, spread over both ranks by size
+    folder = list_checkpoints(ddp / "run" / "checkpoints")[-1]
+    sizes = [(folder / f"model-{r:05d}.safetensors").stat().st_size for r in (0, 1)]
+    assert min(sizes) > 0.3 * max(sizes)
+
+
+@pytest.mark.slow
+def test_one_process_checkpoint_resumes_on_two_fsdp_ranks(prepared, tmp_path):
+    single = tmp_path / "single"
+    for name in ("tokenizer", "shards"):
+        shutil.copytree(prepared.out / name, single / name)
+    finish(launch(write_config(tmp_path / "s.yaml", single, train=STEPS, checkpoint={"every": 5,
+                                                                                     "format": "sharded"})))
+    two = _resume_from_step_5(single, tmp_path / "two", tmp_path / "two.yaml", nproc=2, parallel={"mode": "fsdp"})
+    assert _close(_step_losses(two), _step_losses(single), range(6, 11))
+    assert read_manifest(list_checkpoints(two / "run" / "checkpoints")[-1])["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_async_sharded_save_on_two_ranks_writes_the_same_checkpoints(fsdp_run, tmp_path):
+    out = tmp_path / "async"
+    for name in ("tokenizer", "shards"):
+        shutil.copytree(fsdp_run / name, out / name)
+    cfg = write_config(tmp_path / "a.yaml", out, train=STEPS, parallel={"mode": "fsdp"},
+                       checkpoint={"every": 5, "async_save": True})
+    finish(launch(cfg, nproc=2))
+    assert losses(out) == losses(fsdp_run)
+    saves = events(out, "save")
+    assert [s["step"] for s in saves] == [5, 10] and all(s["async"] and s["format"] == "sharded" for s in saves)
+    for a, b in zip(list_checkpoints(out / "run" / "checkpoints"), list_checkpoints(fsdp_run / "run" / "checkpoints")):
+        verify_checkpoint(a)
+        for name in ("model-00000.safetensors", "model-00001.safetensors", "optimizer-00001.safetensors"):
+            assert (a / name).read_bytes() == (b / name).read_bytes()
