@@ -72,8 +72,10 @@ def _group(d, timeout_s: float):
     group's timeout is parallel.step_timeout_s). Made on first use, by every rank at the same point."""
     if d.world == 1:
         return None
-    if "group" not in _GROUP:
-        _GROUP["group"] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    if _GROUP.get("world") is not dist.group.WORLD:  # a new default group (a process that re-initialised)
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        _GROUP.update(world=dist.group.WORLD, group=group)
+    # Every time: parallel.set_step_timeout sets the step timeout on every group, this one too.
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), _GROUP["group"])
     return _GROUP["group"]
 
