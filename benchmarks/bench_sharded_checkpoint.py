@@ -12,8 +12,10 @@ one AdamW step: weights + exp_avg + exp_avg_sq, ~600 MB of fp32 tensors in all, 
            and the manifest; load: each rank reads the slices of its own shard (sharded_checkpoint.load).
 
 Times are rank 0's wall clock from the call until every rank is done (a barrier), medians of RUNS rounds with
-the order flipped every round; the files are in the page cache when read. Peak RSS: rank 0's resident memory
-sampled every 2 ms during the save, less what it held before the save.
+the order flipped every round; the files are in the page cache when read. RSS: rank 0's resident memory
+sampled every 2 ms during the save: its peak, and the peak less what it held before the save (the growth;
+a tensor this large is mmapped by glibc and returned to the system when freed, so rounds do not mask each
+other).
 
     python -m benchmarks sharded_checkpoint
 """
@@ -114,7 +116,8 @@ def worker(out: Path) -> None:
         sharded.load(folder, model, opt, d)
 
     sides = {"full": (save_full, load_full), "sharded": (save_sharded, load_sharded)}
-    results: dict[str, dict[str, list[float]]] = {k: {"save_s": [], "load_s": [], "rss_mb": []} for k in sides}
+    results: dict[str, dict[str, list[float]]] = {k: {"save_s": [], "load_s": [], "rss_mb": [], "peak_mb": []}
+                                                  for k in sides}
     for r in range(RUNS):
         for name in (("full", "sharded") if r % 2 == 0 else ("sharded", "full")):
             save, load = sides[name]
@@ -126,6 +129,7 @@ def worker(out: Path) -> None:
                 dist.barrier()
             results[name]["save_s"].append(time.perf_counter() - t0)
             results[name]["rss_mb"].append((rss.peak - rss.base) / 1e6)
+            results[name]["peak_mb"].append(rss.peak / 1e6)
             t0 = time.perf_counter()
             load(folder)
             dist.barrier()
@@ -151,17 +155,18 @@ def main() -> None:
     res = report["results"]
     print(f"state: {report['params_m']:.1f} M parameters on 2 FSDP2 ranks, {report['state_mb']:.0f} MB of fp32 "
           f"weights + AdamW moments in all")
-    print(f"\n{'':8} {'save s':>8} {'load s':>8} {'rank 0 RSS +MB':>15}   (medians of {RUNS}; runs)")
+    print(f"\n{'':8} {'save s':>8} {'load s':>8} {'rank 0 RSS +MB':>15} {'peak MB':>8}   (medians of {RUNS}; runs)")
     med = {}
     for name, r in res.items():
         med[name] = {k: statistics.median(v) for k, v in r.items()}
-        print(f"{name:8} {med[name]['save_s']:8.2f} {med[name]['load_s']:8.2f} {med[name]['rss_mb']:15.0f}   "
+        print(f"{name:8} {med[name]['save_s']:8.2f} {med[name]['load_s']:8.2f} {med[name]['rss_mb']:15.0f} "
+              f"{med[name]['peak_mb']:8.0f}   "
               f"save {', '.join(f'{x:.2f}' for x in r['save_s'])}; load {', '.join(f'{x:.2f}' for x in r['load_s'])}")
     f, s = med["full"], med["sharded"]
     print(f"\nsharded/full: save time {s['save_s'] / f['save_s']:.2f}, load time {s['load_s'] / f['load_s']:.2f}, "
-          f"rank 0 peak RSS during save {s['rss_mb'] / f['rss_mb']:.2f}; sharded peak = "
-          f"{s['rss_mb'] / report['state_mb']:.2f} of the full state's size, full peak = "
-          f"{f['rss_mb'] / report['state_mb']:.2f}")
+          f"rank 0 peak RSS during save {s['peak_mb'] / f['peak_mb']:.2f}; growth of rank 0's RSS during the save "
+          f"= {s['rss_mb'] / report['state_mb']:.2f} (sharded) and {f['rss_mb'] / report['state_mb']:.2f} (full) "
+          f"of the full state's size")
 
 
 if __name__ == "__main__":
