@@ -23,10 +23,10 @@ from conftest import ROOT, tiny_config
 from kiln.cli import main as kiln
 from kiln.errors import IntegrityError
 from kiln.manifest import read_manifest
-from kiln.train.checkpoint import latest_valid, list_checkpoints, load_checkpoint, verify_checkpoint
+from kiln.train.checkpoint import checkpoint_table, latest_valid, list_checkpoints, load_checkpoint, verify_checkpoint
 from kiln.train.shard_storage import Piece, PieceIndex, write_index, write_pieces, write_safetensors
 from kiln.train.trainer import Trainer
-from test_resilience import ENV, clone, events, finish, launch, losses, write_config
+from test_resilience import ENV, _keypair, clone, events, finish, launch, losses, write_config
 
 QUIET = lambda *_: None  # noqa: E731
 
@@ -98,17 +98,22 @@ def _fresh_out(prepared, tmp_path_factory, name: str) -> Path:
 
 @pytest.fixture(scope="module")
 def one_process_run(prepared, tmp_path_factory):
-    """A single-process run with checkpoint.format=sharded: checkpoints at steps 4 and 8 (tests restore what
-    they change)."""
+    """A single-process run with checkpoint.format=sharded, signed, checkpoints every 4 steps to 12 with
+    keep_last=2 (tests restore what they change). Returns (out_dir, the trainer, the public key)."""
     out = _fresh_out(prepared, tmp_path_factory, "one")
-    cfg = tiny_config(out, train={"max_steps": 8, "eval_every": 0}, checkpoint={"format": "sharded", "every": 4})
-    Trainer(cfg, log=QUIET).run()
-    return out
+    priv, pub = _keypair(out.parent)
+    cfg = tiny_config(out, train={"max_steps": 12, "eval_every": 0},
+                      checkpoint={"format": "sharded", "every": 4, "keep_last": 2, "keep_best": False,
+                                  "signing_key": priv})
+    trainer = Trainer(cfg, log=QUIET)
+    trainer.run()
+    return out, trainer, pub
 
 
-def _corrupt_each_file(folder: Path):
-    """Yield (name) after flipping one byte in the middle of each file the manifest lists, restoring after."""
-    for name in read_manifest(folder)["files"]:
+def _corrupt_each_file(folder: Path, extra: tuple[str, ...] = ()):
+    """Yield each file's name after flipping one byte in its middle (the files the manifest lists, and `extra`),
+    restoring it after."""
+    for name in [*read_manifest(folder)["files"], *extra]:
         path = folder / name
         data = bytearray(path.read_bytes())
         original = bytes(data)
@@ -120,30 +125,61 @@ def _corrupt_each_file(folder: Path):
             path.write_bytes(original)
 
 
-def test_one_process_sharded_checkpoint_verifies_and_every_flipped_byte_is_caught(one_process_run):
-    root = one_process_run / "run" / "checkpoints"
-    older, newest = list_checkpoints(root)
+def test_one_process_sharded_checkpoint_verifies_and_every_flipped_byte_is_caught(one_process_run, capsys):
+    out, _, pub = one_process_run
+    root = out / "run" / "checkpoints"
+    older, newest = list_checkpoints(root)  # retention (keep_last=2) removed step 4 after step 12 committed
+    assert [older.name, newest.name] == ["step-00000008", "step-00000012"]
+    assert all(r["valid"] for r in checkpoint_table(root, pub))  # signed by rank 0 over every rank's hashes
+    verify_checkpoint(newest, pub)
+    assert kiln(["ckpt", "list", str(out / "run")]) == 0 and "step-00000012  valid" in capsys.readouterr().out
     files = set(read_manifest(newest)["files"])
     assert {"index.json", "model-00000.safetensors", "optimizer-00000.safetensors", "index-00000.json",
             "rng.pt", "state.json"} <= files and "model.safetensors" not in files
     assert read_manifest(newest)["checkpoint_format"] == "sharded"
     assert kiln(["ckpt", "verify", str(newest)]) == 0
     caught = []
-    for name in _corrupt_each_file(newest):
+    for name in _corrupt_each_file(newest, extra=("manifest.json", "manifest.sig")):
         with pytest.raises(IntegrityError) as err:
-            verify_checkpoint(newest)
+            verify_checkpoint(newest, pub)
         assert name in str(err.value)
         caught.append(name)
-        assert latest_valid(root, log=QUIET) == older  # the fallback: the previous valid checkpoint
-    assert set(caught) == files
+        assert latest_valid(root, log=QUIET, public_key=pub) == older  # the fallback: the previous valid one
+    assert set(caught) == files | {"manifest.json", "manifest.sig"}
     assert latest_valid(root, log=QUIET) == newest
+    manifest = newest / "manifest.json"  # a manifest edited by someone without the key: refused, older used
+    original = manifest.read_bytes()
+    manifest.write_bytes(original.replace(b'"step": 12', b'"step": 12, "tampered": 1'))
+    try:
+        with pytest.raises(IntegrityError, match="signature"):
+            verify_checkpoint(newest, pub)
+        assert latest_valid(root, log=QUIET, public_key=pub) == older
+    finally:
+        manifest.write_bytes(original)
+
+
+def test_a_sharded_checkpoint_with_non_finite_weights_is_never_written(one_process_run):
+    out, trainer, _ = one_process_run
+    saved = trainer.model.norm.weight[0].item()
+    with torch.no_grad():
+        trainer.model.norm.weight[0] = float("nan")
+    trainer.step = 13
+    try:
+        trainer.save()
+    finally:
+        with torch.no_grad():
+            trainer.model.norm.weight[0] = saved
+        trainer.step = 12
+    assert list_checkpoints(out / "run" / "checkpoints")[-1].name == "step-00000012"
+    assert not list((out / "run" / "checkpoints").glob("step-00000013*"))
 
 
 def test_loading_a_sharded_checkpoint_runs_no_pickle(one_process_run, monkeypatch):
     """Every unpickler and torch.load(weights_only=False) is disabled: weights and optimizer state still load
     (rng.pt is read by torch's weights_only loader, which never imports a class)."""
-    folder = list_checkpoints(one_process_run / "run" / "checkpoints")[-1]
-    cfg = tiny_config(one_process_run, train={"max_steps": 8})
+    out = one_process_run[0]
+    folder = list_checkpoints(out / "run" / "checkpoints")[-1]
+    cfg = tiny_config(out, train={"max_steps": 12})
     fresh = Trainer(cfg, log=QUIET)
 
     def refuse(*_, **__):
@@ -163,7 +199,7 @@ def test_loading_a_sharded_checkpoint_runs_no_pickle(one_process_run, monkeypatc
     monkeypatch.undo()
     model_state = {k: v for k, v in fresh.model.state_dict().items()}
     assert weights.keys() == model_state.keys() and all(torch.equal(weights[k], model_state[k]) for k in weights)
-    assert fresh.step == 8 and fresh.optimizer.state  # the AdamW moments came back too
+    assert fresh.step == 12 and fresh.optimizer.state  # the AdamW moments came back too
     for name in read_manifest(folder)["files"]:  # and nothing but rng.pt is a pickle or a zip of one
         head = (folder / name).read_bytes()[:2]
         assert name == "rng.pt" or head not in (b"PK", b"\x80\x02", b"\x80\x04"), name
@@ -173,7 +209,7 @@ def test_loading_a_sharded_checkpoint_runs_no_pickle(one_process_run, monkeypatc
 def test_export_of_a_sharded_checkpoint_writes_the_same_weights(one_process_run, tmp_path):
     from kiln.ops.export import to_hf
 
-    folder = list_checkpoints(one_process_run / "run" / "checkpoints")[-1]
+    folder = list_checkpoints(one_process_run[0] / "run" / "checkpoints")[-1]
     assert kiln(["export", "--hf", str(folder), str(tmp_path / "hf")]) == 0
     hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
     expected = to_hf(load_checkpoint(folder)["model"], folder)
