@@ -388,3 +388,19 @@ def test_async_sharded_save_on_two_ranks_writes_the_same_checkpoints(fsdp_run, t
         verify_checkpoint(a)
         for name in ("model-00000.safetensors", "model-00001.safetensors", "optimizer-00001.safetensors"):
             assert (a / name).read_bytes() == (b / name).read_bytes()
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoint_resumes_under_hsdp_whose_replicas_write_once(fsdp_run, tmp_path):
+    """HSDP with mesh [2, 1]: 2 replicas of a 1-way shard, so every piece has two holders and only the replica at
+    coordinate 0 writes it. A GPU run would add a shard dimension > 1 within each node."""
+    hsdp = _resume_from_step_5(fsdp_run, tmp_path / "hsdp", tmp_path / "hsdp.yaml", nproc=2,
+                               parallel={"mode": "fsdp", "mesh": [2, 1]})
+    assert _close(_step_losses(hsdp), _step_losses(fsdp_run), range(6, 11))
+    folder = list_checkpoints(hsdp / "run" / "checkpoints")[-1]
+    verify_checkpoint(folder)
+    index = [json.loads((folder / f"index-{r:05d}.json").read_text())["pieces"] for r in (0, 1)]
+    assert len(index[0]["model"]) == len(load_checkpoint(folder)["model"]) and not index[1]["model"]
+    a = load_checkpoint(folder)["model"]
+    b = load_checkpoint(list_checkpoints(fsdp_run / "run" / "checkpoints")[-1])["model"]
+    assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in b)
