@@ -404,3 +404,54 @@ def test_fsdp_checkpoint_resumes_under_hsdp_whose_replicas_write_once(fsdp_run, 
     a = load_checkpoint(folder)["model"]
     b = load_checkpoint(list_checkpoints(fsdp_run / "run" / "checkpoints")[-1])["model"]
     assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in b)
+
+
+FAILING_RANK_SCRIPT = """
+import errno, sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from kiln.errors import KilnError
+from kiln.model import Llama, ModelArgs
+from kiln.train import parallel
+from kiln.train import sharded_checkpoint as sharded
+from kiln.train.checkpoint import Saver, rng_state
+
+dist.init_process_group("gloo")
+d = parallel.Dist(rank=dist.get_rank(), world=dist.get_world_size())
+model = Llama(ModelArgs(vocab_size=64, dim=16, n_layers=1, n_heads=2, max_seq_len=8))
+parallel.apply_fsdp(model, d, None, None)
+opt = torch.optim.AdamW(model.parameters())
+root, tok = Path(sys.argv[1]), Path(sys.argv[1]).parent / "tokenizer.json"
+if d.rank == 1:  # this rank's disk fills up while it writes its pieces
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    sharded.write_pieces = full
+saver = Saver(sys.argv[2] == "async")
+try:
+    sharded.save(root, 3, model, opt, d, saver, state={"step": 3}, rng=rng_state(), config_yaml="",
+                 tokenizer_file=tok, manifest_fields={}, signing_key=None, timeout_s=60)
+    saver.wait()  # an async save's failure is raised here
+except KilnError as exc:
+    print(f"rank {d.rank} refused: {exc}")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_rank_that_fails_mid_save_stops_every_rank_and_leaves_nothing(tmp_path, mode):
+    """Rank 1's write raises (a full disk, simulated: the one thing mocked); rank 0 must not hang waiting for its
+    hashes, both ranks raise one KilnError naming rank 1, and neither the checkpoint nor its staging folder stays."""
+    script = tmp_path / "fail.py"
+    script.write_text(FAILING_RANK_SCRIPT)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    root = tmp_path / "checkpoints"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), str(root), mode], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for rank in (0, 1):
+        assert f"rank {rank} refused: " in proc.stdout and "rank 1 on host" in proc.stdout
+    assert "no space left on the device" in proc.stdout
+    assert not list(root.iterdir())  # no step-00000003, no step-00000003.tmp-*

@@ -305,6 +305,9 @@ def _write_job(d, group, tmp: Path, stage, tensors: dict, boxes: dict, small: di
             if stage is not None and tmp.exists():
                 try:
                     stage.__exit__(type(exc), exc, exc.__traceback__)  # removes the staging folder
+                except KilnError as plain:  # a full disk, said as staging_dir says it, and on which rank
+                    where = "; ".join(e.split(":", 1)[0] for _, e in reports if e) or f"rank 0 on host {d.host}"
+                    outcome = f"{where}: {plain}"
                 except BaseException:
                     pass
     outcome = _broadcast(d, group, outcome)
