@@ -455,3 +455,64 @@ def test_a_rank_that_fails_mid_save_stops_every_rank_and_leaves_nothing(tmp_path
         assert f"rank {rank} refused: " in proc.stdout and "rank 1 on host" in proc.stdout
     assert "no space left on the device" in proc.stdout
     assert not list(root.iterdir())  # no step-00000003, no step-00000003.tmp-*
+
+
+UNEVEN_SCRIPT = """
+import sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from kiln.model import Llama, ModelArgs
+from kiln.train import parallel
+from kiln.train import sharded_checkpoint as sharded
+from kiln.train.checkpoint import Saver, load_checkpoint, rng_state
+
+dist.init_process_group("gloo")
+d = parallel.Dist(rank=dist.get_rank(), world=dist.get_world_size())
+args = ModelArgs(vocab_size=67, dim=24, n_layers=1, n_heads=3, n_kv_heads=1, max_seq_len=8)  # odd rows everywhere
+
+
+def trained(seed):
+    torch.manual_seed(seed)
+    model = Llama(args)
+    parallel.apply_fsdp(model, d, None, None)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 67, (1, 8))).sum().backward()
+    opt.step()
+    return model, opt
+
+
+root, tok = Path(sys.argv[1]), Path(sys.argv[1]).parent / "tokenizer.json"
+model, opt = trained(0)
+sharded.save(root, 1, model, opt, d, Saver(False), state={"step": 1}, rng=rng_state(), config_yaml="",
+             tokenizer_file=tok, manifest_fields={}, signing_key=None, timeout_s=60)
+other, other_opt = trained(1)  # different weights and moments, overwritten by the load
+sharded.load(root / "step-00000001", other, other_opt, d)
+local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+pairs = list(zip(model.parameters(), other.parameters()))
+same = all(torch.equal(local(a), local(b)) for a, b in pairs) and all(
+    torch.equal(local(opt.state[a][k]), local(other_opt.state[b][k])) for a, b in pairs for k in opt.state[a])
+want = parallel.full_state_dict(model, "fsdp")  # gathered on every rank (rank 0 keeps it)
+whole = load_checkpoint(root / "step-00000001")["model"]
+print(f"rank {d.rank} same={same} whole={d.rank != 0 or all(torch.equal(whole[k], want[k]) for k in want)}")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_uneven_fsdp_shards_round_trip_exactly(tmp_path):
+    """Sizes that 2 ranks cannot split evenly (67 rows of embeddings, 3 heads): FSDP2 gives rank 0 the larger
+    piece; the pieces tile, and a load into another model on 2 ranks restores weights and moments bitwise."""
+    script = tmp_path / "uneven.py"
+    script.write_text(UNEVEN_SCRIPT)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), str(tmp_path / "checkpoints")], env=ENV, cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "rank 0 same=True whole=True" in proc.stdout and "rank 1 same=True whole=True" in proc.stdout
+    folder = tmp_path / "checkpoints" / "step-00000001"
+    verify_checkpoint(folder)
+    emb = [json.loads((folder / f"index-{r:05d}.json").read_text())["pieces"]["model"]["tok_embeddings.weight"]
+           for r in (0, 1)]
+    assert [e["shape"][0] for e in emb] == [34, 33] and emb[1]["offsets"] == [34, 0]
