@@ -158,6 +158,19 @@ def test_one_process_sharded_checkpoint_verifies_and_every_flipped_byte_is_caugh
         manifest.write_bytes(original)
 
 
+def test_a_flipped_byte_in_a_manifest_key_is_an_integrity_error(tmp_path):
+    """The flip of the test above can land in a key of manifest.json ("sha256" -> "sha257"): verify_folder
+    said KeyError (a traceback) before; it must be the corrupt-folder IntegrityError naming manifest.json."""
+    from kiln.manifest import verify_folder, write_manifest
+
+    (tmp_path / "a.bin").write_bytes(b"abc")
+    write_manifest(tmp_path, stage="test")
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"sha256"', '"sha257"'))
+    with pytest.raises(IntegrityError, match="manifest.json: the entry of a.bin"):
+        verify_folder(tmp_path)
+
+
 def test_a_sharded_checkpoint_with_non_finite_weights_is_never_written(one_process_run):
     out, trainer, _ = one_process_run
     saved = trainer.model.norm.weight[0].item()
