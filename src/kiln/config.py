@@ -493,6 +493,15 @@ class CheckpointConfig(Section):
     strict_env: bool = Field(
         False, description="refuse to resume under a different environment fingerprint (else warn)"
     )
+    format: Literal["full", "sharded"] | None = Field(
+        None, description="full: rank 0 writes the whole model.safetensors + optimizer.pt; sharded: each rank "
+        "writes its own pieces (safetensors + JSON index), any world size resumes; default: sharded when the "
+        "model is sharded (parallel.mode=fsdp, HSDP too), else full"
+    )
+    save_timeout_s: float = Field(
+        3600, gt=0, description="how long a checkpoint save may take on any rank before the watchdog and the "
+        "checkpoint's collectives call it hung (instead of watchdog.stall_timeout_s / parallel.step_timeout_s)"
+    )
 
 
 class ParallelConfig(Section):

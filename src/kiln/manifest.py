@@ -57,21 +57,27 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     fsync_dir(path.parent)
 
 
-def fsync_tree(folder: Path) -> None:
+def fsync_tree(folder: Path, skip: Iterable[str] = ()) -> None:
+    skip = set(skip)
     for p in sorted(folder.rglob("*")):
-        if p.is_file():
+        if p.is_file() and p.relative_to(folder).as_posix() not in skip:
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
 
 
-def write_manifest(folder: Path, **fields: Any) -> dict[str, Any]:
-    """List every file under `folder` (size, sha256) plus `fields`; written last and atomically."""
+def write_manifest(folder: Path, hashed: dict[str, dict] | None = None, **fields: Any) -> dict[str, Any]:
+    """List every file under `folder` (size, sha256) plus `fields`; written last and atomically.
+
+    `hashed`: {name: {"size", "sha256"}} of files their writers already fsynced and hashed (the ranks of a
+    sharded checkpoint, in parallel): taken as given instead of read again here."""
     folder = Path(folder)
-    fsync_tree(folder)
+    hashed = hashed or {}
+    fsync_tree(folder, skip=hashed)
     files = {
-        p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        name: hashed.get(name) or {"size": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(folder.rglob("*"))
         if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")
+        for name in [p.relative_to(folder).as_posix()]
     }
     manifest = {"kiln_version": __version__, **fields, "files": files}
     write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=False))
@@ -102,6 +108,10 @@ def verify_folder(folder: Path, deep: bool = True, only: set[str] | None = None)
         if only is not None and name not in only:
             continue
         path = folder / name
+        if not (isinstance(meta, dict) and isinstance(meta.get("size"), int) and isinstance(meta.get("sha256"), str)):
+            # a flipped byte in manifest.json can land in a key: that is a corrupt manifest, not a KeyError
+            raise IntegrityError(f"{folder / MANIFEST}: the entry of {name} has no size or sha256; the folder is "
+                                 "corrupt, re-run the stage")
         if not path.is_file():
             raise IntegrityError(f"{path}: listed in {MANIFEST} but missing")
         size = path.stat().st_size

@@ -12,13 +12,14 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from kiln.config import Config
 from kiln.errors import KilnError
-from kiln.manifest import read_manifest, staging_dir, write_atomic, write_manifest, writes_folder
+from kiln.manifest import read_manifest, staging_dir, verify_folder, write_atomic, write_manifest, writes_folder
 from kiln.tokenizer import NAME_KEYS, load_tokenizer, tokenizer_sha256
 
 # Kiln name -> Hugging Face LlamaForCausalLM name; {i} is the layer number.
@@ -251,18 +252,16 @@ multiple-choice file with the same definitions of acc and acc_norm.
 @writes_folder(EXPORT_STAGE, out="out_dir", inputs=("checkpoint",))
 def export_hf(checkpoint: Path, out_dir: Path) -> dict:
     """Write `out_dir` as a transformers Llama (or, for MoE, Mixtral) folder from a verified Kiln checkpoint."""
-    from kiln.train.checkpoint import checkpoint_config, load_checkpoint
+    from kiln.train.checkpoint import check_loads, checkpoint_config
+    from kiln.train.sharded_checkpoint import CheckpointWeights
 
     cfg = checkpoint_config(checkpoint)
-    weights = load_checkpoint(checkpoint)["model"]
+    verify_folder(checkpoint)
+    check_loads(checkpoint)
     tok = load_tokenizer(Path(checkpoint) / "tokenizer.json")
-    vocab = weights["tok_embeddings.weight"].shape[0]
-    config = hf_config(cfg, vocab, tok, checkpoint)
-    hf = to_hf(weights, checkpoint)
-    if config["tie_word_embeddings"]:
-        hf.pop("lm_head.weight", None)  # HF ties it to embed_tokens on load
-    with staging_dir(out_dir) as tmp:
-        save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    with CheckpointWeights(checkpoint) as weights, staging_dir(out_dir) as tmp:
+        config = hf_config(cfg, weights.shape("tok_embeddings.weight")[0], tok, checkpoint)
+        params = _write_hf_weights(weights, tmp / "model.safetensors", checkpoint, config["tie_word_embeddings"])
         write_atomic(tmp / "config.json", json.dumps(config, indent=1))
         # No max_length: transformers would warn on every generate that it overrides max_new_tokens.
         write_atomic(tmp / "generation_config.json", json.dumps(
@@ -271,19 +270,43 @@ def export_hf(checkpoint: Path, out_dir: Path) -> dict:
         shutil.copyfile(Path(checkpoint) / "tokenizer.json", tmp / "tokenizer.json")
         for name, content in tokenizer_files(token_names(cfg, tok), cfg.pack.seq_len).items():
             write_atomic(tmp / name, json.dumps(content, indent=1))
-        params = sum(v.numel() for v in hf.values())
         write_atomic(tmp / "README.md", model_card(cfg, config, checkpoint, out_dir, params))
         _readable(tmp)
         write_manifest(tmp, stage=EXPORT_STAGE, source=str(checkpoint), step=read_manifest(checkpoint).get("step"))
     result = {
         "out_dir": str(out_dir),
         "model_type": config["model_type"],
-        "parameters": sum(v.numel() for v in hf.values()),
+        "parameters": params,
     }
     if config["model_type"] == "mixtral" and cfg.model.moe.capacity_factor is not None:
         result["note"] = (f"model.moe.capacity_factor={cfg.model.moe.capacity_factor} is not exported: Mixtral routes "
                           "without capacity limits, so outputs match Kiln's only where no token was dropped")
     return result
+
+
+def _write_hf_weights(weights, path: Path, checkpoint: Path, tied: bool) -> int:
+    """model.safetensors of the export, one Kiln tensor in memory at a time (read, renamed, written, dropped):
+    the names and shapes come from meta tensors first, then each tensor is read as the file reaches it. A tied
+    lm_head is left out (HF ties it to embed_tokens on load). Returns the parameter count written."""
+    from kiln.train.shard_storage import write_safetensors
+
+    source: dict[str, str] = {}
+    names = []
+    for key in weights.keys():
+        for hf_name, t in to_hf({key: weights.get_meta(key)}, checkpoint).items():
+            if not (tied and hf_name == "lm_head.weight"):
+                source[hf_name] = key
+                names.append((hf_name, t.dtype, tuple(t.shape)))
+    current: dict[str, Any] = {}
+
+    def tensor_for(hf_name: str) -> torch.Tensor:
+        key = source[hf_name]
+        if current.get("key") != key:  # experts: one stacked tensor gives several HF tensors in a row
+            current.update(key=key, hf=to_hf({key: weights.get(key)}, checkpoint))
+        return current["hf"][hf_name]
+
+    write_safetensors(path, names, tensor_for, metadata={"format": "pt"})
+    return sum(torch.Size(shape).numel() for _, _, shape in names)
 
 
 # --- import -------------------------------------------------------------------------------------

@@ -11,10 +11,13 @@ A checkpoint folder holds:
   manifest.json       size and sha256 of each file above, step, tokens seen, config hash, data
                       fingerprint, world size, environment fingerprint, Kiln version; written last
   manifest.sig        optional Ed25519 signature of manifest.json's bytes
+A sharded checkpoint (checkpoint.format: sharded) holds each rank's pieces of the weights and optimizer
+state instead of model.safetensors and optimizer.pt: see train/sharded_checkpoint.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -201,10 +204,13 @@ class Saver:
 
     Async: the caller hands over CPU copies (the snapshot, taken at the step boundary),
     training continues while the thread writes. The time the loop waited is the stall.
+    `busy`: a context the loop waits in (a synchronous write, or the wait for a background one): the
+    trainer's `Watchdog.saving`, so a long save is not reported as a stalled rank.
     """
 
     def __init__(self, async_save: bool, log: Callable[[str], None] = print) -> None:
         self.async_save, self.log = async_save, log
+        self.busy: Callable[[], Any] = contextlib.nullcontext
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.last_write_s: float | None = None
@@ -213,7 +219,8 @@ class Saver:
         """Block until the previous save is committed; returns the seconds waited."""
         t0 = time.perf_counter()
         if self._thread is not None:
-            self._thread.join()
+            with self.busy():
+                self._thread.join()
             self._thread = None
         if self.error is not None:
             err, self.error = self.error, None
@@ -225,7 +232,8 @@ class Saver:
         stall = self.wait()
         if not self.async_save:
             t0 = time.perf_counter()
-            write()
+            with self.busy():
+                write()
             self.last_write_s = time.perf_counter() - t0
             return stall + self.last_write_s
 
@@ -256,6 +264,11 @@ def verify_checkpoint(folder: Path, public_key: str | None = None) -> dict[str, 
     """Sizes and sha256 of every file, the signature when a key is given, then that each piece loads
     without executing code."""
     manifest = verify_folder(folder)
+    if _sharded(folder):
+        if public_key:
+            verify_signature(folder, public_key)
+        check_loads(folder)
+        return manifest
     for name in ("model.safetensors", "optimizer.pt", "rng.pt", "state.json"):
         if name not in manifest["files"]:
             raise IntegrityError(f"{folder}: {name} is not in manifest.json; the checkpoint is incomplete")
@@ -289,6 +302,11 @@ def check_loads(folder: Path) -> None:
     a checkpoint whose manifest verifies but whose files do not load is skipped like a corrupt one."""
     from safetensors import safe_open
 
+    if _sharded(folder):
+        from kiln.train.sharded_checkpoint import check_loads as check_sharded
+
+        return check_sharded(folder)
+
     try:
         with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
             f.keys()
@@ -306,21 +324,38 @@ SMALL_FILES = {"rng.pt", "state.json"}
 
 def load_checkpoint(folder: Path, verify: bool = True, weights: bool = True) -> dict[str, Any]:
     """Read a checkpoint back: weights via safetensors, the rest via weights_only torch.load or JSON.
-    `weights=False` leaves the model and optimizer state empty (a rank that receives them by broadcast)."""
+    `weights=False` leaves the model and optimizer state empty (a rank that receives them by broadcast).
+    A sharded checkpoint's weights are assembled whole; its optimizer state is None (the trainer reads it
+    piece by piece, sharded_checkpoint.load)."""
     folder = Path(folder)
+    sharded = _sharded(folder)
     if verify:
         verify_folder(folder, only=None if weights else SMALL_FILES)
     else:
         read_manifest(folder)
     try:
         return {
-            "model": load_file(str(folder / "model.safetensors")) if weights else {},
-            "optimizer": torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True) if weights else {},
+            "model": (_sharded_model(folder) if sharded else load_file(str(folder / "model.safetensors")))
+            if weights else {},
+            "optimizer": None if sharded else
+            torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True) if weights else {},
             "rng": torch.load(folder / "rng.pt", map_location="cpu", weights_only=True),
             "state": json.loads((folder / "state.json").read_text()),
         }
     except Exception as exc:  # UnpicklingError for a pickle that is not plain data, SafetensorError, ...
         raise IntegrityError(f"{folder}: cannot be loaded safely ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def _sharded(folder: Path) -> bool:
+    from kiln.train.sharded_checkpoint import is_sharded
+
+    return is_sharded(folder)
+
+
+def _sharded_model(folder: Path) -> dict[str, torch.Tensor]:
+    from kiln.train.sharded_checkpoint import full_model_state
+
+    return full_model_state(folder)
 
 
 def checkpoint_table(root: Path, public_key: str | None = None) -> list[dict[str, Any]]:

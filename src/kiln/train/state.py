@@ -8,8 +8,10 @@ ones Kiln has always written (loader, spikes, escalation, budget, schedule, scal
 checkpoints written before this registry resume unchanged. A part a checkpoint has no entry for keeps its fresh
 state.
 
-The weights and the optimizer state go through a checkpoint format (`FullCheckpoint`: whole tensors gathered on
-every rank and written by rank 0); a sharded format is one more class with the same four methods.
+The weights and the optimizer state go through a checkpoint format with four methods (gather, write, read,
+load), chosen by checkpoint.format: `FullCheckpoint` (whole tensors gathered on every rank and written by rank 0)
+or `sharded_checkpoint.ShardedCheckpoint` (every rank writes its own pieces; any world size reads them). A
+checkpoint is read back by the format it was written in, whatever the run's checkpoint.format.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from kiln.train import checkpoint as ckpt
 from kiln.train import consensus
 from kiln.train import resume as resume_checks
 from kiln.train.determinism import layout_warning
+from kiln.train.sharded_checkpoint import ShardedCheckpoint, is_sharded, resolve_format, save_barrier
 from kiln.train.parallel import Dist
 from kiln.train.parallel.parallelize import Parallelized
 
@@ -70,6 +73,8 @@ class TrainState:
 class FullCheckpoint:
     """The checkpoint format of checkpoint.write_checkpoint: whole (unsharded) weights and optimizer state."""
 
+    every_rank_writes = False  # rank 0 writes; the others only take part in the gather
+
     def gather(self, parallel: Parallelized, optimizer) -> tuple[dict, dict]:
         """Every rank takes part (FSDP2 gathers); the whole tensors, on CPU."""
         return parallel.state_dict(), parallel.optimizer_state_dict(optimizer)
@@ -105,20 +110,34 @@ class RunInputs:
                 "env": {**self.env(), "layout": self.layout}}
 
 
+def checkpoint_format(cfg: CheckpointConfig, parallel: Parallelized, d: Dist) -> FullCheckpoint | ShardedCheckpoint:
+    """checkpoint.format, or its default: sharded when the parameters are shards (FSDP2/HSDP), else full."""
+    if resolve_format(cfg.format, parallel.sharded) == "sharded":
+        return ShardedCheckpoint(d, cfg.save_timeout_s)
+    return FullCheckpoint()
+
+
 class Checkpointer:
     """Saves, resumes and rolls back through the TrainState; the loop asks `should_save(step, last_step=...)`.
 
-    `engine` supplies the parallelized model and the optimizer; `beat` is the watchdog's sign of life.
+    `engine` supplies the parallelized model and the optimizer; `watchdog` (parts/watchdog.py) is told of each
+    step saved (`beat`) and of a save in progress (`saving`: judged against checkpoint.save_timeout_s, not as a
+    stalled rank).
     """
 
     def __init__(self, cfg: CheckpointConfig, run_dir: Path, state: TrainState, engine, d: Dist, inputs: RunInputs,
                  config_yaml: str, best_step: Callable[[], int | None], event: Callable[[dict], None],
-                 log: Callable[[str], None], beat: Callable[[int], None], fmt: FullCheckpoint | None = None) -> None:
+                 log: Callable[[str], None], watchdog, fmt: FullCheckpoint | ShardedCheckpoint | None = None) -> None:
         self.cfg, self.run_dir, self.ckpt_dir = cfg, run_dir, run_dir / "checkpoints"
         self.state, self.engine, self.d, self.inputs, self.config_yaml = state, engine, d, inputs, config_yaml
-        self.best_step, self.event, self.log, self.beat = best_step, event, log, beat
-        self.format = fmt or FullCheckpoint()
+        self.best_step, self.event, self.log, self.watchdog = best_step, event, log, watchdog
+        self.format = fmt or checkpoint_format(cfg, engine.parallel, d)
         self.saver = ckpt.Saver(cfg.async_save, log)
+        self.saver.busy = self.saving
+
+    def saving(self):
+        """The context a save (or the wait for a background one) runs in: the watchdog knows of it."""
+        return self.watchdog.saving(self.cfg.save_timeout_s)
 
     def should_save(self, step: int, last_step: bool, requested: bool = False) -> bool:
         return requested or last_step or step % self.cfg.every == 0
@@ -126,25 +145,30 @@ class Checkpointer:
     # --- save -------------------------------------------------------------------------------------
 
     def save(self, reason: str = "schedule") -> None:
-        """Every rank takes part (FSDP2 gathers, the RNG states meet); rank 0 writes, in the background when
-        async. Weights or optimizer state that are not finite are refused, not written."""
-        weights = self.format.gather(self.engine.parallel, self.engine.optimizer)
-        rngs = [ckpt.rng_state(self.d.device)]
-        if self.d.world > 1:
-            mine, rngs = rngs[0], [None] * self.d.world
-            dist.all_gather_object(rngs, mine)
-        step = self.state.step
-        if self.d.is_main:
-            if not ckpt.all_finite(*weights):
+        """Every rank takes part (FSDP2 gathers, the RNG states and the finiteness verdicts meet); the writers
+        (rank 0, or every rank for a sharded checkpoint) write, in the background when async. Weights or
+        optimizer state that are not finite on any writer are refused, not written."""
+        step, every = self.state.step, self.format.every_rank_writes
+        with self.saving():
+            # A sharded gather talks over the checkpoint group, which a background save may still be using.
+            waited = self.saver.wait() if every else 0.0
+            weights = self.format.gather(self.engine.parallel, self.engine.optimizer)
+            mine = (ckpt.rng_state(self.d.device), ckpt.all_finite(*weights) if every or self.d.is_main else True)
+            gathered = [mine]
+            if self.d.world > 1:
+                gathered = [None] * self.d.world
+                dist.all_gather_object(gathered, mine)
+            if not all(finite for _, finite in gathered):
                 self.event({"event": "save", "step": step, "refused": "non-finite weights or optimizer state"})
-                self.log(f"step {step}: not saving a checkpoint with non-finite weights or optimizer state")
-            else:
-                self._write(weights, rngs, reason)
-        self.beat(step)
-        if self.d.world > 1:
-            dist.barrier()
+                if self.d.is_main:
+                    self.log(f"step {step}: not saving a checkpoint with non-finite weights or optimizer state")
+            elif every or self.d.is_main:
+                self._write(weights, [rng for rng, _ in gathered], reason, waited)
+        self.watchdog.beat(step)
+        if not every:  # a sharded write ends in a collective of every rank (and, async, talks over the group)
+            save_barrier(self.d, self.watchdog, self.cfg.save_timeout_s)
 
-    def _write(self, weights: tuple[dict, dict], rngs: list, reason: str) -> None:
+    def _write(self, weights: tuple[dict, dict], rngs: list, reason: str, waited: float) -> None:
         state, step, cfg = self.state.state_dict(), self.state.step, self.cfg
         fields = self.inputs.manifest_fields(self.state.config_hash)
         best = self.best_step() if cfg.keep_best else None
@@ -154,11 +178,13 @@ class Checkpointer:
         def write() -> None:
             self.format.write(self.ckpt_dir, step, weights, rngs, state, self.config_yaml, self.inputs.tokenizer_file,
                               fields, cfg.signing_key)
-            ckpt.retain(self.ckpt_dir, cfg.keep_last, cfg.keep_every, best)
+            if self.d.is_main:
+                ckpt.retain(self.ckpt_dir, cfg.keep_last, cfg.keep_every, best)
 
-        stall = self.saver.save(write)
-        self.event({"event": "save", "step": step, "reason": reason, "stall_s": round(stall, 4),
-                    "async": self.saver.async_save})
+        stall = waited + self.saver.save(write)
+        record = {"event": "save", "step": step, "reason": reason, "stall_s": round(stall, 4),
+                  "async": self.saver.async_save}
+        self.event({**record, "format": "sharded"} if self.format.every_rank_writes else record)
 
     def wait(self) -> None:
         self.saver.wait()
@@ -167,18 +193,26 @@ class Checkpointer:
 
     def load(self, folder: Path, rollback: bool = False) -> dict[str, Any]:
         """Weights, optimizer state and the parts' states from `folder`; on a resume the RNG states too."""
-        data = self.format.read(folder, self.d)
+        fmt = self.reader(folder)
+        data = fmt.read(folder, self.d)
         state = data["state"]
         if state.get("config_hash") != self.state.config_hash:
             raise KilnError(f"{folder} was written with different model/pack/tokenizer settings; "
                             f"use a new out_dir, or delete {self.ckpt_dir} to start over")
         resume_checks.check_vocab_size(data["model"], self.engine.model.tok_embeddings.num_embeddings, folder)
-        self.format.load(self.engine.parallel, self.engine.optimizer, data)
+        fmt.load(self.engine.parallel, self.engine.optimizer, data)
         self.state.load_state_dict(state, rollback=rollback)
         if not rollback:
             rngs = data["rng"]
             ckpt.restore_rng(rngs[self.d.rank] if self.d.rank < len(rngs) else rngs[0], self.d.device)
         return state
+
+    def reader(self, folder: Path) -> FullCheckpoint | ShardedCheckpoint:
+        """The format `folder` was written in (a sharded one is read on any world size and mesh)."""
+        if is_sharded(folder):
+            return self.format if isinstance(self.format, ShardedCheckpoint) else ShardedCheckpoint(
+                self.d, self.cfg.save_timeout_s)
+        return self.format if isinstance(self.format, FullCheckpoint) else FullCheckpoint()
 
     def agreed(self, before: int | None = None) -> Path | None:
         """The newest checkpoint every rank can read (consensus.agreed_checkpoint), or None."""

@@ -83,7 +83,7 @@ class Trainer:
         inputs = RunInputs(self.data_fingerprint, self.tokenizer_sha, self.tokenizer_file,
                            cfg.out / "shards" / "manifest.json", layout(self.d, t.deterministic), env.fingerprint)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.state, self.engine, self.d, inputs,
-                                         cfg.to_yaml(), self.validator.best_step, self.event, log, self.watchdog.beat)
+                                         cfg.to_yaml(), self.validator.best_step, self.event, log, self.watchdog)
 
     def _open_data(self) -> None:
         cfg, t = self.cfg, self.cfg.train

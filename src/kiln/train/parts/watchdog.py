@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -40,6 +41,7 @@ class Watchdog:
         # the collectives (parallel.startup_timeout_s). A GPU run confirms the first compiled step's length.
         self.startup_timeout_s = max(startup_timeout_s or 0.0, cfg.stall_timeout_s)
         self.first_step: int | None = None  # the step this process started from (set by start)
+        self.save_timeout_s: float | None = None  # set while this rank saves a checkpoint (saving())
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -58,12 +60,26 @@ class Watchdog:
         self.step = step
         self.progress += 1
 
+    @contextmanager
+    def saving(self, timeout_s: float):
+        """A checkpoint save is in progress on this rank: until it ends the rank is judged against `timeout_s`
+        (checkpoint.save_timeout_s), not stall_timeout_s, and every watchdog sees so in its heartbeat."""
+        outer = self.save_timeout_s  # nested (a save that waits for the previous one): the outer one's, after
+        self.save_timeout_s = max(timeout_s, self.cfg.stall_timeout_s)
+        try:
+            yield
+        finally:
+            self.save_timeout_s = outer
+            self.progress += 1  # the save's end is progress: the clock starts again from here
+
     @property
     def warm(self) -> bool:
         """This rank has completed a step since it started."""
         return self.first_step is not None and self.step > self.first_step
 
     def timeout_for(self, beat: dict) -> float:
+        if beat.get("saving"):
+            return beat["saving"]
         return self.cfg.stall_timeout_s if beat.get("warm") else self.startup_timeout_s
 
     def start(self) -> "Watchdog":
@@ -102,7 +118,8 @@ class Watchdog:
             tick += 1
             now = time.monotonic()
             beats[self.d.rank] = {"progress": self.progress, "step": self.step, "host": self.d.host,
-                                  "pid": os.getpid(), "tick": tick, "warm": self.warm}
+                                  "pid": os.getpid(), "tick": tick, "warm": self.warm,
+                                  "saving": self.save_timeout_s}
             try:
                 if store is not None:
                     store.set(f"hb/{self.d.rank}", json.dumps(beats[self.d.rank]))

@@ -1,0 +1,529 @@
+"""Sharded checkpoints (`checkpoint.format: sharded`, the default under FSDP2/HSDP): every rank writes its own
+pieces of the weights and optimizer state; any world size and mesh reads them back.
+
+A sharded `step-NNNNNNNN/` holds, beside the small files of the full format (rng.pt, state.json,
+config.yaml, tokenizer.json, manifest.json, manifest.sig):
+  model-RRRRR.safetensors      rank R's pieces of the weights (its DTensor local shards), by name
+  optimizer-RRRRR.safetensors  rank R's pieces of the AdamW state, keyed `{parameter name}/{state name}`
+  index-RRRRR.json             for each key the piece's offsets, shape, global shape and dtype
+  index.json                   format, world size, the ranks' files, the optimizer's param_groups (JSON)
+A piece held by several ranks (a replicated dimension of an HSDP mesh, a DDP model, the optimizer's step
+counters) is written once: a DTensor's by the ranks at coordinate 0 of its replicated mesh dimensions, a
+plain tensor's by one of its holders, chosen to balance the bytes each rank writes.
+
+Saving, on every rank: the state dicts of torch.distributed.checkpoint.state_dict (DTensors under FSDP2, no
+gather), a CPU snapshot when async, then (in the background when async) write and fsync the rank's three
+files, sha256 them, and send the hashes to rank 0 over a gloo group of the checkpoint's own. Rank 0 writes
+the small files and manifest.json (the ranks' hashes, its own files hashed by itself) into the staging folder
+and commits it by the same rename as the full format (`kiln.manifest.staging_dir`): the folder is not a
+checkpoint until every rank's files are in its manifest. Rank 0 holds its own pieces only, never the model.
+
+Loading executes no code: safetensors and JSON only (rng.pt is read with weights_only=True, as in the full
+format). Each rank fills its own shard of the model it has (any world size, FSDP2, HSDP, DDP or one process)
+from the pieces that overlap it (`shard_storage.PieceIndex.read_box`), reading only those slices.
+
+Every file is in the manifest, so `kiln ckpt verify`, signing, retention and the fallback to an older
+valid checkpoint treat a sharded folder as they treat a full one. The folder must be on a filesystem every
+rank sees (a shared out_dir); a rank that cannot see the staging folder stops the save with a message.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from contextlib import nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kiln.errors import IntegrityError, KilnError
+from kiln.manifest import STAGING_MARK, read_manifest, sha256_file, staging_dir, write_atomic, write_manifest
+from kiln.train import checkpoint as ckpt
+from kiln.train.shard_storage import (FROM_SAFETENSORS, Piece, PieceIndex, dtype_name, rank_file, write_index,
+                                      write_pieces)
+
+INDEX = "index.json"
+FORMAT = "kiln-sharded"
+KINDS = ("model", "optimizer")
+
+
+def resolve_format(requested: str | None, sharded: bool) -> str:
+    """checkpoint.format, or its default: sharded when the parameters are shards (FSDP2/HSDP), else full."""
+    return requested or ("sharded" if sharded else "full")
+
+
+def is_sharded(folder: Path) -> bool:
+    return (Path(folder) / INDEX).is_file()
+
+
+# --- the checkpoint's own process group ------------------------------------------------------
+
+_GROUP: dict[str, Any] = {}
+
+
+def _group(d, timeout_s: float):
+    """A gloo group for the checkpoint's collectives, with the save's timeout: a background save talks over it
+    while training uses the default group, and a long write on one rank is not a hung collective (the default
+    group's timeout is parallel.step_timeout_s). Made on first use, by every rank at the same point."""
+    if d.world == 1:
+        return None
+    if _GROUP.get("world") is not dist.group.WORLD:  # a new default group (a process that re-initialised)
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        _GROUP.update(world=dist.group.WORLD, group=group)
+    # Every time: parallel.set_step_timeout sets the step timeout on every group, this one too.
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), _GROUP["group"])
+    return _GROUP["group"]
+
+
+def _gather(d, group, value: Any) -> list[Any] | None:
+    """Every rank's value on rank 0 (None elsewhere)."""
+    if d.world == 1:
+        return [value]
+    out = [None] * d.world if d.is_main else None
+    dist.gather_object(value, out, dst=0, group=group)
+    return out
+
+
+def _all_gather(d, group, value: Any) -> list[Any]:
+    if d.world == 1:
+        return [value]
+    out: list[Any] = [None] * d.world
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def _broadcast(d, group, value: Any) -> Any:
+    if d.world == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def save_barrier(d, watchdog, timeout_s: float) -> None:
+    """The end of a save on every rank: a barrier with the save's timeout, while the watchdog knows a save is in
+    progress (rank 0 may still be writing a full-format checkpoint while the others wait here)."""
+    if d.world == 1:
+        return
+    with watchdog.saving(timeout_s) if watchdog is not None else nullcontext():
+        dist.barrier(group=_group(d, timeout_s))
+
+
+# --- state dicts and pieces ------------------------------------------------------------------
+
+def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, dict], list[dict]]:
+    """{"model": {name: tensor}, "optimizer": {"name/state": tensor}} and the optimizer's param_groups, as
+    torch.distributed.checkpoint.state_dict gives them: FSDP2's DTensors stay sharded, DDP's and a single
+    process's are plain; names carry no wrapper prefixes (DDP's module., compile's, activation checkpointing's).
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model_sd = get_model_state_dict(model)
+    optim_sd = get_optimizer_state_dict(model, optimizer)
+    flat = {}
+    for fqn, entries in optim_sd["state"].items():
+        for name, value in entries.items():
+            if not isinstance(value, torch.Tensor):
+                raise KilnError(f"optimizer state {fqn}/{name} is a {type(value).__name__}, not a tensor; "
+                                "checkpoint.format=sharded stores tensors only: use checkpoint.format=full")
+            flat[f"{fqn}/{name}"] = value
+    return {"model": model_sd, "optimizer": flat}, optim_sd["param_groups"]
+
+
+def _dtensor_box(t) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offsets) of this rank's piece of a DTensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for p in t.placements:
+        if type(p).__name__ == "_StridedShard":
+            raise KilnError("checkpoint.format=sharded: a parameter is sharded twice along one dimension "
+                            "(_StridedShard); not supported yet, use checkpoint.format=full")
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(shape), tuple(offsets)
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _my_pieces(d, group, states: dict[str, dict]) -> tuple[dict[str, dict[str, torch.Tensor]],
+                                                          dict[str, dict[str, tuple]]]:
+    """The pieces this rank writes: {kind: {key: local tensor}} and {kind: {key: (offsets, global shape)}}.
+
+    A DTensor's piece is written by the ranks at coordinate 0 of each replicated mesh dimension; a plain
+    tensor (every holder has it whole) by one holder: largest first, each to the holder with the fewest bytes
+    so far (the same choice on every rank, from one all_gather of the plain tensors' names and sizes).
+    """
+    tensors: dict[str, dict[str, torch.Tensor]] = {k: {} for k in states}
+    boxes: dict[str, dict[str, tuple]] = {k: {} for k in states}
+    plain: dict[str, int] = {}
+    for kind, sd in states.items():
+        for key, t in sd.items():
+            if _is_dtensor(t):
+                shape, offsets = _dtensor_box(t)
+                coord = t.device_mesh.get_coordinate()
+                replica0 = all(c == 0 for c, p in zip(coord, t.placements) if not p.is_shard())
+                local = t.to_local()
+                if replica0 and (local.numel() or not shape):
+                    tensors[kind][key], boxes[kind][key] = local, (offsets, tuple(t.shape))
+            else:
+                plain[f"{kind}:{key}"] = t.numel() * t.element_size()
+    held = _all_gather(d, group, plain)
+    load = [0] * len(held)
+    for name in sorted(set().union(*held), key=lambda n: (-max(h.get(n, 0) for h in held), n)):
+        writer = min((r for r, h in enumerate(held) if name in h), key=lambda r: (load[r], r))
+        load[writer] += held[writer][name]
+        if writer == d.rank:
+            kind, key = name.split(":", 1)
+            t = states[kind][key]
+            tensors[kind][key], boxes[kind][key] = t, ((0,) * t.ndim, tuple(t.shape))
+    return tensors, boxes
+
+
+def _jsonable_groups(groups: list[dict]) -> list[dict]:
+    out = []
+    for g in groups:
+        entry = {}
+        for k, v in g.items():
+            if isinstance(v, torch.Tensor):
+                v = v.item()
+            if isinstance(v, tuple):
+                v = list(v)
+            try:
+                json.dumps(v)
+            except TypeError:
+                raise KilnError(f"optimizer param_groups' {k!r} is a {type(v).__name__}, which a sharded "
+                                "checkpoint stores as JSON only; use checkpoint.format=full") from None
+            entry[k] = v
+        out.append(entry)
+    return out
+
+
+# --- saving ----------------------------------------------------------------------------------
+
+class ShardedCheckpoint:
+    """checkpoint.format=sharded, the four methods of state.FullCheckpoint: every rank gathers nothing but its own
+    pieces and writes them (`every_rank_writes`); the save's collectives use the checkpoint's own gloo group
+    with checkpoint.save_timeout_s. Memory: this rank's pieces, once more when async (the snapshot)."""
+
+    every_rank_writes = True
+
+    def __init__(self, d, timeout_s: float) -> None:
+        self.d, self.timeout_s = d, timeout_s
+
+    def gather(self, parallel, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """This rank's pieces {kind: {key: local tensor}} and {"boxes", "param_groups"}; every rank calls it,
+        after the previous background save ended (the checkpoint group is free again)."""
+        return self.pieces(parallel.model, optimizer)
+
+    def pieces(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        states, param_groups = _state_dicts(model, optimizer)
+        tensors, boxes = _my_pieces(self.d, _group(self.d, self.timeout_s), states)
+        return tensors, {"boxes": boxes, "param_groups": _jsonable_groups(param_groups)}
+
+    def write(self, root: Path, step: int, weights: tuple[dict, dict], rngs: list, state: dict, config_yaml: str,
+              tokenizer_file: Path, fields: dict, signing_key: str | None) -> Path:
+        """Every rank, at the same step (in the background when async): rank 0 makes the staging folder, every
+        rank writes its files into it, rank 0 the small files and the manifest, and commits."""
+        d, (tensors, meta) = self.d, weights
+        group = _group(d, self.timeout_s)
+        final = ckpt.step_dir(root, step)
+        stage, tmp = _open_stage(d, group, final)
+        index = {"format": FORMAT, "version": 1, "world_size": d.world, "kinds": list(KINDS),
+                 "index_files": [rank_file("index", r, "json") for r in range(d.world)],
+                 "param_groups": meta["param_groups"]}
+        small = {"state": state, "rngs": rngs, "config_yaml": config_yaml, "tokenizer_file": tokenizer_file,
+                 "fields": {**fields, "checkpoint_format": "sharded"}, "index": index, "step": step}
+        _write_job(d, group, tmp, stage, tensors, meta["boxes"], small, signing_key)
+        return final
+
+    def read(self, folder: Path, d) -> dict[str, Any]:
+        """The small files; "model" holds meta tensors of the weights' shapes (the vocabulary check)."""
+        data = ckpt.load_checkpoint(folder, verify=False, weights=False)
+        return {**data, "model": model_shapes(folder), "folder": Path(folder)}
+
+    def load(self, parallel, optimizer: torch.optim.Optimizer, data: dict[str, Any]) -> None:
+        load(data["folder"], parallel.model, optimizer, self.d, self.timeout_s)
+
+
+def _open_stage(d, group, final: Path):
+    """Rank 0 opens the staging folder every rank writes into (an error there is every rank's); every rank gets
+    its path. Returns (rank 0's staging_dir context, or None; the folder)."""
+    stage, tmp = None, None
+    if d.is_main:
+        try:
+            stage = staging_dir(final)
+            tmp = str(stage.__enter__())
+        except BaseException as exc:
+            tmp = KilnError(f"{final}: cannot create its staging folder ({exc})")
+    tmp = _broadcast(d, group, tmp)
+    if isinstance(tmp, KilnError):
+        raise tmp
+    return stage, Path(tmp)
+
+
+def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, d, saver: ckpt.Saver, *,
+         state: dict[str, Any], rng: dict[str, Any], config_yaml: str, tokenizer_file: Path,
+         manifest_fields: dict[str, Any], signing_key: str | None, timeout_s: float,
+         after_commit: Callable[[], Any] = lambda: None) -> tuple[float, str | None]:
+    """A sharded save of a bare model (benchmarks, tests), as state.Checkpointer.save does it with this format;
+    every rank calls this at the same step. Returns (the stall in seconds, a refusal or None): refused, and
+    written by no rank, when any rank's pieces hold NaN/inf. `after_commit` runs on rank 0 after the commit."""
+    t0 = time.perf_counter()
+    saver.wait()  # the checkpoint group is free again: no background save talks over it
+    fmt = ShardedCheckpoint(d, timeout_s)
+    weights = fmt.pieces(model, optimizer)
+    gathered = _all_gather(d, _group(d, timeout_s), (rng, ckpt.all_finite(*weights)))
+    if not all(finite for _, finite in gathered):
+        return time.perf_counter() - t0, "non-finite weights or optimizer state"
+    if saver.async_save:  # the snapshot must not change while the thread writes
+        weights = ckpt.snapshot(weights)
+
+    def write() -> None:
+        fmt.write(root, step, weights, [r for r, _ in gathered], state, config_yaml, tokenizer_file,
+                  manifest_fields, signing_key)
+        if d.is_main:
+            after_commit()
+
+    return time.perf_counter() - t0 + saver.save(write), None
+
+
+def _write_rank_files(d, tmp: Path, tensors: dict, boxes: dict) -> dict[str, dict]:
+    """This rank's pieces, index and their sizes and sha256 (hashed here: every rank hashes its own files)."""
+    if not (tmp / STAGING_MARK).is_file():
+        raise KilnError(f"rank {d.rank} on host {d.host} does not see the staging folder {tmp}: "
+                        "checkpoint.format=sharded needs out_dir on a filesystem every rank shares "
+                        "(or use checkpoint.format=full)")
+    pieces: dict[str, dict[str, Piece]] = {}
+    names = []
+    for kind in KINDS:
+        name = rank_file(kind, d.rank)
+        write_pieces(tmp / name, tensors[kind])
+        pieces[kind] = {k: Piece(name, offsets, tuple(tensors[kind][k].shape), glob, dtype_name(tensors[kind][k].dtype))
+                        for k, (offsets, glob) in boxes[kind].items()}
+        names.append(name)
+    name = rank_file("index", d.rank, "json")
+    write_index(tmp / name, pieces)
+    names.append(name)
+    return {n: {"size": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)} for n in names}
+
+
+def _write_job(d, group, tmp: Path, stage, tensors: dict, boxes: dict, small: dict, signing_key: str | None) -> None:
+    """Every rank: its own files, then rank 0 the rest and the commit. Every rank takes part in each collective
+    whatever happened before it (an error is sent, not raised), so a failure on one rank never hangs another;
+    each rank raises the first failure."""
+    files, error = {}, None
+    try:
+        files = _write_rank_files(d, tmp, tensors, boxes)
+    except BaseException as exc:  # sent to rank 0 below
+        error = f"rank {d.rank} on host {d.host or socket.gethostname()}: {exc}"
+    reports = _gather(d, group, (files, error))
+    outcome = None
+    if d.is_main:
+        try:
+            failed = [e for _, e in reports if e]
+            if failed:
+                raise KilnError("sharded checkpoint not written: " + "; ".join(failed))
+            hashed = {name: meta for f, _ in reports for name, meta in f.items()}
+            for name, meta in hashed.items():  # what another rank wrote is here, as large as it said
+                if not (tmp / name).is_file() or (tmp / name).stat().st_size != meta["size"]:
+                    raise KilnError(f"{tmp / name}: written by another rank but not seen here as written; "
+                                    "checkpoint.format=sharded needs a filesystem every rank shares")
+            _write_small_files(tmp, small, hashed, signing_key)
+            stage.__exit__(None, None, None)
+        except BaseException as exc:
+            outcome = str(exc) or type(exc).__name__
+            if stage is not None and tmp.exists():
+                try:
+                    stage.__exit__(type(exc), exc, exc.__traceback__)  # removes the staging folder
+                except KilnError as plain:  # a full disk, said as staging_dir says it, and on which rank
+                    where = "; ".join(e.split(":", 1)[0] for _, e in reports if e) or f"rank 0 on host {d.host}"
+                    outcome = f"{where}: {plain}"
+                except BaseException:
+                    pass
+    outcome = _broadcast(d, group, outcome)
+    if outcome:
+        raise KilnError(outcome)
+
+
+def _write_small_files(tmp: Path, small: dict, hashed: dict[str, dict], signing_key: str | None) -> None:
+    import shutil
+
+    state = small["state"]
+    torch.save(small["rngs"], tmp / "rng.pt")
+    write_atomic(tmp / "state.json", json.dumps(state, indent=1))
+    write_atomic(tmp / "config.yaml", small["config_yaml"])
+    shutil.copyfile(small["tokenizer_file"], tmp / "tokenizer.json")
+    write_atomic(tmp / INDEX, json.dumps(small["index"], indent=1))
+    write_manifest(tmp, hashed=hashed, stage="checkpoint", step=small["step"], tokens_seen=state.get("tokens_seen"),
+                   world_size=len(small["rngs"]), **small["fields"])
+    if signing_key:
+        ckpt.sign_manifest(tmp, signing_key)
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+def read_index(folder: Path) -> dict[str, Any]:
+    path = Path(folder) / INDEX
+    try:
+        index = json.loads(path.read_text())
+        if index.get("format") != FORMAT or not isinstance(index.get("index_files"), list):
+            raise ValueError(f"format {index.get('format')!r}, not {FORMAT!r}")
+        return index
+    except (OSError, ValueError, AttributeError) as exc:
+        raise IntegrityError(f"{path}: not a Kiln sharded-checkpoint index ({exc})") from None
+
+
+def pieces(folder: Path, kind: str = "model") -> PieceIndex:
+    """The pieces of `kind` in a sharded checkpoint folder (use as a context manager: it keeps files open)."""
+    return PieceIndex(folder, read_index(folder)["index_files"], kind)
+
+
+def check_loads(folder: Path) -> None:
+    """That the folder opens as what it claims, without reading tensors: the index, every piece's header
+    (key, shape, dtype in its file), that the pieces tile each tensor exactly, rng.pt and state.json."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    index = read_index(folder)
+    for name in (*index["index_files"], "rng.pt", "state.json"):
+        if name not in manifest["files"]:
+            raise IntegrityError(f"{folder}: {name} is not in manifest.json; the checkpoint is incomplete")
+    for kind in index.get("kinds", KINDS):
+        with pieces(folder, kind) as p:
+            p.check_complete()
+            p.check_files()
+    try:
+        torch.load(folder / "rng.pt", map_location="cpu", weights_only=True, mmap=True)
+        json.loads((folder / "state.json").read_text())
+    except Exception as exc:
+        raise IntegrityError(f"{folder}: matches its manifest but does not load ({type(exc).__name__}: "
+                             f"{str(exc)[:160]})") from None
+
+
+def full_model_state(folder: Path) -> dict[str, torch.Tensor]:
+    """Every weight, whole (assembled from the pieces): for eval and generate, which hold the model anyway."""
+    with pieces(folder, "model") as p:
+        return dict(p.tensors(p.keys()))
+
+
+def model_shapes(folder: Path) -> dict[str, torch.Tensor]:
+    """{name: a meta tensor of the weight's global shape}: sizes without reading any tensor."""
+    with pieces(folder, "model") as p:
+        return {k: torch.empty(p.global_shape(k), dtype=p.dtype(k), device="meta") for k in p.keys()}
+
+
+def _fill(p: PieceIndex, key: str, t: torch.Tensor) -> None:
+    """Read this rank's part of tensor `key` (its DTensor shard, or the whole of a plain tensor) into `t`."""
+    if tuple(p.global_shape(key)) != tuple(t.shape):
+        raise KilnError(f"{p.folder}: {key} is {list(p.global_shape(key))} in the checkpoint and "
+                        f"{list(t.shape)} in this model; it was written for a model of another size")
+    if _is_dtensor(t):
+        shape, offsets = _dtensor_box(t)
+        local = t.to_local()
+    else:
+        offsets, local = (0,) * t.ndim, t
+    if local.numel() == 0 and local.ndim:
+        return
+    if local.device.type == "cpu":
+        p.read_box(key, local, offsets)
+    else:
+        local.copy_(p.read_box(key, torch.empty(local.shape, dtype=local.dtype), offsets))
+
+
+def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, d, timeout_s: float = 1800) -> None:
+    """Fill the model and optimizer (any world size, FSDP2/HSDP/DDP/one process) from a sharded checkpoint.
+
+    Every rank reads only the slices of its own shards (the whole tensors under DDP or one process). Every rank
+    calls this; a failure on any rank stops every rank with its message. Memory: one shard's box at a time on
+    GPU runs (a CPU staging buffer), nothing extra on CPU.
+    """
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    folder = Path(folder)
+    group = _group(d, timeout_s)
+    error = None
+    try:
+        index = read_index(folder)
+        with torch.no_grad(), PieceIndex(folder, index["index_files"], "model") as p:
+            model_sd = get_model_state_dict(model)
+            for key, t in model_sd.items():
+                _fill(p, key, t)
+        set_model_state_dict(model, model_sd)
+        optim_sd = get_optimizer_state_dict(model, optimizer)  # builds the state to fill (a zero step)
+        with torch.no_grad(), PieceIndex(folder, index["index_files"], "optimizer") as p:
+            for fqn, entries in optim_sd["state"].items():
+                for name, t in entries.items():
+                    _fill(p, f"{fqn}/{name}", t)
+        optim_sd["param_groups"] = _restore_groups(index["param_groups"], optim_sd["param_groups"], folder)
+        set_optimizer_state_dict(model, optimizer, optim_sd)
+    except (KilnError, OSError, RuntimeError, ValueError) as exc:
+        error = f"rank {d.rank}: {exc}"
+    errors = [e for e in _all_gather(d, group, error) if e]
+    if errors:
+        raise IntegrityError(errors[0] if len(errors) == 1 else f"{errors[0]} (and {len(errors) - 1} more ranks)")
+
+
+def _restore_groups(saved: list[dict], current: list[dict], folder: Path) -> list[dict]:
+    """The saved param_groups, with JSON's lists back to tuples where the optimizer has tuples (betas)."""
+    if [sorted(g["params"]) for g in saved] != [sorted(g["params"]) for g in current]:
+        raise KilnError(f"{folder}: the optimizer's parameter groups differ from this model's; it was written "
+                        "for another model")
+    out = []
+    for s, c in zip(saved, current):
+        out.append({k: tuple(v) if isinstance(c.get(k), tuple) and isinstance(v, list) else v for k, v in s.items()})
+    return out
+
+
+class CheckpointWeights:
+    """A checkpoint's weights read one tensor at a time, full or sharded: `keys()`, `shape(k)`, `dtype(k)` from
+    the headers and indexes, `get(k)` the whole tensor (a sharded one assembled from its pieces). Memory: the
+    tensor asked for. Use as a context manager (it keeps the files open)."""
+
+    def __init__(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        self._pieces = pieces(folder, "model") if is_sharded(folder) else None
+        self._file = None if self._pieces else safe_open(str(self.folder / "model.safetensors"), framework="pt")
+
+    def __enter__(self) -> "CheckpointWeights":
+        if self._file is not None:
+            self._file = self._file.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pieces is not None:
+            self._pieces.close()
+        else:
+            self._file.__exit__(*exc)
+
+    def keys(self) -> list[str]:
+        return self._pieces.keys() if self._pieces is not None else list(self._file.keys())
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        if self._pieces is not None:
+            return tuple(self._pieces.global_shape(key))
+        return tuple(self._file.get_slice(key).get_shape())
+
+    def dtype(self, key: str) -> torch.dtype:
+        if self._pieces is not None:
+            return self._pieces.dtype(key)
+        return self.get_meta(key).dtype
+
+    def get_meta(self, key: str) -> torch.Tensor:
+        """A meta tensor of `key`'s shape and dtype (nothing read)."""
+        if self._pieces is not None:
+            return torch.empty(self.shape(key), dtype=self.dtype(key), device="meta")
+        s = self._file.get_slice(key)
+        return torch.empty(tuple(s.get_shape()), dtype=FROM_SAFETENSORS[s.get_dtype()], device="meta")
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._pieces.full(key) if self._pieces is not None else self._file.get_tensor(key)
