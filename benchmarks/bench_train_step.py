@@ -21,7 +21,8 @@ RUNS runs.
 
 KILN_BENCH_OLD_SRC names the src/ of another Kiln checkout (`git worktree add /tmp/old COMMIT`): its
 `Trainer.run()` is the baseline contender `kiln-old`, run by the same worker in lockstep with this one, to show
-what a change costs. KILN_BENCH_RUNS sets the number of runs (default 5).
+what a change costs. KILN_BENCH_RUNS sets the number of runs (default 5), KILN_BENCH_DTYPES the precisions
+(default fp32,bf16).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ VOCAB = 4096
 WARMUP, STEPS = 5, 20
 RUNS = int(os.environ.get("KILN_BENCH_RUNS", "5"))
 OLD_SRC = os.environ.get("KILN_BENCH_OLD_SRC")  # another checkout's src/: the `kiln-old` contender
+DTYPES = os.environ.get("KILN_BENCH_DTYPES", "fp32,bf16").split(",")  # which precisions to run, in order
 
 
 def bench_config(out_dir: Path, dtype: str = "fp32", compile: bool = False, **train):
@@ -277,7 +279,7 @@ def main() -> None:
         print(f"prepared shards in {time.perf_counter() - t0:.0f} s ({data})")
         table = []
         base = "kiln-old" if OLD_SRC else "plain"
-        for dtype in ("fp32", "bf16"):
+        for dtype in DTYPES:
             print(f"{dtype}: {RUNS} lockstep runs of kiln and {base}, {WARMUP} warm-up + {STEPS} timed steps each")
             res: dict[str, list[dict]] = {"kiln": [], base: []}
             for r in range(RUNS):
