@@ -571,6 +571,22 @@ class ParallelConfig(Section):
     compile: bool = Field(False, description="torch.compile the model (first steps are slow while it compiles)")
     startup_timeout_s: float = Field(1800, gt=0, description="collective timeout until the first step completes")
     step_timeout_s: float = Field(600, gt=0, description="collective timeout after the first step")
+    # One DeviceMesh [pp, dp_replicate, dp_shard, tp] from these degrees (kiln.train.mesh); their product is the
+    # world size. Unset data-parallel degrees are derived: dp = world / (tp·pp), as DDP replicas under
+    # parallel.mode ddp/auto, as FSDP2 shards under fsdp, or [replicate, shard] = parallel.mesh.
+    dp_replicate: int | None = Field(None, ge=1, description="data-parallel replicas (DDP, or HSDP's replicate "
+                                     "dimension); null = derived from parallel.mode/mesh and the world size")
+    dp_shard: int | None = Field(None, ge=1, description="FSDP2 shard degree (>1 means FSDP2); null = derived")
+    tp: int = Field(1, ge=1, description="tensor-parallel degree: attention and MLP sharded by columns/rows, "
+                    "sequence-parallel norms, vocabulary-parallel head (keep it within a node)")
+    pp: int = Field(1, ge=1, description="pipeline-parallel stages: the model split by layers")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        "1f1b", description="pipeline schedule; interleaved_1f1b puts two stages (virtual stages) on every rank"
+    )
+    pp_microbatches: int | None = Field(None, ge=1, description="micro-batches each pipeline step is cut into; "
+                                        "null = parallel.pp (more shrinks the pipeline bubble)")
+    ep: int = Field(1, ge=1, description="expert-parallel degree for MoE (experts split over the data-parallel "
+                    "ranks); only 1 is implemented")
 
 
 class GuardConfig(Section):

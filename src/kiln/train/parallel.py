@@ -138,7 +138,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, d: Dist, mesh_shape: list[int] | None, param_dtype: torch.dtype | None,
-               fp32_kinds: list[str] = ()) -> None:
+               fp32_kinds: list[str] = (), dp_mesh=None) -> None:
     """FSDP2: shard each block, then the root; a 2-D mesh [replicate, shard] gives hybrid sharding (HSDP).
 
     `fp32_kinds` (train.fp32_modules) are sharded as groups of their own whose parameters are gathered in
@@ -159,12 +159,13 @@ def apply_fsdp(model: nn.Module, d: Dist, mesh_shape: list[int] | None, param_dt
         dist.init_process_group("nccl" if d.device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1)
     shape = tuple(mesh_shape) if mesh_shape else (d.world,)
-    if int(torch.tensor(shape).prod()) != d.world:
+    if dp_mesh is None and int(torch.tensor(shape).prod()) != d.world:
         raise ValueError(
             f"parallel.mesh={list(shape)} multiplies to {int(torch.tensor(shape).prod())}, not the {d.world} ranks"
         )
     names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
-    mesh = init_device_mesh(d.device.type, shape, mesh_dim_names=names)
+    # dp_mesh: the data-parallel dimensions of kiln.train.mesh's DeviceMesh, when tensor/pipeline parallel share it
+    mesh = dp_mesh if dp_mesh is not None else init_device_mesh(d.device.type, shape, mesh_dim_names=names)
     # Parameters are gathered in the compute dtype; gradients are reduced in fp32 so small updates survive.
     # Inputs are not cast: a block's activations are already in the compute dtype, and casting would turn the
     # fp32 RoPE tables to bf16 in every block, which DDP under autocast does not do (torchtitan: the same).
@@ -211,7 +212,7 @@ def gradient_sync(model: nn.Module, mode: str, enabled: bool):
 
 def full_state_dict(model: nn.Module, mode: str) -> dict[str, torch.Tensor]:
     """The whole model's weights on CPU (gathered on every rank under FSDP2; rank 0 writes them)."""
-    if mode == "fsdp":
+    if mode == "fsdp" or has_dtensors(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(
@@ -221,7 +222,7 @@ def full_state_dict(model: nn.Module, mode: str) -> dict[str, torch.Tensor]:
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str) -> dict:
-    if mode == "fsdp":
+    if mode == "fsdp" or has_dtensors(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         return get_optimizer_state_dict(
@@ -235,7 +236,7 @@ def load_states(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str, m
     """Load full (unsharded) weights and optimizer state. With several ranks only rank 0 has read them (the
     others pass empty dicts): rank 0 broadcasts, and each rank keeps its shard (FSDP2) or the whole (DDP),
     so host memory holds one copy per node's rank 0, not one per rank."""
-    if world == 1 and mode != "fsdp":
+    if world == 1 and mode != "fsdp" and not has_dtensors(model):
         unwrap(model).load_state_dict(model_sd)
         optimizer.load_state_dict(optim_sd)
         return
@@ -244,6 +245,11 @@ def load_states(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str, m
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=world > 1)
     set_model_state_dict(model, model_sd, options=opts)
     set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
+
+
+def has_dtensors(model: nn.Module) -> bool:
+    """Sharded by tensor parallel (or FSDP2): the parameters are DTensors."""
+    return any(hasattr(p, "device_mesh") for p in model.parameters())
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -37,12 +37,14 @@ from kiln.train.data import open_splits
 from kiln.train.determinism import layout, layout_warning, set_deterministic
 from kiln.train.loader import Loader
 from kiln.train.loggers import check_loggers, open_sinks
+from kiln.train.mesh import build_mesh
 from kiln.train.metrics import MetricsLog, mfu, peak_memory_gb, peak_tflops
 from kiln.train.parallel import Dist, all_reduce_sum, init_distributed
 from kiln.train.precision import apply_precision_policy
 from kiln.train.schedule import build_schedule
 from kiln.train.signals import StopRequests
 from kiln.train.telemetry import Telemetry
+from kiln.train.tensor_parallel import apply_tensor_parallel, vocab_parallel_loss
 from kiln.train.watchdog import Watchdog
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -108,33 +110,37 @@ class Trainer:
         self.data_resets: list[dict[str, Any]] = []  # resumes onto new data (train.resume_on_new_data)
         self.data_reset_now: dict[str, Any] | None = None
 
-        micro = t.micro_batch_size or t.batch_size // self.d.world
+        self.mesh = build_mesh(cfg, self.d, vocab)  # degrees checked before any work; data shards by dp rank
+        micro = t.micro_batch_size or t.batch_size // self.mesh.dp_world
         if micro < 1:
-            raise KilnError(f"train.batch_size={t.batch_size} is smaller than the world size {self.d.world}")
+            raise KilnError(f"train.batch_size={t.batch_size} is smaller than the data-parallel world size "
+                            f"{self.mesh.dp_world}")
         try:
-            self.loader = Loader(
-                self.train_set, t.batch_size, micro, self.d.rank, self.d.world, cfg.seed, cfg.loader.prefetch
-            )
+            self.loader = Loader(self.train_set, t.batch_size, micro, self.mesh.dp_rank, self.mesh.dp_world, cfg.seed,
+                                 cfg.loader.prefetch)
         except ValueError as exc:
             raise KilnError(str(exc)) from None
 
         self.model = build_model(cfg, vocab).to(self.d.device)
         self.flops_per_token = self.model.flops_per_token(cfg.pack.seq_len)
         self.moe = cfg.model.moe.n_experts > 0
-        self.mode = parallel.parallel_mode(cfg.parallel.mode, self.d)
+        self.mode = self.mesh.mode
         self.autocast = DTYPES[t.dtype]
         if t.fp32_modules and self.mode != "fsdp":  # under FSDP2, shard groups of their own (apply_fsdp)
             apply_precision_policy(self.model, t.fp32_modules)
+        if self.mesh.tp > 1:  # first: activation checkpointing, compile and FSDP2 wrap the sharded blocks
+            apply_tensor_parallel(self.model, self.mesh.tp_mesh)
         if cfg.parallel.activation_checkpointing:
             parallel.apply_activation_checkpointing(self.model)
         if self.mode == "fsdp":
             try:
-                parallel.apply_fsdp(self.model, self.d, cfg.parallel.mesh, self.autocast, t.fp32_modules)
+                parallel.apply_fsdp(self.model, self.d, cfg.parallel.mesh, self.autocast, t.fp32_modules,
+                                    self.mesh.dp_mesh)
             except ValueError as exc:
                 raise KilnError(str(exc)) from None
             self.autocast = None  # FSDP2's mixed-precision policy casts parameters instead
-        self.loss_fn = next_token_loss
-        if cfg.parallel.compile and self.mode == "none":
+        self.loss_fn = vocab_parallel_loss if self.mesh.tp > 1 else next_token_loss
+        if cfg.parallel.compile and self.mode == "none" and self.mesh.tp == 1:
             # Model and loss in one graph: the upcast and log-softmax over the vocabulary fuse too
             # (+9-14% over compiling the model alone, BENCHMARKS.md), in one piece.
             self.loss_fn = torch.compile(functools.partial(next_token_loss, chunk_rows=None))
@@ -300,13 +306,13 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Mean loss on the first `eval_batches` batches of the validation split (same samples every time)."""
-        t, w = self.cfg.train, self.d.world
+        t, w = self.cfg.train, self.mesh.dp_world  # a tensor-parallel group evaluates the same rows
         n = min(len(self.val_set), t.eval_batches * self.loader.micro_batch * w) // w * w
         if n == 0:
             raise KilnError(
                 f"{self.cfg.out / 'shards'}: the validation split has too few samples; raise pack.val_fraction"
             )
-        mine = torch.arange(n)[self.d.rank::w].numpy()  # equal counts: FSDP2 needs every rank in every forward
+        mine = torch.arange(n)[self.mesh.dp_rank::w].numpy()  # equal counts: FSDP2 needs every rank in every forward
         total, count = summed_loss(self.wrapped, sample_batches(self.val_set, mine, self.loader.micro_batch),
                                    self.d.device, self.autocast, self.pad_id)
         total, count = all_reduce_sum([total, count], self.d)
@@ -407,7 +413,7 @@ class Trainer:
             self.optimizer.step()
             if before is not None:
                 out["update_to_weight"] = _update_ratio(before, [_local(p) for p in self.model.parameters()], self.d,
-                                                        sharded=self.mode == "fsdp")
+                                                        sharded=self.mode == "fsdp" or self.mesh.tp > 1)
         if reason is None:
             self.spikes.accept(loss, grad_norm)
         if self.schedule.measures_noise:  # the breathing schedule's gradient noise is grad_norm / param_norm
