@@ -681,6 +681,8 @@ class PlanConfig(Section):
     tokens: int | None = Field(
         None, ge=1, description="training tokens D; null = train.max_steps × batch_size × seq_len"
     )
+    device_memory_gb: float | None = Field(None, gt=0, description="memory of one device, for the fit check; "
+                                           "null = plan.device's (kiln.ops.memory), or this machine's GPU")
 
 
 class TaskConfig(Section):

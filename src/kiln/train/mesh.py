@@ -131,6 +131,17 @@ def check_model(degrees: Degrees, cfg: Config, vocab_size: int, micro_batch: int
             raise ConfigError(f"model.n_layers={m.n_layers} does not split into {stages} pipeline stages of equal "
                               f"depth (parallel.pp={degrees.pp}, pp_schedule={p.pp_schedule}); choose a parallel.pp "
                               "whose stage count divides the layers")
+        unsupported = [(degrees.tp > 1, "parallel.tp>1"), (m.tie_embeddings, "model.tie_embeddings (the first and "
+                       "last stages would share one weight)"), (bool(m.moe.n_experts), "an MoE model"),
+                       (p.compile, "parallel.compile"), (bool(cfg.eval.tasks), "eval.tasks"),
+                       (bool(cfg.train.fp32_modules), "train.fp32_modules")]
+        for on, what in unsupported:
+            if on:
+                raise ConfigError(f"parallel.pp>1 does not combine with {what} yet; turn one of them off")
+        per_rank = cfg.train.batch_size // degrees.dp
+        if cfg.train.micro_batch_size not in (None, per_rank):
+            raise ConfigError(f"under parallel.pp>1 the pipeline cuts each rank's {per_rank} sequences into "
+                              "parallel.pp_microbatches itself; unset train.micro_batch_size and set that instead")
         n_micro = p.pp_microbatches or degrees.pp
         if micro_batch % n_micro:
             raise ConfigError(f"parallel.pp_microbatches={n_micro} does not divide the {micro_batch} sequences each "
@@ -185,6 +196,11 @@ class Mesh:
     @property
     def pp(self) -> int:
         return self.degrees.pp
+
+    @property
+    def model_parallel(self) -> bool:
+        """The model itself is split over ranks (tensor or pipeline parallel): per-rank sums cover a part."""
+        return self.degrees.tp > 1 or self.degrees.pp > 1
 
     @property
     def mode(self) -> str:

@@ -49,6 +49,14 @@ def stage_layers(stage: int, n_stages: int, n_layers: int) -> list[int]:
     return list(range(stage * per, (stage + 1) * per))
 
 
+class Blocks(nn.ModuleDict):
+    """Blocks keyed by their index in the whole model (so parameter names keep it); iterates over the blocks,
+    as the model's ModuleList does, for code that walks `model.layers` (FSDP2 wrapping, the precision policy)."""
+
+    def __iter__(self):
+        return iter(self.values())
+
+
 class ModelPart(nn.Module):
     """Some consecutive blocks of a Llama, with the embeddings if `embeddings` and the final norm and head if
     `head`; the modules are the model's own (shared, not copied), under the model's names."""
@@ -57,7 +65,7 @@ class ModelPart(nn.Module):
         super().__init__()
         self.args = model.args
         self.tok_embeddings = model.tok_embeddings if embeddings else None
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
+        self.layers = Blocks({str(i): model.layers[i] for i in layer_ids})
         self.norm = model.norm if head else None
         self.output = model.output if head else None
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
@@ -68,7 +76,7 @@ class ModelPart(nn.Module):
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(h)
         cos, sin = self.rope_cos[: h.shape[1]], self.rope_sin[: h.shape[1]]
-        for layer in self.layers.values():
+        for layer in self.layers:
             h = layer(h, cos, sin)
         return self.output(self.norm(h)) if self.output is not None else h
 
@@ -94,6 +102,8 @@ class Pipeline:
         ids = stage_ids(pp_rank, pp, schedule)
         self.group, self.n_stages, self.ids = group, n_stages, ids
         self.first, self.last = 0 in ids, n_stages - 1 in ids
+        self.n_microbatches = n_microbatches
+        self.replicas = None  # (group, size, parameters) when data-parallel replicas average gradients here
         self.stages = [PipelineStage(m, s, n_stages, device, group=group) for m, s in zip(stages, ids)]
         if schedule == "interleaved_1f1b":
             self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches, loss_fn=loss_fn)
@@ -110,10 +120,23 @@ class Pipeline:
         kwargs = {"target": targets, "losses": losses} if self.last else {}
         with torch.autocast(batch.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             self.schedule.step(*args, **kwargs)
+        if self.replicas is not None:
+            self._average_gradients(*self.replicas)
         mean = torch.stack([loss.detach() for loss in losses]).double().mean() if self.last else None
         total = torch.zeros((), dtype=torch.float64, device=batch.device) if mean is None else mean
         dist.all_reduce(total, group=self.group)  # only the last stage's is non-zero
         return total
+
+    @staticmethod
+    def _average_gradients(group, n: int, params: list[torch.Tensor]) -> None:
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        grads = [p.grad for p in params if p.grad is not None]
+        flat = _flatten_dense_tensors(grads)  # one message; memory: one more copy of this rank's gradients
+        dist.all_reduce(flat, group=group)
+        flat.div_(n)
+        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
 
     def reduce_norms(self, norms: dict[str, torch.Tensor], names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """Per-group gradient norms of the whole model from each stage's: the squares add over the pipeline.
@@ -140,3 +163,104 @@ def pipeline_loss(pad_id: int | None):
         return chunked_cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore, rows)
 
     return loss
+
+
+# --- the Trainer's seam: build, evaluate, and full-format checkpoints of a pipelined model -------------------
+
+def build_pipeline(model: nn.Module, mesh, mode: str, d, cfg, autocast_dtype: torch.dtype | None,
+                   pad_id: int | None) -> tuple[ModelPart, Pipeline]:
+    """Split `model` (a kiln Llama, activation checkpointing applied) for this rank of `mesh` (kiln.train.mesh),
+    then shard each stage with FSDP2 over the data-parallel dimensions, or replicate it with DDP: one stage is
+    one FSDP2 root (its blocks gathered in its own forward). Returns (this rank's part, the pipeline)."""
+    from kiln.train import parallel
+
+    schedule = cfg.parallel.pp_schedule
+    part, stages = split_model(model, mesh.pp_rank, mesh.pp, schedule)
+    if mode == "fsdp":
+        for stage in stages:
+            parallel.apply_fsdp(stage, d, None, autocast_dtype, cfg.train.fp32_modules, mesh.dp_mesh)
+    n_micro = cfg.parallel.pp_microbatches or mesh.pp
+    pipeline = Pipeline(stages, mesh.pp_rank, mesh.pp, mesh.pp_mesh.get_group(), schedule, n_micro, d.device,
+                        pipeline_loss(pad_id))
+    pipeline.n_microbatches = n_micro
+    if mode == "ddp":
+        # Replicas average their gradients after the pipeline's step (DDP wrapping a stage trips DDP's reducer,
+        # whose hooks fire once per micro-batch in torch 2.13). One all-reduce, not overlapped with backward:
+        # on GPUs dp_shard (FSDP2, overlapped) is the better partner of pipeline parallel.
+        pipeline.replicas = (mesh.dp_mesh.get_group(), mesh.dp_world, list(part.parameters()))
+    return part, pipeline
+
+
+@torch.no_grad()
+def evaluate(pipeline: Pipeline, batches, device: torch.device, autocast_dtype: torch.dtype | None,
+             pad_id: int | None) -> tuple[float, int]:
+    """(sum of token losses, predicted tokens) over `batches`, forward only through the pipeline: the same
+    numbers as kiln.eval.summed_loss on the whole model (each micro-batch's mean loss times its token count)."""
+    total, count = 0.0, 0
+    for batch in batches:
+        batch = batch.to(device)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        counts = [int((t != pad_id).sum()) if pad_id is not None else t.numel()
+                  for t in targets.tensor_split(pipeline.n_microbatches)]  # the schedule's own split
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if pipeline.first else ()
+        kwargs = {"target": targets, "losses": losses} if pipeline.last else {}
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            pipeline.schedule.eval(*args, **kwargs)
+        summed = torch.zeros((), dtype=torch.float64, device=device)
+        if pipeline.last:
+            summed += sum(float(loss) * n for loss, n in zip(losses, counts))
+        dist.all_reduce(summed, group=pipeline.group)
+        total += float(summed)
+        count += sum(counts)
+    return total, count
+
+
+def _to_cpu(tree):
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, tree)
+
+
+def gather_states(part: nn.Module, optimizer: torch.optim.Optimizer, mesh) -> tuple[dict, dict]:
+    """The whole model's weights and optimizer state (keyed by parameter name) on global rank 0, for the full
+    checkpoint format; other ranks get empty dicts. Every rank takes part.
+
+    Each rank gathers its stage whole (FSDP2: an all-gather over the data-parallel ranks; without cpu_offload,
+    which would keep the result on global rank 0 only), the first data-parallel rank of each stage sends it to
+    rank 0. Memory: one stage's state per rank, the whole model's on rank 0 (as the full format always needs;
+    the sharded format avoids both).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True)
+    mine = (_to_cpu(get_model_state_dict(part, options=opts)), _to_cpu(get_optimizer_state_dict(part, optimizer,
+                                                                                                  options=opts)))
+    leader = mesh.dp_rank == 0 and mesh.coords[3] == 0
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine if leader else None, gathered, dst=0)
+    if gathered is None:
+        return {}, {}
+    model_sd: dict = {}
+    optim_sd: dict = {"state": {}, "param_groups": None}
+    for stage_model, stage_optim in (g for g in gathered if g is not None):
+        model_sd.update(stage_model)
+        optim_sd["state"].update(stage_optim["state"])
+        if optim_sd["param_groups"] is None:
+            optim_sd["param_groups"] = [dict(g) for g in stage_optim["param_groups"]]
+        else:
+            for group, theirs in zip(optim_sd["param_groups"], stage_optim["param_groups"]):
+                group["params"] = group["params"] + theirs["params"]
+    return model_sd, optim_sd
+
+
+def load_states(part: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:
+    """Load this rank's slice of full (gathered) weights and optimizer state; every rank has read them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    names = set(part.state_dict())
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(part, {k: v for k, v in model_sd.items() if k in names}, options=opts)
+    groups = [{**g, "params": [p for p in g["params"] if p in names]} for g in optim_sd["param_groups"]]
+    state = {k: v for k, v in optim_sd["state"].items() if k in names}
+    set_optimizer_state_dict(part, optimizer, {"state": state, "param_groups": groups}, options=opts)

@@ -26,10 +26,10 @@ from kiln.manifest import remove_stale_staging, write_atomic
 from kiln.model import Llama, ModelArgs, MoEArgs, RopeScaling
 from kiln.tokenizer import tokenizer_sha256
 from kiln.train import checkpoint as ckpt
-from kiln.train import consensus, parallel
+from kiln.train import consensus, parallel, pipeline_parallel
 from kiln.train import resume as resume_checks
 from kiln.train.budget import Budget
-from kiln.train.clip import clip, group_norms, layer_groups
+from kiln.train.clip import GROUPS, clip, group_norms, layer_groups
 from kiln.train.console import TrainConsole, warnings_for
 from kiln.train.cpu_memory import keep_freed_memory
 from kiln.train.guards import Escalation, NonFiniteGuard, SpikeGuard
@@ -104,7 +104,7 @@ class Trainer:
                 f"{shards}: samples of {self.train_set.sample_len} tokens, "
                 f"config says pack.seq_len={cfg.pack.seq_len}; re-run `kiln pack`"
             )
-        vocab = int(self.train_set.manifest["vocab_size"])
+        vocab = self.vocab_size = int(self.train_set.manifest["vocab_size"])
         self.pad_id = self.train_set.manifest.get("pad_id")
         self.data_fingerprint = resume_checks.data_fingerprint(self.train_set)
         self.data_resets: list[dict[str, Any]] = []  # resumes onto new data (train.resume_on_new_data)
@@ -132,7 +132,12 @@ class Trainer:
             apply_tensor_parallel(self.model, self.mesh.tp_mesh)
         if cfg.parallel.activation_checkpointing:
             parallel.apply_activation_checkpointing(self.model)
-        if self.mode == "fsdp":
+        self.pipeline = None
+        if self.mesh.pp > 1:  # this rank's stages only, each sharded (FSDP2) or replicated (DDP) by itself
+            self.model, self.pipeline = pipeline_parallel.build_pipeline(self.model, self.mesh, self.mode, self.d, cfg,
+                                                                         self.autocast, self.pad_id)
+            self.autocast = None if self.mode == "fsdp" else self.autocast
+        if self.mode == "fsdp" and self.pipeline is None:
             try:
                 parallel.apply_fsdp(self.model, self.d, cfg.parallel.mesh, self.autocast, t.fp32_modules,
                                     self.mesh.dp_mesh)
@@ -146,7 +151,7 @@ class Trainer:
             self.loss_fn = torch.compile(functools.partial(next_token_loss, chunk_rows=None))
         elif cfg.parallel.compile:
             self.model.compile()  # under DDP/FSDP2 the wrapper's hooks stay outside the compiled blocks
-        self.wrapped = parallel.wrap_model(self.model, self.d, self.mode)
+        self.wrapped = parallel.wrap_model(self.model, self.d, self.mode if self.pipeline is None else "none")
         # After sharding: FSDP2 replaces the parameters with DTensors.
         self.groups = layer_groups(self.model, cfg.model.n_layers, t.upper_layers)
         if self.d.device.type == "cuda":
@@ -197,13 +202,17 @@ class Trainer:
 
     def _load(self, folder: Path, resume: bool) -> dict[str, Any]:
         # Verified by consensus.agreed_checkpoint; only rank 0 reads the weights, and broadcasts them.
-        data = ckpt.load_checkpoint(folder, verify=False, weights=self.d.is_main)
+        data = ckpt.load_checkpoint(folder, verify=False, weights=self.d.is_main or self.pipeline is not None)
         state = data["state"]
         if state.get("config_hash") != self.config_hash:
             raise KilnError(f"{folder} was written with different model/pack/tokenizer settings; "
                             f"use a new out_dir, or delete {self.ckpt_dir} to start over")
-        resume_checks.check_vocab_size(data["model"], self.model.tok_embeddings.num_embeddings, folder)
-        parallel.load_states(self.wrapped, self.optimizer, self.mode, data["model"], data["optimizer"], self.d.world)
+        resume_checks.check_vocab_size(data["model"], self.vocab_size, folder)
+        if self.pipeline is not None:  # every rank read the full state and keeps its stages' part
+            pipeline_parallel.load_states(self.model, self.optimizer, data["model"], data["optimizer"])
+        else:
+            parallel.load_states(self.wrapped, self.optimizer, self.mode, data["model"], data["optimizer"],
+                                 self.d.world)
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if resume:
@@ -261,8 +270,11 @@ class Trainer:
 
     def save(self, reason: str = "schedule") -> None:
         """Every rank takes part (FSDP2 gathers); rank 0 writes, in the background when async."""
-        model_state = parallel.full_state_dict(self.wrapped, self.mode)
-        optim_state = parallel.optimizer_state(self.wrapped, self.optimizer, self.mode)
+        if self.pipeline is not None:  # each stage's gathered, then sent to rank 0
+            model_state, optim_state = pipeline_parallel.gather_states(self.model, self.optimizer, self.mesh)
+        else:
+            model_state = parallel.full_state_dict(self.wrapped, self.mode)
+            optim_state = parallel.optimizer_state(self.wrapped, self.optimizer, self.mode)
         rng = ckpt.rng_state(self.d.device)
         rngs = [rng]
         if self.d.world > 1:
@@ -313,8 +325,11 @@ class Trainer:
                 f"{self.cfg.out / 'shards'}: the validation split has too few samples; raise pack.val_fraction"
             )
         mine = torch.arange(n)[self.mesh.dp_rank::w].numpy()  # equal counts: FSDP2 needs every rank in every forward
-        total, count = summed_loss(self.wrapped, sample_batches(self.val_set, mine, self.loader.micro_batch),
-                                   self.d.device, self.autocast, self.pad_id)
+        batches = sample_batches(self.val_set, mine, self.loader.micro_batch)
+        if self.pipeline is not None:
+            total, count = pipeline_parallel.evaluate(self.pipeline, batches, self.d.device, self.autocast, self.pad_id)
+        else:
+            total, count = summed_loss(self.wrapped, batches, self.d.device, self.autocast, self.pad_id)
         total, count = all_reduce_sum([total, count], self.d)
         self.watchdog.beat(self.step)
         return total / count
@@ -349,6 +364,9 @@ class Trainer:
         loss_sum: torch.Tensor | float = 0.0
         moe_sums: dict[str, Any] = {"aux_loss": 0.0, "z_loss": 0.0, "dropped_tokens": 0, "routed_tokens": 0}
         for i, batch in enumerate(micro_batches):
+            if self.pipeline is not None:  # forward and backward over the pipeline's micro-batches, loss agreed
+                loss_sum = loss_sum + self.pipeline.step(batch.to(self.d.device), self.autocast)
+                continue
             with parallel.gradient_sync(self.wrapped, self.mode, enabled=i == len(micro_batches) - 1):
                 loss = self.loss_fn(
                     self.wrapped, batch.to(self.d.device, non_blocking=True), self.autocast, self.pad_id
@@ -391,6 +409,8 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         norms = group_norms(self.groups)
+        if self.pipeline is not None:  # each stage's norms: the squares add over the pipeline
+            norms = self.pipeline.reduce_norms(norms, GROUPS)
         layer_norms = None
         if self.schedule.wants_layer_norms():  # before clipping: the calibrator measures the raw spread
             blocks = {str(i): list(b.parameters()) for i, b in enumerate(self.model.layers)}
@@ -413,7 +433,7 @@ class Trainer:
             self.optimizer.step()
             if before is not None:
                 out["update_to_weight"] = _update_ratio(before, [_local(p) for p in self.model.parameters()], self.d,
-                                                        sharded=self.mode == "fsdp" or self.mesh.tp > 1)
+                                                        sharded=self.mode == "fsdp" or self.mesh.model_parallel)
         if reason is None:
             self.spikes.accept(loss, grad_norm)
         if self.schedule.measures_noise:  # the breathing schedule's gradient noise is grad_norm / param_norm
