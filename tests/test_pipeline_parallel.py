@@ -73,7 +73,8 @@ print("ok", rank)
 """
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b",
+                                      pytest.param("interleaved_1f1b", marks=pytest.mark.slow)])
 def test_pipeline_schedules_on_two_ranks_match_one_process_over_40_steps(tmp_path, schedule):
     script = tmp_path / "pp.py"
     script.write_text(_DRIVE)
@@ -115,10 +116,12 @@ def test_pp2_kiln_train_matches_one_process_over_40_steps(workdir, tmp_path, sch
 
 
 @pytest.mark.slow
-def test_pp2_x_dp2_on_four_ranks_trains_and_resumes_bitwise(workdir, tmp_path):
+@pytest.mark.parametrize("data_parallel", [{}, {"dp_shard": 2}], ids=["replicas", "fsdp2"])
+def test_pp2_x_dp2_on_four_ranks_trains_and_resumes_bitwise(workdir, tmp_path, data_parallel):
     full = tmp_path / "full"
     shutil.copytree(workdir, full)
-    sections = {"train": {"max_steps": 10}, "model": {"n_layers": 4}, "parallel": {"pp": 2}}  # dp=2: DDP
+    # dp=2: replicas averaging gradients (parallel.mode auto), or FSDP2 sharding each stage
+    sections = {"train": {"max_steps": 10}, "model": {"n_layers": 4}, "parallel": {"pp": 2, **data_parallel}}
     torchrun(tmp_path, full, 4, **sections)
     a = steps(full)
     assert a[-1]["loss"] < a[0]["loss"]

@@ -134,7 +134,8 @@ def check_model(degrees: Degrees, cfg: Config, vocab_size: int, micro_batch: int
         unsupported = [(degrees.tp > 1, "parallel.tp>1"), (m.tie_embeddings, "model.tie_embeddings (the first and "
                        "last stages would share one weight)"), (bool(m.moe.n_experts), "an MoE model"),
                        (p.compile, "parallel.compile"), (bool(cfg.eval.tasks), "eval.tasks"),
-                       (bool(cfg.train.fp32_modules), "train.fp32_modules")]
+                       (bool(cfg.train.fp32_modules), "train.fp32_modules"),
+                       (cfg.train.dtype == "fp16", "train.dtype=fp16 (the schedule's backward takes no GradScaler)")]
         for on, what in unsupported:
             if on:
                 raise ConfigError(f"parallel.pp>1 does not combine with {what} yet; turn one of them off")

@@ -170,8 +170,10 @@ def pipeline_loss(pad_id: int | None):
 def build_pipeline(model: nn.Module, mesh, mode: str, d, cfg, autocast_dtype: torch.dtype | None,
                    pad_id: int | None) -> tuple[ModelPart, Pipeline]:
     """Split `model` (a kiln Llama, activation checkpointing applied) for this rank of `mesh` (kiln.train.mesh),
-    then shard each stage with FSDP2 over the data-parallel dimensions, or replicate it with DDP: one stage is
-    one FSDP2 root (its blocks gathered in its own forward). Returns (this rank's part, the pipeline)."""
+    then shard each stage with FSDP2 over the data-parallel dimensions (one stage is one FSDP2 root: its blocks
+    are gathered in its own forward), or, with DDP-style replicas, average the gradients after each step.
+    Returns (this rank's part, the pipeline). The whole model was initialised on every rank first (the same
+    seed, the same weights as one process); the other stages' blocks are freed once `model` is dropped."""
     from kiln.train import parallel
 
     schedule = cfg.parallel.pp_schedule
