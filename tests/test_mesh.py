@@ -71,7 +71,7 @@ def mesh_for(world: int, rank: int = 0, vocab: int = 1024, **sections) -> Mesh:
     ({"parallel": {"pp": 2}, "train": {"dtype": "fp16"}}, "does not combine with train.dtype=fp16"),
     ({"parallel": {"pp": 2}, "train": {"micro_batch_size": 1}}, "unset train.micro_batch_size"),
     ({"parallel": {"ep": 2}}, "model.moe.n_experts=0; set parallel.ep=1"),
-    ({"parallel": {"ep": 2}, "model": {"moe": {"n_experts": 4}}}, "is not wired into kiln train"),
+    ({"parallel": {"ep": 2, "mode": "fsdp"}, "model": {"moe": {"n_experts": 4}}}, "it needs DDP replicas"),
     ({"parallel": {"ep": 3}, "model": {"moe": {"n_experts": 4}}}, "must divide model.moe.n_experts=4"),
 ])
 def test_model_that_the_degrees_cannot_split_is_a_config_error(sections, words):

@@ -96,3 +96,12 @@ def test_plan_says_what_does_not_fit_a_device(capsys, tmp_path):
 def test_plan_refuses_degrees_that_do_not_match_the_devices():
     with pytest.raises(ConfigError, match="parallel.tp=3 x parallel.pp=1 = 3 does not divide the 4 ranks"):
         make_plan(tiny_config("/tmp/unused", plan={"device": "H100", "devices": 4}, parallel={"tp": 3}))
+
+
+def test_expert_parallel_divides_the_experts():
+    cfg, model = cfg_and_model(model={"moe": {"n_experts": 4}})
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    one = memory_plan(cfg, model, Degrees(dp_replicate=2, mode="ddp"), None)
+    ep_cfg, _ = cfg_and_model(model={"moe": {"n_experts": 4}}, parallel={"ep": 2})
+    ep2 = memory_plan(ep_cfg, model, Degrees(dp_replicate=2, mode="ddp"), None)
+    assert one["parameters"] - ep2["parameters"] == 4 * experts / 2

@@ -6,7 +6,8 @@ What is counted, per device (the heaviest pipeline stage when parallel.pp > 1):
   Tensor parallel divides the sharded weights by tp: attention wq/wk/wv/wo, the MLP's w1/w2/w3, the
   embeddings and the output head; the RMSNorm weights are replicated. Pipeline parallel keeps a stage's
   blocks (n_layers / stages), the embeddings on the first stage, the final norm and head on the last.
-  FSDP2 (dp_shard) divides what is left by dp_shard; DDP and HSDP's replicas keep a whole copy each.
+  Expert parallel (parallel.ep) divides MoE experts by ep. FSDP2 (dp_shard) divides what is left by
+  dp_shard; DDP and HSDP's replicas keep a whole copy each.
 - gradients: fp32, the same count as the parameters (FSDP2 reduce-scatters them: sharded the same way).
 - optimizer: AdamW's exp_avg and exp_avg_sq, 8 bytes per parameter, sharded like the parameters.
 - fsdp_buffers: under FSDP2 the gathered (unsharded) weights of the block being computed and of the next one
@@ -47,8 +48,8 @@ def _stage_of(name: str, n_layers: int, n_stages: int) -> int:
     return 0 if name.startswith("tok_embeddings") else n_stages - 1
 
 
-def stage_params(model, degrees: Degrees, schedule: str) -> list[float]:
-    """Parameters per device on each pipeline rank (after tp and dp_shard), in elements."""
+def stage_params(model, degrees: Degrees, schedule: str, ep: int = 1) -> list[float]:
+    """Parameters per device on each pipeline rank (after tp, ep and dp_shard), in elements."""
     n_layers = model.args.n_layers
     n_stages = degrees.pp * stages_per_rank(schedule)
     per_rank = [0.0] * degrees.pp
@@ -58,6 +59,8 @@ def stage_params(model, degrees: Degrees, schedule: str) -> list[float]:
             continue
         seen.add(id(p))
         n = p.numel() / (degrees.tp if _TP_SHARDED.search(name) else 1)
+        if ".experts." in name:  # expert parallel: each rank holds n_experts / ep of them
+            n /= ep
         per_rank[_stage_of(name, n_layers, n_stages) % degrees.pp] += n / degrees.dp_shard
     return per_rank
 
@@ -69,7 +72,7 @@ def block_params(model) -> int:
 def activation_bytes(cfg: Config, model, degrees: Degrees, micro_batch: int, pp_rank: int) -> float:
     """Activations backward keeps on pipeline rank `pp_rank` (formula in the module docstring)."""
     a, s, tp = model.args, cfg.pack.seq_len, degrees.tp
-    width = 2 if cfg.train.dtype != "fp32" else 4
+    width = DTYPE_BYTES[cfg.train.dtype]
     h, k, f = a.dim, a.kv_heads * a.head_dim, a.hidden
     n_stages = degrees.pp * stages_per_rank(cfg.parallel.pp_schedule)
     if degrees.pp > 1:
@@ -93,8 +96,8 @@ def memory_plan(cfg: Config, model, degrees: Degrees, device_bytes: float | None
     """Bytes per device for `degrees`, on the heaviest pipeline rank; `fits` is None when the device's memory
     is unknown."""
     micro = cfg.train.micro_batch_size or max(cfg.train.batch_size // degrees.dp, 1)
-    params = stage_params(model, degrees, cfg.parallel.pp_schedule)
-    gathered = block_params(model) / degrees.tp * (2 if cfg.train.dtype != "fp32" else 4) * 2
+    params = stage_params(model, degrees, cfg.parallel.pp_schedule, cfg.parallel.ep)
+    gathered = block_params(model) / degrees.tp * DTYPE_BYTES[cfg.train.dtype] * 2  # this block and the next
     rows = []
     for rank, n in enumerate(params):
         row = {"parameters": 4 * n, "gradients": 4 * n, "optimizer": 8 * n,

@@ -17,10 +17,10 @@ same way in reverse, so an owner's expert gradients sum every rank's tokens.
 Memory: 1/ep of the experts' weights, gradients and optimizer state per rank; the two buffers in flight are
 each one (n_experts, C, dim) activation, the size of the unsharded layer's.
 
-Not wired into `kiln train` yet (parallel.ep>1 is refused there with a one-line error): the trainer must still
-keep DDP/FSDP2 from averaging expert gradients over ranks that hold different experts (average them over the
-ranks holding the same ones, scaled to the data-parallel mean), add expert gradient norms over the ep group,
-and gather / slice expert weights and optimizer state for full checkpoints.
+In `kiln train` (`ExpertParallel`) expert parallel composes with DDP replicas: DDP skips the expert weights,
+whose gradients are averaged over the ranks holding the same experts; clipping norms add the experts' squares
+over the expert group; full checkpoints gather the experts whole and a resume slices them again. Not yet with
+FSDP2, tensor or pipeline parallel.
 """
 
 from __future__ import annotations
@@ -71,3 +71,105 @@ def apply_expert_parallel(model: nn.Module, ep_rank: int, ep: int, group) -> int
     for moe in blocks:
         moe.experts = ExpertShard(moe.experts, ep_rank, ep, group)
     return len(blocks)
+
+
+# --- the Trainer's seam: groups, gradients, norms and full-format checkpoints of expert-parallel MoE ----------
+
+class ExpertParallel:
+    """Expert parallel over DDP replicas (parallel.ep of the data-parallel ranks; tensor and pipeline parallel
+    off). Ranks [k·ep, (k+1)·ep) form an expert group that shares the experts, rank i of a group holding the
+    i-th n_experts/ep of every MoE block's experts; the ranks at the same place in every group hold the same
+    experts (replicas). DDP averages the dense weights' gradients over all ranks and must skip the experts':
+    `sync_gradients` averages those over the replicas instead, scaled to the same data-parallel mean.
+
+    Memory for a full checkpoint: every rank gathers each expert tensor whole (one block's experts at a time
+    through all_gather), as the full format needs on rank 0 anyway.
+    """
+
+    def __init__(self, model: nn.Module, dp_rank: int, dp: int, ep: int) -> None:
+        import torch.distributed as dist
+
+        self.ep, self.dp, self.ep_rank = ep, dp, dp_rank % ep
+        groups = [dist.new_group(list(range(k * ep, (k + 1) * ep))) for k in range(dp // ep)]  # every rank: all
+        replicas = [dist.new_group(list(range(i, dp, ep))) for i in range(ep)] if dp > ep else None
+        self.group = groups[dp_rank // ep]
+        self.replicas = replicas[self.ep_rank] if replicas else None
+        apply_expert_parallel(model, self.ep_rank, ep, self.group)
+        self.names = [n for n, _ in model.named_parameters() if ".experts." in n]
+        self.params = [p for n, p in model.named_parameters() if ".experts." in n]
+        self.ids = {id(p) for p in self.params}
+
+    def keep_out_of_ddp(self, model: nn.Module) -> None:
+        """Before wrapping `model` in DDP: its expert weights are not replicas, DDP must not average them."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # Names as DDP sees them now (activation checkpointing may have wrapped the blocks since).
+        DDP._set_params_and_buffers_to_ignore_for_model(
+            model, [n for n, p in model.named_parameters() if id(p) in self.ids])
+
+    def sync_gradients(self) -> None:
+        """After the step's backward: an owner's expert gradients hold its expert group's tokens (the
+        all-to-all's backward); adding the replicas' gives every rank's, and / dp makes it DDP's mean."""
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return
+        flat = _flatten_dense_tensors(grads)
+        if self.replicas is not None:
+            dist.all_reduce(flat, group=self.replicas)
+        flat.div_(self.dp)
+        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
+
+    def group_norms(self, groups: dict[str, list[nn.Parameter]]) -> dict[str, torch.Tensor]:
+        """kiln.train.clip.group_norms of the whole model: dense gradients are the same on every rank, each
+        rank's expert gradients are a slice, so their squares add over the expert group (one all-reduce)."""
+        import torch.distributed as dist
+
+        names = list(groups)
+        squares = torch.zeros(2, len(names), dtype=torch.float64, device=self.params[0].device)
+        for i, g in enumerate(names):
+            for row, ps in enumerate(([p for p in groups[g] if id(p) not in self.ids],
+                                      [p for p in groups[g] if id(p) in self.ids])):
+                grads = [p.grad for p in ps if p.grad is not None]
+                if grads:
+                    squares[row, i] = torch.nn.utils.get_total_norm(grads).double() ** 2
+        dist.all_reduce(squares[1], group=self.group)
+        return {g: squares[:, i].sum().sqrt().float() for i, g in enumerate(names)}
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        pieces = [torch.empty_like(t) for _ in range(self.ep)]
+        dist.all_gather(pieces, t.contiguous(), group=self.group)
+        return torch.cat(pieces)
+
+    def _slice(self, t: torch.Tensor) -> torch.Tensor:
+        local = t.shape[0] // self.ep
+        return t[self.ep_rank * local:(self.ep_rank + 1) * local].clone()
+
+    def _expert_indices(self, optimizer: torch.optim.Optimizer) -> list[int]:
+        """Positions of the expert weights in optimizer.state_dict()'s numbering (param_groups order)."""
+        order = [p for g in optimizer.param_groups for p in g["params"]]
+        return [i for i, p in enumerate(order) if id(p) in self.ids]
+
+    def full_states(self, model_sd: dict, optim_sd: dict, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """This rank's state dicts (DDP's: whole dense weights, expert slices) with every expert tensor and its
+        AdamW moments gathered whole over the expert group. Every rank of the group takes part."""
+        model_sd = {k: self._gather(v) if k in self.names else v for k, v in model_sd.items()}
+        state = dict(optim_sd["state"])
+        for i in self._expert_indices(optimizer):
+            if i in state:
+                state[i] = {k: self._gather(v) if k != "step" and v.ndim > 0 else v for k, v in state[i].items()}
+        return model_sd, {**optim_sd, "state": state}
+
+    def local_states(self, model_sd: dict, optim_sd: dict, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """Full state dicts -> this rank's: each expert tensor and its moments sliced to its experts."""
+        model_sd = {k: self._slice(v) if k in self.names else v for k, v in model_sd.items()}
+        state = dict(optim_sd["state"])
+        for i in self._expert_indices(optimizer):
+            if i in state:
+                state[i] = {k: self._slice(v) if k != "step" and v.ndim > 0 else v for k, v in state[i].items()}
+        return model_sd, {**optim_sd, "state": state}

@@ -157,10 +157,14 @@ def check_model(degrees: Degrees, cfg: Config, vocab_size: int, micro_batch: int
         if m.moe.n_experts % p.ep or degrees.dp % p.ep:
             raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.n_experts={m.moe.n_experts} and the "
                               f"{degrees.dp} data-parallel ranks; choose a divisor of both")
-        # kiln.train.expert_parallel dispatches tokens by all-to-all (tested on its own); the trainer does not
-        # yet keep data parallel off the sharded expert gradients, nor gather experts into checkpoints.
-        raise ConfigError("parallel.ep>1 (expert parallel with all-to-all dispatch) is not wired into kiln train "
-                          "yet; set parallel.ep=1 (experts then replicate, or shard with FSDP2)")
+        unsupported = [(degrees.mode != "ddp", f"parallel.mode={degrees.mode} (it needs DDP replicas: parallel.mode "
+                        "ddp or auto, no dp_shard)"), (degrees.tp > 1, "parallel.tp>1"),
+                       (degrees.pp > 1, "parallel.pp>1"), (p.compile, "parallel.compile"),
+                       (bool(cfg.eval.tasks), "eval.tasks (rows of any length: ranks would send the all-to-all "
+                        "different sizes)")]
+        for on, what in unsupported:
+            if on:
+                raise ConfigError(f"parallel.ep>1 does not combine with {what} yet; turn one of them off")
 
 
 @dataclass

@@ -35,6 +35,7 @@ from kiln.train.cpu_memory import keep_freed_memory
 from kiln.train.guards import Escalation, NonFiniteGuard, SpikeGuard
 from kiln.train.data import open_splits
 from kiln.train.determinism import layout, layout_warning, set_deterministic
+from kiln.train.expert_parallel import ExpertParallel
 from kiln.train.loader import Loader
 from kiln.train.loggers import check_loggers, open_sinks
 from kiln.train.mesh import build_mesh
@@ -128,6 +129,9 @@ class Trainer:
         self.autocast = DTYPES[t.dtype]
         if t.fp32_modules and self.mode != "fsdp":  # under FSDP2, shard groups of their own (apply_fsdp)
             apply_precision_policy(self.model, t.fp32_modules)
+        self.experts = None
+        if cfg.parallel.ep > 1:  # this rank's share of every MoE block's experts, reached by all-to-all
+            self.experts = ExpertParallel(self.model, self.mesh.dp_rank, self.mesh.dp_world, cfg.parallel.ep)
         if self.mesh.tp > 1:  # first: activation checkpointing, compile and FSDP2 wrap the sharded blocks
             apply_tensor_parallel(self.model, self.mesh.tp_mesh)
         if cfg.parallel.activation_checkpointing:
@@ -151,6 +155,8 @@ class Trainer:
             self.loss_fn = torch.compile(functools.partial(next_token_loss, chunk_rows=None))
         elif cfg.parallel.compile:
             self.model.compile()  # under DDP/FSDP2 the wrapper's hooks stay outside the compiled blocks
+        if self.experts is not None:
+            self.experts.keep_out_of_ddp(self.model)
         self.wrapped = parallel.wrap_model(self.model, self.d, self.mode if self.pipeline is None else "none")
         # After sharding: FSDP2 replaces the parameters with DTensors.
         self.groups = layer_groups(self.model, cfg.model.n_layers, t.upper_layers)
@@ -202,7 +208,8 @@ class Trainer:
 
     def _load(self, folder: Path, resume: bool) -> dict[str, Any]:
         # Verified by consensus.agreed_checkpoint; only rank 0 reads the weights, and broadcasts them.
-        data = ckpt.load_checkpoint(folder, verify=False, weights=self.d.is_main or self.pipeline is not None)
+        every_rank = self.pipeline is not None or self.experts is not None  # each keeps its own part
+        data = ckpt.load_checkpoint(folder, verify=False, weights=self.d.is_main or every_rank)
         state = data["state"]
         if state.get("config_hash") != self.config_hash:
             raise KilnError(f"{folder} was written with different model/pack/tokenizer settings; "
@@ -210,6 +217,10 @@ class Trainer:
         resume_checks.check_vocab_size(data["model"], self.vocab_size, folder)
         if self.pipeline is not None:  # every rank read the full state and keeps its stages' part
             pipeline_parallel.load_states(self.model, self.optimizer, data["model"], data["optimizer"])
+        elif self.experts is not None:  # every rank read the full state and keeps its experts
+            model_sd, optim_sd = self.experts.local_states(data["model"], data["optimizer"], self.optimizer)
+            self.model.load_state_dict(model_sd)
+            self.optimizer.load_state_dict(optim_sd)
         else:
             parallel.load_states(self.wrapped, self.optimizer, self.mode, data["model"], data["optimizer"],
                                  self.d.world)
@@ -275,6 +286,8 @@ class Trainer:
         else:
             model_state = parallel.full_state_dict(self.wrapped, self.mode)
             optim_state = parallel.optimizer_state(self.wrapped, self.optimizer, self.mode)
+            if self.experts is not None:  # the experts' slices gathered whole over the expert group
+                model_state, optim_state = self.experts.full_states(model_state, optim_state, self.optimizer)
         rng = ckpt.rng_state(self.d.device)
         rngs = [rng]
         if self.d.world > 1:
@@ -375,6 +388,8 @@ class Trainer:
                 scaled = total / len(micro_batches)
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum = loss_sum + loss.detach()
+        if self.experts is not None:  # DDP left the expert gradients alone: their replicas average them
+            self.experts.sync_gradients()
         t_fwd_bwd = time.perf_counter() - tick
         tick = time.perf_counter()
         # The budget flag is every rank's verdict on the steps so far: one rank alone must never stop (it
@@ -408,7 +423,7 @@ class Trainer:
             group["lr"] = lr
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        norms = group_norms(self.groups)
+        norms = group_norms(self.groups) if self.experts is None else self.experts.group_norms(self.groups)
         if self.pipeline is not None:  # each stage's norms: the squares add over the pipeline
             norms = self.pipeline.reduce_norms(norms, GROUPS)
         layer_norms = None
