@@ -70,6 +70,7 @@ print("ok", rank)
 """
 
 
+@pytest.mark.slow  # ~28 s on 2 cores
 def test_expert_parallel_all_to_all_matches_unsharded_experts(tmp_path):
     script = tmp_path / "ep.py"
     script.write_text(_DRIVE)
