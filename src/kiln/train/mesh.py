@@ -161,7 +161,9 @@ def check_model(degrees: Degrees, cfg: Config, vocab_size: int, micro_batch: int
                         "ddp or auto, no dp_shard)"), (degrees.tp > 1, "parallel.tp>1"),
                        (degrees.pp > 1, "parallel.pp>1"), (p.compile, "parallel.compile"),
                        (bool(cfg.eval.tasks), "eval.tasks (rows of any length: ranks would send the all-to-all "
-                        "different sizes)")]
+                        "different sizes)"),
+                       (cfg.train.dtype == "fp16", "train.dtype=fp16 (an overflow in one rank's experts would "
+                        "skip the step on that rank alone)")]
         for on, what in unsupported:
             if on:
                 raise ConfigError(f"parallel.ep>1 does not combine with {what} yet; turn one of them off")
