@@ -72,7 +72,7 @@ class FullCheckpoint:
 
     def gather(self, parallel: Parallelized, optimizer) -> tuple[dict, dict]:
         """Every rank takes part (FSDP2 gathers); the whole tensors, on CPU."""
-        return parallel.state_dict(), parallel.optimizer_state_dict(optimizer)
+        return parallel.full_states(optimizer)
 
     def write(self, root: Path, step: int, weights: tuple[dict, dict], rngs: list, state: dict, config_yaml: str,
               tokenizer_file: Path, fields: dict, signing_key: str | None) -> Path:
@@ -80,9 +80,10 @@ class FullCheckpoint:
         return ckpt.write_checkpoint(root, step, *weights, rngs, state, config_yaml, tokenizer_file, fields,
                                      signing_key)
 
-    def read(self, folder: Path, d: Dist) -> dict[str, Any]:
-        # Verified by consensus.agreed_checkpoint; only rank 0 reads the weights, and broadcasts them (load).
-        return ckpt.load_checkpoint(folder, verify=False, weights=d.is_main)
+    def read(self, folder: Path, d: Dist, every_rank: bool = False) -> dict[str, Any]:
+        # Verified by consensus.agreed_checkpoint; only rank 0 reads the weights, and broadcasts them (load),
+        # unless `every_rank` (Parallelized.every_rank_reads: pipeline stages, expert slices keep their part).
+        return ckpt.load_checkpoint(folder, verify=False, weights=d.is_main or every_rank)
 
     def load(self, parallel: Parallelized, optimizer, data: dict[str, Any]) -> None:
         parallel.load(optimizer, data["model"], data["optimizer"])
@@ -167,12 +168,12 @@ class Checkpointer:
 
     def load(self, folder: Path, rollback: bool = False) -> dict[str, Any]:
         """Weights, optimizer state and the parts' states from `folder`; on a resume the RNG states too."""
-        data = self.format.read(folder, self.d)
+        data = self.format.read(folder, self.d, self.engine.parallel.every_rank_reads)
         state = data["state"]
         if state.get("config_hash") != self.state.config_hash:
             raise KilnError(f"{folder} was written with different model/pack/tokenizer settings; "
                             f"use a new out_dir, or delete {self.ckpt_dir} to start over")
-        resume_checks.check_vocab_size(data["model"], self.engine.model.tok_embeddings.num_embeddings, folder)
+        resume_checks.check_vocab_size(data["model"], self.engine.model.vocab_size, folder)
         self.format.load(self.engine.parallel, self.engine.optimizer, data)
         self.state.load_state_dict(state, rollback=rollback)
         if not rollback:
