@@ -125,3 +125,20 @@ def test_gpu_parallel_benchmark_smoke_runs_three_layouts_on_cpu(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     assert [r["layout"] for r in report["layouts"]] == ["dp_shard=2", "tp=2", "pp=2"]
     assert all(r["losses_match_first"] for r in report["layouts"]) and not report["failures"]
+
+
+def test_one_parallelized_kind_per_combination_of_degrees():
+    """parallelize's kind_for: the one place the degrees pick how the model is wrapped, gathered and loaded."""
+    from kiln.train.parallel.parallelize import (DDPModel, ExpertParallelModel, FSDPModel, Parallelized,
+                                                 PipelineModel, TensorParallelModel, kind_for)
+
+    cases = [(Degrees(), Parallelized), (Degrees(dp_replicate=4, mode="ddp"), DDPModel),
+             (Degrees(dp_shard=4, mode="fsdp"), FSDPModel), (Degrees(tp=2), TensorParallelModel),
+             (Degrees(dp_shard=2, tp=2, mode="fsdp"), FSDPModel),
+             (Degrees(pp=2, dp_shard=2, mode="fsdp"), PipelineModel),
+             (Degrees(pp=2, dp_replicate=2, mode="ddp"), PipelineModel),
+             (Degrees(dp_replicate=4, mode="ddp", ep=2), ExpertParallelModel)]
+    for degrees, kind in cases:
+        assert kind_for(Mesh(degrees, 0)) is kind, degrees
+    assert PipelineModel.every_rank_reads and ExpertParallelModel.every_rank_reads
+    assert not (Parallelized.every_rank_reads or FSDPModel.every_rank_reads)
