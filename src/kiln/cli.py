@@ -469,7 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     s.set_defaults(fn=cmd_preflight)
 
-    s = sub.add_parser("plan", help="estimate compute (C = 6ND), time on plan.devices and cost, with the assumptions")
+    s = sub.add_parser("plan", help="estimate compute (C = 6ND), time on plan.devices, cost and per-device memory "
+                                    "for the parallel degrees, with the assumptions")
     s.add_argument("config")
     s.add_argument("--json", action="store_true")
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")

@@ -496,7 +496,8 @@ class CheckpointConfig(Section):
     format: Literal["full", "sharded"] | None = Field(
         None, description="full: rank 0 writes the whole model.safetensors + optimizer.pt; sharded: each rank "
         "writes its own pieces (safetensors + JSON index), any world size resumes; default: sharded when the "
-        "model is sharded (parallel.mode=fsdp, HSDP too), else full"
+        "model is sharded (parallel.mode=fsdp, HSDP too), else full; tensor, pipeline and expert parallel "
+        "(parallel.tp/pp/ep > 1) save in full only for now"
     )
     save_timeout_s: float = Field(
         3600, gt=0, description="how long a checkpoint save may take on any rank before the watchdog and the "
@@ -513,6 +514,22 @@ class ParallelConfig(Section):
     compile: bool = Field(False, description="torch.compile the model (first steps are slow while it compiles)")
     startup_timeout_s: float = Field(1800, gt=0, description="collective timeout until the first step completes")
     step_timeout_s: float = Field(600, gt=0, description="collective timeout after the first step")
+    # One DeviceMesh [pp, dp_replicate, dp_shard, tp] from these degrees (kiln.train.parallel.mesh); their product is
+    # the world size. Unset data-parallel degrees are derived: dp = world / (tp·pp), as DDP replicas under
+    # parallel.mode ddp/auto, as FSDP2 shards under fsdp, or [replicate, shard] = parallel.mesh.
+    dp_replicate: int | None = Field(None, ge=1, description="data-parallel replicas (DDP, or HSDP's replicate "
+                                     "dimension); null = derived from parallel.mode/mesh and the world size")
+    dp_shard: int | None = Field(None, ge=1, description="FSDP2 shard degree (>1 means FSDP2); null = derived")
+    tp: int = Field(1, ge=1, description="tensor-parallel degree: attention and MLP sharded by columns/rows, "
+                    "sequence-parallel norms, vocabulary-parallel head (keep it within a node)")
+    pp: int = Field(1, ge=1, description="pipeline-parallel stages: the model split by layers")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        "1f1b", description="pipeline schedule; interleaved_1f1b puts two stages (virtual stages) on every rank"
+    )
+    pp_microbatches: int | None = Field(None, ge=1, description="micro-batches each pipeline step is cut into; "
+                                        "null = parallel.pp (more shrinks the pipeline bubble)")
+    ep: int = Field(1, ge=1, description="expert-parallel degree for MoE: experts split over this many "
+                    "data-parallel (DDP) ranks, tokens sent to them by all-to-all")
 
 
 class GuardConfig(Section):
@@ -607,6 +624,8 @@ class PlanConfig(Section):
     tokens: int | None = Field(
         None, ge=1, description="training tokens D; null = train.max_steps × batch_size × seq_len"
     )
+    device_memory_gb: float | None = Field(None, gt=0, description="memory of one device, for the fit check; "
+                                           "null = plan.device's (kiln.ops.memory), or this machine's GPU")
 
 
 class TaskConfig(Section):

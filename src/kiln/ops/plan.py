@@ -90,7 +90,30 @@ def make_plan(cfg: Config) -> dict:
     return {"params_non_embedding": n, "tokens": d, "compute_6ND": 6 * n * d, "compute_flops": flops_per_token * d,
             "devices": g, "device": device, "peak_tflops": peak, "mfu": mfu, "time_source": source,
             "tokens_per_s": tokens_per_s, "hours": hours, "device_hours": hours * g, "cost": hours * g * price,
-            "steps": -(-d // tokens_per_step), "assumptions": assumptions}
+            "steps": -(-d // tokens_per_step), "assumptions": assumptions, "memory": plan_memory(cfg, model, device)}
+
+
+def _device_bytes(cfg: Config, device: str) -> float | None:
+    from kiln.ops.memory import DEVICE_MEMORY_GB
+
+    if cfg.plan.device_memory_gb:
+        return cfg.plan.device_memory_gb * 1e9
+    if cfg.plan.device is None and torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    return DEVICE_MEMORY_GB[device] * 1e9 if device in DEVICE_MEMORY_GB else None
+
+
+def plan_memory(cfg: Config, model, device: str) -> dict:
+    """Per-device memory of the configured degrees over plan.devices ranks, and of the other layouts."""
+    from kiln.ops.memory import alternatives, memory_plan
+    from kiln.train.parallel.mesh import check_model, resolve_degrees
+
+    degrees = resolve_degrees(cfg.parallel, cfg.plan.devices)  # an invalid combination: a ConfigError here too
+    check_model(degrees, cfg, model.vocab_size, cfg.train.micro_batch_size
+                or max(cfg.train.batch_size // degrees.dp, 1))
+    device_bytes = _device_bytes(cfg, device)
+    return {**memory_plan(cfg, model, degrees, device_bytes),
+            "alternatives": alternatives(cfg, model, cfg.plan.devices, device_bytes)}
 
 
 def print_plan(plan: dict) -> None:
@@ -111,4 +134,34 @@ def print_plan(plan: dict) -> None:
     t.add_row("cost", f"{plan['cost']:.2f}")
     console = Console(highlight=False)
     console.print(t)
+    _print_memory(console, plan["memory"])
     console.print("assumptions:\n" + "\n".join(f"  - {a}" for a in plan["assumptions"]))
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.2f} GB"
+
+
+def _layout(d: dict) -> str:
+    return f"pp {d['pp']} x dp_replicate {d['dp_replicate']} x dp_shard {d['dp_shard']} x tp {d['tp']}"
+
+
+def _print_memory(console, m: dict) -> None:
+    from rich.table import Table
+
+    console.print(f"memory per device: {_layout(m['degrees'])} ({m['degrees']['mode']}), micro-batch "
+                  f"{m['micro_batch']}" + (f", pipeline rank {m['pp_rank']} (the heaviest)" if m['degrees']['pp'] > 1
+                                           else ""))
+    t = Table("per device", "bytes")
+    for key in ("parameters", "gradients", "optimizer", "fsdp_buffers", "activations", "total"):
+        t.add_row(key, _gb(m[key]))
+    device = "unknown (set plan.device or plan.device_memory_gb)" if m["device_bytes"] is None \
+        else _gb(m["device_bytes"])
+    t.add_row("device memory", device)
+    t.add_row("fits", {None: "unknown", True: "yes", False: "NO"}[m["fits"]])
+    console.print(t)
+    if m["alternatives"]:
+        alt = Table("layout", "per device", "fits", title="other FSDP2 layouts of the same devices")
+        for a in m["alternatives"]:
+            alt.add_row(_layout(a), _gb(a["total"]), {None: "?", True: "yes", False: "no"}[a["fits"]])
+        console.print(alt)

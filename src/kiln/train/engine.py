@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from kiln.config import MoEConfig, TrainConfig
-from kiln.train.clip import clip, group_norms, layer_groups
+from kiln.train.clip import clip, layer_groups
 from kiln.train.parallel.dist import Dist, all_reduce_
 from kiln.train.parallel.parallelize import Parallelized
 
@@ -148,6 +148,8 @@ class Engine:
         self.groups = layer_groups(self.model, self.model.config.n_layers, train.upper_layers)
         self.optimizer = build_optimizer(self.model, train, d.device)
         self.scaling = Fp16Scaling(d.device.type) if train.dtype == "fp16" else LossScaling()
+        # The one place the step's forward/backward is chosen: through a pipeline schedule, or per micro-batch.
+        self._forward_backward = self._micro_batch if parallel.pipeline is None else self._pipeline_batch
 
     # --- forward/backward -------------------------------------------------------------------------
 
@@ -160,13 +162,10 @@ class Engine:
         n = len(micro_batches)
         loss_sum: torch.Tensor | float = 0.0  # sums stay on the device until the one sync below
         moe_sums: dict[str, Any] = {"aux_loss": 0.0, "z_loss": 0.0, "dropped_tokens": 0, "routed_tokens": 0}
-        p = self.parallel
         for i, batch in enumerate(micro_batches):
-            with p.no_sync(last=i == n - 1):
-                loss = p.loss_fn(p.module, batch.to(self.d.device, non_blocking=True), p.autocast, self.pad_id)
-                total = loss + self._router_loss(moe_sums) if self.moe else loss
-                self.scaling.scale(total / n).backward()
-            loss_sum = loss_sum + loss.detach()
+            loss_sum = loss_sum + self._forward_backward(batch.to(self.d.device, non_blocking=True), i == n - 1, n,
+                                                         moe_sums)
+        self.parallel.after_backward()
         t_fwd_bwd = time.perf_counter() - tick
         tick = time.perf_counter()
         flags = flags()
@@ -181,6 +180,21 @@ class Engine:
             moe = rest[len(flags):]
             out.update({f"moe/{k}": v / n if "loss" in k else int(v) for k, v in zip(moe_sums, moe)})
         return out
+
+    def _micro_batch(self, batch: torch.Tensor, last: bool, n: int, moe_sums: dict[str, Any]) -> torch.Tensor:
+        """Forward and backward of one of `n` micro-batches; gradients reduced across ranks on the `last`."""
+        p = self.parallel
+        with p.no_sync(last=last):
+            loss = p.loss_fn(p.module, batch, p.autocast, self.pad_id)
+            total = loss + self._router_loss(moe_sums) if self.moe else loss
+            self.scaling.scale(total / n).backward()
+        return loss.detach()
+
+    def _pipeline_batch(self, batch: torch.Tensor, last: bool, n: int, moe_sums: dict[str, Any]) -> torch.Tensor:
+        """The pipeline-schedule variant: forward and backward of the batch over the schedule's micro-batches
+        (parallel.pp_microbatches); the loss is the last stage's, agreed over the pipeline (fp16 is refused:
+        the schedule's backward takes no GradScaler; mesh.check_model keeps one such batch per step)."""
+        return self.parallel.pipeline.step(batch, self.parallel.autocast)
 
     def _router_loss(self, sums: dict[str, Any]) -> torch.Tensor:
         """MoE load-balancing and z losses of the last forward, weighted; their values are added to `sums`."""
@@ -198,7 +212,7 @@ class Engine:
         tick = time.perf_counter()
         self._set_lr(lr)
         self.scaling.unscale_(self.optimizer)
-        norms = group_norms(self.groups)
+        norms = self.parallel.grad_norms(self.groups)  # the whole model's (stages, expert slices added up)
         for probe in self.probes:
             probe.before_clip(self)  # the raw spread, before clipping
         t = self.train_cfg

@@ -244,8 +244,9 @@ class ShardedCheckpoint:
         _write_job(d, group, tmp, stage, tensors, meta["boxes"], small, signing_key)
         return final
 
-    def read(self, folder: Path, d) -> dict[str, Any]:
-        """The small files; "model" holds meta tensors of the weights' shapes (the vocabulary check)."""
+    def read(self, folder: Path, d, every_rank: bool = False) -> dict[str, Any]:
+        """The small files; "model" holds meta tensors of the weights' shapes (the vocabulary check). Every rank
+        reads them (`every_rank` is FullCheckpoint's choice; here each rank reads its own slices in `load`)."""
         data = ckpt.load_checkpoint(folder, verify=False, weights=False)
         return {**data, "model": model_shapes(folder), "folder": Path(folder)}
 

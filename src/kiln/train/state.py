@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from kiln import env
 from kiln.config import CheckpointConfig, GuardConfig, TrainConfig
-from kiln.errors import KilnError
+from kiln.errors import ConfigError, KilnError
 from kiln.train import checkpoint as ckpt
 from kiln.train import consensus
 from kiln.train import resume as resume_checks
@@ -77,7 +77,7 @@ class FullCheckpoint:
 
     def gather(self, parallel: Parallelized, optimizer) -> tuple[dict, dict]:
         """Every rank takes part (FSDP2 gathers); the whole tensors, on CPU."""
-        return parallel.state_dict(), parallel.optimizer_state_dict(optimizer)
+        return parallel.full_states(optimizer)
 
     def write(self, root: Path, step: int, weights: tuple[dict, dict], rngs: list, state: dict, config_yaml: str,
               tokenizer_file: Path, fields: dict, signing_key: str | None) -> Path:
@@ -85,9 +85,10 @@ class FullCheckpoint:
         return ckpt.write_checkpoint(root, step, *weights, rngs, state, config_yaml, tokenizer_file, fields,
                                      signing_key)
 
-    def read(self, folder: Path, d: Dist) -> dict[str, Any]:
-        # Verified by consensus.agreed_checkpoint; only rank 0 reads the weights, and broadcasts them (load).
-        return ckpt.load_checkpoint(folder, verify=False, weights=d.is_main)
+    def read(self, folder: Path, d: Dist, every_rank: bool = False) -> dict[str, Any]:
+        # Verified by consensus.agreed_checkpoint; only rank 0 reads the weights, and broadcasts them (load),
+        # unless `every_rank` (Parallelized.every_rank_reads: pipeline stages, expert slices keep their part).
+        return ckpt.load_checkpoint(folder, verify=False, weights=d.is_main or every_rank)
 
     def load(self, parallel: Parallelized, optimizer, data: dict[str, Any]) -> None:
         parallel.load(optimizer, data["model"], data["optimizer"])
@@ -111,10 +112,17 @@ class RunInputs:
 
 
 def checkpoint_format(cfg: CheckpointConfig, parallel: Parallelized, d: Dist) -> FullCheckpoint | ShardedCheckpoint:
-    """checkpoint.format, or its default: sharded when the parameters are shards (FSDP2/HSDP), else full."""
-    if resolve_format(cfg.format, parallel.sharded) == "sharded":
-        return ShardedCheckpoint(d, cfg.save_timeout_s)
-    return FullCheckpoint()
+    """checkpoint.format, or its default: sharded when the parameters are FSDP2/HSDP shards, else full. Tensor,
+    pipeline and expert parallel save in the full format for now (`writes_sharded_checkpoints`: their pieces are
+    not in the sharded index yet; FSDP on top of TP shards a dimension twice), so asking for sharded there is
+    refused; one process and DDP may ask for it (each tensor is one piece)."""
+    can = parallel.writes_sharded_checkpoints
+    if resolve_format(cfg.format, parallel.sharded and can) == "full":
+        return FullCheckpoint()
+    if not can:
+        raise ConfigError(f"checkpoint.format=sharded is not supported with parallel {parallel.name!r} yet "
+                          "(tensor, pipeline or expert parallel); set checkpoint.format: full")
+    return ShardedCheckpoint(d, cfg.save_timeout_s)
 
 
 class Checkpointer:
@@ -194,12 +202,12 @@ class Checkpointer:
     def load(self, folder: Path, rollback: bool = False) -> dict[str, Any]:
         """Weights, optimizer state and the parts' states from `folder`; on a resume the RNG states too."""
         fmt = self.reader(folder)
-        data = fmt.read(folder, self.d)
+        data = fmt.read(folder, self.d, self.engine.parallel.every_rank_reads)
         state = data["state"]
         if state.get("config_hash") != self.state.config_hash:
             raise KilnError(f"{folder} was written with different model/pack/tokenizer settings; "
                             f"use a new out_dir, or delete {self.ckpt_dir} to start over")
-        resume_checks.check_vocab_size(data["model"], self.engine.model.tok_embeddings.num_embeddings, folder)
+        resume_checks.check_vocab_size(data["model"], self.engine.model.vocab_size, folder)
         fmt.load(self.engine.parallel, self.engine.optimizer, data)
         self.state.load_state_dict(state, rollback=rollback)
         if not rollback:

@@ -36,6 +36,7 @@ from kiln.train.loader import Loader
 from kiln.train.loggers import check_loggers, open_sinks
 from kiln.train.metrics import MetricsLog, peak_tflops
 from kiln.train.parallel import Dist, init_distributed, set_step_timeout
+from kiln.train.parallel.mesh import build_mesh
 from kiln.train.parallel.parallelize import Precision, parallelize
 from kiln.train.parts import Outcome
 from kiln.train.parts.budget import Budget
@@ -70,7 +71,7 @@ class Trainer:
         self.spikes, self.escalation = SpikeGuard(cfg.guards), Escalation(cfg.guards)
         model = build_model(cfg.model, int(self.train_set.manifest["vocab_size"]), cfg.pack.seq_len).to(self.d.device)
         self.flops_per_token = model.flops_per_token(cfg.pack.seq_len)
-        parallel = parallelize(model, self.d, cfg.parallel, Precision.of(t), next_token_loss)
+        parallel = parallelize(model, self.d, cfg.parallel, Precision.of(t), next_token_loss, self.mesh, self.pad_id)
         if self.d.device.type == "cuda":
             # fp32 matmuls on tensor cores (TF32), which is what the peak table's fp32 figures assume.
             torch.set_float32_matmul_precision("high")
@@ -97,11 +98,14 @@ class Trainer:
                             f"config says pack.seq_len={cfg.pack.seq_len}; re-run `kiln pack`")
         self.pad_id = self.train_set.manifest.get("pad_id")
         self.data_fingerprint = resume_checks.data_fingerprint(self.train_set)
-        micro = t.micro_batch_size or t.batch_size // self.d.world
+        # The degrees, checked before any work; the loader shards rows by the data-parallel rank (mesh.py).
+        self.mesh = mesh = build_mesh(cfg, self.d, int(self.train_set.manifest["vocab_size"]))
+        micro = t.micro_batch_size or t.batch_size // mesh.dp_world
         if micro < 1:
-            raise KilnError(f"train.batch_size={t.batch_size} is smaller than the world size {self.d.world}")
+            raise KilnError(f"train.batch_size={t.batch_size} is smaller than the data-parallel world size "
+                            f"{mesh.dp_world}")
         try:
-            self.loader = Loader(self.train_set, t.batch_size, micro, self.d.rank, self.d.world, cfg.seed,
+            self.loader = Loader(self.train_set, t.batch_size, micro, mesh.dp_rank, mesh.dp_world, cfg.seed,
                                  cfg.loader.prefetch)
         except ValueError as exc:
             raise KilnError(str(exc)) from None

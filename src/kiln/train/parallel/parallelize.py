@@ -1,10 +1,12 @@
 """parallelize(): the one place a plain `Llama` becomes what the engine trains.
 
 The model code knows nothing of this. `parallelize` applies, in one fixed order (each step says why it comes
-where it does): the precision policy, activation checkpointing, FSDP2 sharding, compilation, DDP wrapping. It
-returns a `Parallelized`: the module forward is called on, the autocast dtype, the loss function, and how the
-weights and optimizer state are gathered and loaded (`no_sync`, `state_dict`, `load`). The parallel mode is
-chosen here once, by the class it picks; nothing else in Kiln tests it.
+where it does): the precision policy, tensor and expert parallel, activation checkpointing, the pipeline split,
+FSDP2 sharding, compilation, DDP wrapping. It returns a `Parallelized`: the module forward is called on, the
+autocast dtype, the loss function, the mesh (mesh.py: this rank's data-parallel rank and world, which the loader
+and the validator shard rows by), and how the weights and optimizer state are gathered and loaded (`no_sync`,
+`full_states`, `load`), the gradient norms taken (`grad_norms`) and evaluation run (`summed_loss`). The parallel
+mode is chosen here once, by the class it picks; nothing else in Kiln tests it.
 
 A new parallelism is one more step in `parallelize` (and, if it changes how state is gathered, one more
 `Parallelized` subclass).
@@ -22,7 +24,9 @@ from torch import nn
 
 from kiln.config import ParallelConfig, TrainConfig
 from kiln.errors import KilnError
+from kiln.train.clip import GROUPS, group_norms
 from kiln.train.parallel.dist import Dist, all_reduce_, init_single_process_group
+from kiln.train.parallel.mesh import Mesh, resolve_degrees
 from kiln.train.precision import apply_precision_policy, modules_of_kind
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -45,10 +49,25 @@ class Parallelized:
 
     name = "none"  # for reports only (benchmarks, logs); code asks the object, never compares this
     sharded = False  # parameters are shards (DTensors): per-rank sums need one more all-reduce
+    pipeline = None  # a pipeline.Pipeline: the engine then steps through its schedule (Engine.train_step)
+    every_rank_reads = False  # a resume reads the full checkpoint on every rank (each keeps its part), not rank 0
+    writes_sharded_checkpoints = True  # checkpoint.format=sharded can save it (sharded_checkpoint.py)
 
-    def __init__(self, model: nn.Module, d: Dist, autocast: torch.dtype | None, loss_fn: Callable) -> None:
+    def __init__(self, model: nn.Module, d: Dist, autocast: torch.dtype | None, loss_fn: Callable,
+                 mesh: Mesh | None = None) -> None:
         self.model, self.d, self.autocast, self.loss_fn = model, d, autocast, loss_fn
+        self.mesh = mesh or Mesh(resolve_degrees(ParallelConfig(), d.world), d.rank, d.device.type)
         self.module: nn.Module = model  # what forward is called on
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place among the data-parallel ranks: the ranks of one tensor-parallel group or one pipeline
+        see the same rows."""
+        return self.mesh.dp_rank
+
+    @property
+    def dp_world(self) -> int:
+        return self.mesh.dp_world
 
     @contextmanager
     def no_sync(self, last: bool):
@@ -62,6 +81,10 @@ class Parallelized:
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         return optimizer.state_dict()
 
+    def full_states(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """(weights, optimizer state) of the whole model, for the full checkpoint format; every rank takes part."""
+        return self.state_dict(), self.optimizer_state_dict(optimizer)
+
     def load(self, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:
         """Load full (unsharded) weights and optimizer state, read by rank 0 (the others pass empty dicts)."""
         self.model.load_state_dict(model_sd)
@@ -71,16 +94,30 @@ class Parallelized:
         """A sum over this rank's parameters -> the sum over the whole model (in place; no host sync)."""
         return t
 
+    def after_backward(self) -> None:
+        """After the step's last backward, before the norms (expert parallel averages its experts' gradients)."""
+
+    def grad_norms(self, groups: dict[str, list[nn.Parameter]]) -> dict[str, torch.Tensor]:
+        """The whole model's gradient norm per layer group (clip.group_norms where every rank sees every group)."""
+        return group_norms(groups)
+
+    def summed_loss(self, batches, pad_id: int | None) -> tuple[float, int]:
+        """(sum of token losses, predicted tokens) over `batches` of this rank's validation rows."""
+        from kiln.eval import summed_loss
+
+        return summed_loss(self.module, batches, self.d.device, self.autocast, pad_id)
+
 
 class DDPModel(Parallelized):
     """Every rank holds the whole model; DDP all-reduces gradients on the last micro-batch."""
 
     name = "ddp"
 
-    def __init__(self, model: nn.Module, d: Dist, autocast: torch.dtype | None, loss_fn: Callable) -> None:
+    def __init__(self, model: nn.Module, d: Dist, autocast: torch.dtype | None, loss_fn: Callable,
+                 mesh: Mesh | None = None) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        super().__init__(model, d, autocast, loss_fn)
+        super().__init__(model, d, autocast, loss_fn, mesh)
         self.module = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
 
     def no_sync(self, last: bool):
@@ -90,25 +127,13 @@ class DDPModel(Parallelized):
         _load_broadcast(self.model, optimizer, model_sd, optim_sd, self.d.world)
 
 
-class FSDPModel(Parallelized):
-    """FSDP2: each rank holds a shard of every parameter (a DTensor); a 2-D mesh is hybrid sharding (HSDP)."""
+class TensorParallelModel(Parallelized):
+    """Parameters that are DTensors (tensor parallel, and the FSDP2 subclass below): the whole model's state
+    is gathered and loaded by torch.distributed.checkpoint, and per-rank sums add over the ranks."""
 
-    name = "fsdp"
+    name = "tp"
     sharded = True
-
-    @contextmanager
-    def no_sync(self, last: bool):
-        # FSDP2: gradients are reduce-scattered after every micro-batch, so each rank accumulates only its
-        # shard (skipping that sync would hold unsharded fp32 gradients, 4 bytes per parameter, on every
-        # rank). Under HSDP only the all-reduce across replicas waits for the last micro-batch.
-        if last:
-            yield
-            return
-        self.model.set_requires_all_reduce(False)
-        try:
-            yield
-        finally:
-            self.model.set_requires_all_reduce(True)
+    writes_sharded_checkpoints = False  # the tensor-parallel pieces are not in the sharded index yet
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -128,8 +153,34 @@ class FSDPModel(Parallelized):
         _load_broadcast(self.model, optimizer, model_sd, optim_sd, self.d.world)
 
     def sum_shards_(self, t: torch.Tensor) -> torch.Tensor:
-        # Under HSDP each shard is counted once per replica, in every such sum alike, so ratios are unchanged.
+        # Under HSDP each shard is counted once per replica, in every such sum alike, so ratios are unchanged
+        # (under tensor parallel a replicated norm weight is counted once per tp rank: a small overcount).
         return all_reduce_(t, self.d)
+
+
+class FSDPModel(TensorParallelModel):
+    """FSDP2: each rank holds a shard of every parameter (a DTensor); a 2-D mesh is hybrid sharding (HSDP).
+    With tensor parallel too, FSDP2 shards the tensor-parallel DTensors over the data-parallel dimensions."""
+
+    name = "fsdp"
+
+    @property
+    def writes_sharded_checkpoints(self) -> bool:
+        return self.mesh.tp == 1  # FSDP2 over tensor-parallel DTensors shards a dimension twice (_StridedShard)
+
+    @contextmanager
+    def no_sync(self, last: bool):
+        # FSDP2: gradients are reduce-scattered after every micro-batch, so each rank accumulates only its
+        # shard (skipping that sync would hold unsharded fp32 gradients, 4 bytes per parameter, on every
+        # rank). Under HSDP only the all-reduce across replicas waits for the last micro-batch.
+        if last:
+            yield
+            return
+        self.model.set_requires_all_reduce(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_all_reduce(True)
 
 
 def _load_broadcast(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict,
@@ -143,46 +194,155 @@ def _load_broadcast(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd
     set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
 
 
-def kind_for(cfg: ParallelConfig, d: Dist) -> type[Parallelized]:
-    """parallel.mode -> the kind: `auto` is DDP on several ranks, nothing on one; DDP on one rank is nothing."""
-    if cfg.mode == "fsdp":
+class ExpertParallelModel(DDPModel):
+    """Expert parallel (parallel.ep) over DDP replicas: each rank holds n_experts/ep of every MoE block's experts
+    (expert.py). DDP skips the expert weights, whose gradients the ranks holding the same experts average after
+    backward; the clipping norms add the experts' squares over the expert group; full checkpoints gather the
+    experts whole, and a resume (every rank reads the checkpoint) slices them again."""
+
+    name = "ddp+ep"
+    every_rank_reads = True
+    writes_sharded_checkpoints = False  # the expert slices are not in the sharded index yet
+
+    def __init__(self, model: nn.Module, d: Dist, autocast: torch.dtype | None, loss_fn: Callable,
+                 mesh: Mesh | None = None, experts=None) -> None:
+        self.experts = experts
+        experts.keep_out_of_ddp(model)  # before DDP registers its hooks
+        super().__init__(model, d, autocast, loss_fn, mesh)
+
+    def full_states(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        return self.experts.full_states(self.state_dict(), self.optimizer_state_dict(optimizer), optimizer)
+
+    def load(self, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:
+        model_sd, optim_sd = self.experts.local_states(model_sd, optim_sd, optimizer)
+        self.model.load_state_dict(model_sd)
+        optimizer.load_state_dict(optim_sd)
+
+    def after_backward(self) -> None:
+        self.experts.sync_gradients()
+
+    def grad_norms(self, groups: dict[str, list[nn.Parameter]]) -> dict[str, torch.Tensor]:
+        return self.experts.group_norms(groups)
+
+
+class PipelineModel(Parallelized):
+    """Pipeline parallel (parallel.pp): this rank's stages only (`model` is the part the optimizer sees), driven
+    by the schedule in Engine.train_step; each stage is sharded by FSDP2 or its replicas average gradients after
+    the step (pipeline.build_pipeline). The loss is the last stage's, agreed over the pipeline; gradient norms add
+    their squares over the stages; evaluation runs forward only through the schedule; full checkpoints gather
+    every stage on rank 0 under the whole model's names, and a resume (every rank reads) keeps each stage's part."""
+
+    name = "pp"
+    every_rank_reads = True
+    writes_sharded_checkpoints = False  # a stage's pieces are not in the sharded index yet
+
+    def __init__(self, model: nn.Module, d: Dist, autocast: torch.dtype | None, loss_fn: Callable,
+                 mesh: Mesh | None = None, pipeline=None) -> None:
+        super().__init__(model, d, autocast, loss_fn, mesh)
+        self.pipeline = pipeline
+        self.sharded = any(hasattr(p, "device_mesh") for p in model.parameters())
+
+    def full_states(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        from kiln.train.parallel.pipeline import gather_states
+
+        return gather_states(self.model, optimizer, self.mesh)
+
+    def load(self, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:
+        from kiln.train.parallel.pipeline import load_states
+
+        load_states(self.model, optimizer, model_sd, optim_sd)
+
+    def sum_shards_(self, t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_(t, self.d)  # stages (and FSDP2 shards) are parts of the whole model
+
+    def grad_norms(self, groups: dict[str, list[nn.Parameter]]) -> dict[str, torch.Tensor]:
+        return self.pipeline.reduce_norms(group_norms(groups), GROUPS)
+
+    def summed_loss(self, batches, pad_id: int | None) -> tuple[float, int]:
+        from kiln.train.parallel.pipeline import evaluate
+
+        return evaluate(self.pipeline, batches, self.d.device, self.autocast, pad_id)
+
+
+def kind_for(mesh: Mesh) -> type[Parallelized]:
+    """The degrees' data-parallel mode (mesh.py: `auto` is DDP on several ranks, nothing on one, FSDP2 when asked
+    to shard or under tensor parallel) and the model-parallel degrees -> the kind."""
+    if mesh.pp > 1:
+        return PipelineModel
+    if mesh.mode == "fsdp":
         return FSDPModel
-    return DDPModel if d.world > 1 else Parallelized
+    if mesh.tp > 1:
+        return TensorParallelModel
+    if mesh.ep > 1:
+        return ExpertParallelModel
+    return DDPModel if mesh.mode == "ddp" else Parallelized
 
 
-def parallelize(model: nn.Module, d: Dist, cfg: ParallelConfig, precision: Precision,
-                loss_fn: Callable) -> Parallelized:
-    """Apply the parallel section to `model` (on its device), in this order:
+def parallelize(model: nn.Module, d: Dist, cfg: ParallelConfig, precision: Precision, loss_fn: Callable,
+                mesh: Mesh | None = None, pad_id: int | None = None) -> Parallelized:
+    """Apply the parallel section to `model` (on its device), on `mesh` (mesh.build_mesh, checked before any
+    work; None: the data-parallel degrees of `cfg` on d.world ranks), in this order (torchtitan's, but for
+    compile, which #14 measured after FSDP2):
 
     1. precision policy (autocast kinds): wraps the fp32 modules' bound forwards, first, so that checkpointing
        and compilation see the wrapped forwards. Under FSDP2, which casts parameters instead of autocasting,
-       the fp32 modules become shard groups of their own in step 3.
-    2. activation checkpointing: wraps each block before sharding, so each FSDP2 unit is one checkpointed block
-       and the recomputed forward gathers its own shard (torchtitan's order: AC, then compile, then FSDP).
-    3. FSDP2 sharding, in place: replaces the parameters by DTensors, which everything after must see.
-    4. compilation: one process compiles model and loss in one graph; under DDP/FSDP2 the model alone, after
-       sharding, so the wrapper's hooks stay outside the compiled blocks.
-    5. DDP wrapping, last: DDP registers its gradient hooks on the final parameters.
+       the fp32 modules become shard groups of their own in step 5.
+    2. tensor parallel, expert parallel: they change what a block's parameters are (DTensors sharded over the
+       mesh's tp dimension; a rank's share of the experts), so everything after must wrap the changed blocks:
+       checkpointing then recomputes TP's collectives and the all-to-all in backward, and FSDP2 shards the
+       tensor-parallel DTensors over the data-parallel dimensions of the same mesh.
+    3. activation checkpointing: wraps each block before the split and before sharding, so each FSDP2 unit is
+       one checkpointed block and the recomputed forward gathers its own shard.
+    4. the pipeline split: this rank keeps its stages only; each stage is its own FSDP2 root (sharded there, as
+       step 5 does for the whole model), or its replicas average gradients after the schedule's step.
+    5. FSDP2 sharding, in place: replaces the parameters by DTensors, which everything after must see.
+    6. compilation: one process compiles model and loss in one graph; otherwise the model alone, after
+       sharding, so the wrapper's hooks stay outside the compiled blocks (torchtitan compiles each block
+       before fully_shard, to the same effect: FSDP2's hooks are module hooks outside the blocks' graphs).
+    7. DDP wrapping, last: DDP registers its gradient hooks on the final parameters (the experts kept out).
     """
-    kind = kind_for(cfg, d)
-    autocast = precision.dtype
-    if precision.fp32_modules and kind is not FSDPModel:
+    mesh = mesh or Mesh(resolve_degrees(cfg, d.world), d.rank, d.device.type)
+    kind = kind_for(mesh)
+    autocast, extra = precision.dtype, {}
+    if precision.fp32_modules and mesh.mode != "fsdp":
         apply_precision_policy(model, list(precision.fp32_modules))  # 1
+    loss_fn = _model_parallel(model, mesh, cfg, loss_fn, extra)  # 2
     if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model)  # 2
-    if kind is FSDPModel:
+        apply_activation_checkpointing(model)  # 3
+    if kind is PipelineModel:
+        from kiln.train.parallel.pipeline import build_pipeline
+
+        sharded = mesh.mode == "fsdp"
+        model, extra["pipeline"] = build_pipeline(model, mesh, sharded, d, cfg, precision, pad_id)  # 4 (and 5)
+        autocast = None if sharded else autocast
+    elif kind is FSDPModel:
         try:
-            apply_fsdp(model, d, cfg.mesh, precision.dtype, list(precision.fp32_modules))  # 3
+            apply_fsdp(model, d, cfg.mesh, precision.dtype, list(precision.fp32_modules), mesh.dp_mesh)  # 5
         except ValueError as exc:
             raise KilnError(str(exc)) from None
         autocast = None  # FSDP2's mixed-precision policy casts parameters instead
-    if cfg.compile and kind is Parallelized:  # 4
+    if cfg.compile and kind is Parallelized:  # 6
         # Model and loss in one graph: the upcast and log-softmax over the vocabulary fuse too
         # (+9-14% over compiling the model alone, BENCHMARKS.md), in one piece.
         loss_fn = torch.compile(functools.partial(loss_fn, chunk_rows=None))
     elif cfg.compile:
         model.compile()
-    return kind(model, d, autocast, loss_fn)  # 5 (DDPModel wraps here)
+    return kind(model, d, autocast, loss_fn, mesh, **extra)  # 7 (DDPModel wraps here)
+
+
+def _model_parallel(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, loss_fn: Callable, extra: dict) -> Callable:
+    """Step 2 of parallelize: tensor parallel (the loss then comes from vocabulary shards) and expert parallel
+    (its groups go into `extra` for ExpertParallelModel). Returns the loss function."""
+    if mesh.tp > 1:
+        from kiln.train.parallel.tensor import apply_tensor_parallel, vocab_parallel_loss
+
+        apply_tensor_parallel(model, mesh.tp_mesh)
+        loss_fn = vocab_parallel_loss
+    if mesh.ep > 1:  # this rank's share of every MoE block's experts, reached by all-to-all
+        from kiln.train.parallel.expert import ExpertParallel
+
+        extra["experts"] = ExpertParallel(model, mesh.dp_rank, mesh.dp_world, mesh.ep)
+    return loss_fn
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -199,7 +359,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, d: Dist, mesh_shape: list[int] | None, param_dtype: torch.dtype | None,
-               fp32_kinds: list[str] = ()) -> None:
+               fp32_kinds: list[str] = (), dp_mesh=None) -> None:
     """FSDP2: shard each block, then the root; a 2-D mesh [replicate, shard] gives hybrid sharding (HSDP).
 
     `fp32_kinds` (train.fp32_modules) are sharded as groups of their own whose parameters are gathered in
@@ -216,12 +376,13 @@ def apply_fsdp(model: nn.Module, d: Dist, mesh_shape: list[int] | None, param_dt
                         "model.tie_embeddings: false, or use parallel.mode=ddp")
     init_single_process_group(d)  # FSDP2 on one device (no torchrun)
     shape = tuple(mesh_shape) if mesh_shape else (d.world,)
-    if int(torch.tensor(shape).prod()) != d.world:
+    if dp_mesh is None and int(torch.tensor(shape).prod()) != d.world:
         raise ValueError(
             f"parallel.mesh={list(shape)} multiplies to {int(torch.tensor(shape).prod())}, not the {d.world} ranks"
         )
     names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
-    mesh = init_device_mesh(d.device.type, shape, mesh_dim_names=names)
+    # dp_mesh: the data-parallel dimensions of mesh.py's DeviceMesh, when tensor/pipeline parallel share it
+    mesh = dp_mesh if dp_mesh is not None else init_device_mesh(d.device.type, shape, mesh_dim_names=names)
     # Parameters are gathered in the compute dtype; gradients are reduced in fp32 so small updates survive.
     # Inputs are not cast: a block's activations are already in the compute dtype, and casting would turn the
     # fp32 RoPE tables to bf16 in every block, which DDP under autocast does not do (torchtitan: the same).

@@ -10,7 +10,7 @@ import torch
 
 from kiln.config import TrainConfig
 from kiln.errors import KilnError
-from kiln.eval import sample_batches, summed_loss
+from kiln.eval import sample_batches
 from kiln.train.parallel import Dist, all_reduce_sum
 from kiln.train.parallel.parallelize import Parallelized
 from kiln.train.schedule import Schedule
@@ -36,13 +36,13 @@ class Validator:
         return bool(t.eval_every and step % t.eval_every == 0) or step == t.max_steps or self.schedule.wants_eval(step)
 
     def evaluate(self, step: int) -> float:
-        w = self.d.world
+        w = self.parallel.dp_world  # the ranks of one tensor-parallel group or one pipeline take the same rows
         n = min(len(self.val_set), self.cfg.eval_batches * self.micro_batch * w) // w * w
         if n == 0:
             raise KilnError(f"{self.shards}: the validation split has too few samples; raise pack.val_fraction")
-        mine = torch.arange(n)[self.d.rank::w].numpy()  # equal counts: FSDP2 needs every rank in every forward
-        total, count = summed_loss(self.parallel.module, sample_batches(self.val_set, mine, self.micro_batch),
-                                   self.d.device, self.parallel.autocast, self.pad_id)
+        mine = torch.arange(n)[self.parallel.dp_rank::w].numpy()  # equal counts: FSDP2 needs every rank in every
+        total, count = self.parallel.summed_loss(sample_batches(self.val_set, mine, self.micro_batch),  # forward
+                                                 self.pad_id)
         total, count = all_reduce_sum([total, count], self.d)
         self.beat(step)
         return total / count
