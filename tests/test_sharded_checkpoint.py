@@ -533,3 +533,20 @@ def test_uneven_fsdp_shards_round_trip_exactly(tmp_path):
     emb = [json.loads((folder / f"index-{r:05d}.json").read_text())["pieces"]["model"]["tok_embeddings.weight"]
            for r in (0, 1)]
     assert [e["shape"][0] for e in emb] == [34, 33] and emb[1]["offsets"] == [34, 0]
+
+
+def test_tensor_and_expert_parallel_save_in_full_and_refuse_sharded_with_one_line():
+    # The choice reads only the kind's class attributes, so the classes themselves stand in for a built model.
+    from kiln.config import CheckpointConfig
+    from kiln.errors import ConfigError
+    from kiln.train.parallel.dist import Dist
+    from kiln.train.parallel.parallelize import DDPModel, ExpertParallelModel, TensorParallelModel
+    from kiln.train.state import FullCheckpoint, checkpoint_format
+
+    d = Dist()
+    for kind in (TensorParallelModel, ExpertParallelModel):
+        assert isinstance(checkpoint_format(CheckpointConfig(), kind, d), FullCheckpoint)
+        with pytest.raises(ConfigError, match="format=sharded is not supported.*set checkpoint.format: full"):
+            checkpoint_format(CheckpointConfig(format="sharded"), kind, d)
+    assert isinstance(checkpoint_format(CheckpointConfig(), DDPModel, d), FullCheckpoint)
+    assert not isinstance(checkpoint_format(CheckpointConfig(format="sharded"), DDPModel, d), FullCheckpoint)
