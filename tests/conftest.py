@@ -104,3 +104,14 @@ def workdir(prepared, tmp_path) -> Path:
     for name in ("tokenizer", "shards"):
         shutil.copytree(prepared.out / name, out / name)
     return out
+
+
+def torchrun_kiln(*args, env: dict[str, str], nproc: int = 2, timeout: float = 300):
+    """`python -m torch.distributed.run --standalone --nproc_per_node=NPROC -m kiln ARGS`, run from the repo root,
+    output captured: the launch every multi-rank CLI test uses."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "kiln"]
+    return subprocess.run([*cmd, *map(str, args)], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, tiny_config
+from conftest import ROOT, tiny_config, torchrun_kiln
 from kiln.model.build import build_model
 from kiln.model.config import ModelConfig
 from kiln.model.llama import Llama
@@ -39,24 +39,7 @@ def run(out: Path, **sections) -> dict:
 def torchrun(tmp_path: Path, out: Path, **sections) -> None:
     cfg = tmp_path / f"{out.name}.yaml"
     cfg.write_text(tiny_config(out, **sections).to_yaml())
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "kiln",
-            "train",
-            str(cfg),
-        ],
-        env=ENV,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = torchrun_kiln("train", cfg, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -132,24 +115,7 @@ def test_fsdp2_fp32_head_with_tied_embeddings_is_a_clear_error():
 def test_a_mesh_that_does_not_cover_the_ranks_is_a_clear_error(workdir, tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(tiny_config(workdir, parallel={"mode": "fsdp", "mesh": [2, 2]}).to_yaml())
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "kiln",
-            "train",
-            str(cfg),
-        ],
-        env=ENV,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = torchrun_kiln("train", cfg, env=ENV)
     assert proc.returncode != 0 and "parallel.mesh=[2, 2] multiplies to 4, not the 2 ranks" in proc.stderr
 
 

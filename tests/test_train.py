@@ -20,7 +20,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import ROOT, tiny_config
+from conftest import ROOT, tiny_config, torchrun_kiln
 from kiln.cli import main as kiln
 from kiln.errors import IntegrityError
 from kiln.manifest import write_manifest
@@ -224,24 +224,7 @@ def test_ddp_two_gloo_ranks_match_one_process(workdir, tmp_path):
     cfg_path = tmp_path / "ddp.yaml"
     cfg_path.write_text(tiny_config(other, train={"max_steps": 6}).to_yaml())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "kiln",
-            "train",
-            str(cfg_path),
-        ],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = torchrun_kiln("train", cfg_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     single, ddp = [r["loss"] for r in steps(workdir)], [r["loss"] for r in steps(other)]
     assert ddp == pytest.approx(single, abs=1e-4)  # same global batch; float sums differ in order only
