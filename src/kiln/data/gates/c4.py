@@ -12,6 +12,7 @@ code, not boilerplate, and removing them would leave broken examples behind.
 from __future__ import annotations
 
 import re
+from itertools import compress
 
 from kiln.data.gates.text import TERMINAL_PUNCT, TextView, as_view, ratio, word_count
 from kiln.data.gates.types import Edit, Gate, Verdict, drop
@@ -29,34 +30,29 @@ def c4_lines(cfg) -> Gate:
             return drop("c4_lorem_ipsum", {})
         if cfg.drop_curly_brace and "{" in text:
             return drop("c4_curly_brace", {})
-        kept, kept_code, removed = [], [], {"javascript": 0, "policy": 0, "short": 0, "no_punct": 0}
-        raw, min_words = view.raw_lines, cfg.min_words_per_line
-        javascript = cfg.drop_javascript_lines and "javascript" in low
-        policy = cfg.drop_policy_lines and any(p in low for p in POLICY)
-        for line, code in zip(raw, view.code):
-            stripped = line.strip()
-            if not stripped:
-                kept.append(line)
-                kept_code.append(False)
-                continue
-            lower = stripped.lower() if javascript or policy else ""
-            if javascript and "javascript" in lower:
-                removed["javascript"] += 1
-            elif policy and any(p in lower for p in POLICY):
-                removed["policy"] += 1
-            elif code:
-                kept.append(line)
-                kept_code.append(True)
-            elif (len(stripped.split(None, min_words)) < min_words if stripped.isascii()
-                  else word_count(stripped) < min_words):  # ASCII: the words are the spaced ones, split in C
-                removed["short"] += 1
-            elif cfg.require_terminal_punct and not stripped.endswith(TERMINAL_PUNCT):
-                removed["no_punct"] += 1
-            else:
-                kept.append(line)
-                kept_code.append(False)
+        stripped, code, min_words = view.stripped_lines, view.code, cfg.min_words_per_line
+        boilerplate: list = [None] * len(stripped)  # "javascript" or "policy": removed first, code or not
+        if cfg.drop_javascript_lines and "javascript" in low or cfg.drop_policy_lines and any(p in low for p in POLICY):
+            for i, line in enumerate(stripped):
+                lower = line.lower()
+                if cfg.drop_javascript_lines and "javascript" in lower:
+                    boilerplate[i] = "javascript"
+                elif cfg.drop_policy_lines and any(p in lower for p in POLICY):
+                    boilerplate[i] = "policy"
+        # a line's words are its spaced ones unless it holds Han/kana (none can when the page has none): counted
+        # in C, up to the few that matter; blank and code lines are never short
+        spaced = not view.has_cjk
+        short = [bool(line) and not c and (len(line.split(None, min_words)) < min_words if spaced or line.isascii()
+                                           else word_count(line) < min_words) for line, c in zip(stripped, code)]
+        punct = [not cfg.require_terminal_punct or not line or c or line.endswith(TERMINAL_PUNCT)
+                 for line, c in zip(stripped, code)]
+        keep = [b is None and not sh and p for b, sh, p in zip(boilerplate, short, punct)]
+        removed = {"javascript": boilerplate.count("javascript"), "policy": boilerplate.count("policy"),
+                   "short": sum(b is None and sh for b, sh in zip(boilerplate, short)),
+                   "no_punct": sum(b is None and not sh and not p for b, sh, p in zip(boilerplate, short, punct))}
+        kept, kept_code = list(compress(view.raw_lines, keep)), list(compress(code, keep))
         n_removed = sum(removed.values())
-        n_lines = sum(bool(ln.strip()) for ln in raw)
+        n_lines = len(view.lines)
         s = {"lines": n_lines, "lines_removed": n_removed} | {f"removed_{k}": v for k, v in removed.items() if v}
         if n_removed == n_lines or ratio(n_removed, n_lines) > cfg.max_removed_lines_frac:
             return drop("c4_lines_removed", s, max=cfg.max_removed_lines_frac)

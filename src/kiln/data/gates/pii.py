@@ -22,7 +22,7 @@ def redact_pii(cfg) -> Gate:
         text = as_view(view).text
         emails = ips = 0
         if "@" in text:
-            text, emails = EMAIL.subn(cfg.email_replacement, text)
+            text, emails = _redact_emails(text, cfg.email_replacement)
 
         def public(m: re.Match) -> str:
             nonlocal ips
@@ -39,3 +39,22 @@ def redact_pii(cfg) -> Gate:
         counts = {k: v for k, v in (("pii_emails", emails), ("pii_ips", ips)) if v}
         return Edit(text, counts) if counts else None
     return gate
+
+
+def _redact_emails(text: str, replacement: str) -> tuple[str, int]:
+    """`EMAIL.subn(replacement, text)`, with the regex run only on the lines that hold an "@".
+
+    The same result: an address holds no whitespace, so every match lies inside one line, and `\\b` at a line's
+    edge (next to "\\n") behaves as at the text's edges. Scanning the whole text cost ~15x more (the regex starts
+    at every word).
+    """
+    out, count, done = [], 0, 0
+    at = text.find("@")
+    while at >= 0:
+        start, end = text.rfind("\n", 0, at) + 1, text.find("\n", at)
+        end = len(text) if end < 0 else end
+        line, n = EMAIL.subn(replacement, text[start:end])
+        out += [text[done:start], line]
+        count, done = count + n, end
+        at = text.find("@", end)
+    return "".join(out) + text[done:], count
