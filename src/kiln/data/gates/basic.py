@@ -6,11 +6,7 @@ spaces are measured the same way.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
-import numpy as np
-
-from kiln.data.gates.text import TextView, as_view
+from kiln.data.gates.text import ALPHA, TextView, as_view
 from kiln.data.gates.types import Gate, Verdict
 
 
@@ -37,22 +33,11 @@ def low_letters(min_frac: float) -> Gate:
         visible = view.visible_chars
         if not visible:
             return ("low_letters", {"letter_frac": 0.0, "min": min_frac})
-        frac = count_letters(view.text) / visible
+        frac = count_letters(view) / visible
         return ("low_letters", {"letter_frac": round(frac, 4), "min": min_frac}) if frac < min_frac else None
     return gate
 
 
-@lru_cache(maxsize=1)
-def _bmp_letters() -> np.ndarray:
-    """str.isalpha of every code point of the Basic Multilingual Plane (64 KiB, built once per process)."""
-    return np.fromiter((chr(c).isalpha() for c in range(0x10000)), dtype=bool, count=0x10000)
-
-
-def count_letters(text: str) -> int:
-    """Characters that str.isalpha calls letters: a table lookup over the UTF-32 code points, in numpy."""
-    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-    bmp = codes < 0x10000
-    n = int(_bmp_letters()[codes[bmp]].sum())
-    if not bmp.all():  # beyond the BMP (emoji, rare scripts): asked one by one
-        n += sum(chr(c).isalpha() for c in codes[~bmp].tolist())
-    return n
+def count_letters(text: "str | TextView") -> int:
+    """Characters that str.isalpha calls letters (a table lookup per code point, in numpy)."""
+    return as_view(text).count(ALPHA)

@@ -37,7 +37,7 @@ def fineweb_rules(cfg) -> Gate:
         limit = cfg.max_dup_line_char_ratio_code if view.has_code else cfg.max_dup_line_char_ratio
         if s["dup_line_char_ratio"] > limit:
             return drop("fineweb_dup_line_chars", s, max=limit)
-        s["list_ratio"] = ratio(view.text.count("\n"), len(view.words))
+        s["list_ratio"] = ratio(view.text.count("\n"), view.word_count)
         if s["list_ratio"] > cfg.max_list_ratio:
             return drop("fineweb_list_ratio", s, max=cfg.max_list_ratio)
         return None

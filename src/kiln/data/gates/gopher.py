@@ -23,10 +23,11 @@ from __future__ import annotations
 import bisect
 import itertools
 import re
+from itertools import repeat
 
 import numpy as np
 
-from kiln.data.gates.text import _CJK, TextView, as_view, code_paragraph, ratio
+from kiln.data.gates.text import _CJK, LETTER, TextView, as_view, code_paragraph, ratio
 from kiln.data.gates.types import Gate, Verdict, drop
 
 STOP_WORDS_BY_LANG = {lang: frozenset(ws.split()) for lang, ws in {
@@ -49,14 +50,17 @@ def _words_with_letters(ws: list[str]) -> int:
     """Words with at least one letter: all-letter words are counted in C, only the others searched."""
     mixed = list(itertools.filterfalse(str.isalpha, ws))
     return len(ws) - len(mixed) + sum(1 for w in mixed if _LETTER.search(w))
+
+
 BULLETS = ("-", "*", "\u2022", "\u2023", "\u25e6", "\u2043", "\u2219", "\u25aa", "\u25cf")
+ELLIPSES = ("...", "\u2026")
 
 
 def gopher_quality(cfg) -> Gate:
     def gate(text: "str | TextView") -> Verdict:
         view = as_view(text)
         text = view.text
-        n = len(view.words)
+        n = view.word_count
         ls = view.lines
         s: dict = {"words": n}
         if n < cfg.min_words:
@@ -64,15 +68,19 @@ def gopher_quality(cfg) -> Gate:
         if n > cfg.max_words:
             return drop("gopher_long_doc", s, max_words=cfg.max_words)
         cjk = view.spaceless
-        s["alpha_words_frac"] = ratio(_words_with_letters(view.words), n)
-        s["bullet_lines_frac"] = ratio(sum(ln.startswith(BULLETS) for ln in ls), len(ls))
-        s["ellipsis_lines_frac"] = ratio(sum(ln.endswith(("...", "\u2026")) for ln in ls), len(ls))
+        # without Han/kana the words are the whitespace tokens, and numpy counts those with a letter
+        s["alpha_words_frac"] = ratio(_words_with_letters(view.words) if view.has_cjk else view.tokens_with(LETTER), n)
+        s["bullet_lines_frac"] = ratio(sum(map(str.startswith, ls, repeat(BULLETS))), len(ls))
+        s["ellipsis_lines_frac"] = ratio(sum(map(str.endswith, ls, repeat(ELLIPSES))), len(ls))
         s["symbol_word_ratio"] = ratio(text.count("#") + text.count("...") + text.count("\u2026"), n)
         stop_words = STOP_WORDS_BY_LANG.get(view.lang) if view.lang else STOP_WORDS
         if not cjk:
             has_cjk = view.has_cjk  # without Han/kana the words are the spaced words
-            spaced = _SPACED_WORD.findall(text) if has_cjk else view.words
-            s["mean_word_len"] = ratio(sum(map(len, spaced)), len(spaced))
+            if has_cjk:
+                spaced = _SPACED_WORD.findall(text)
+                s["mean_word_len"] = ratio(sum(map(len, spaced)), len(spaced))
+            else:  # the tokens' characters are the visible ones
+                s["mean_word_len"] = ratio(view.visible_chars, view.token_count)
             if stop_words:
                 lowered = _SPACED_WORD.findall(text.lower()) if has_cjk else text.lower().split()
                 s["stop_words"] = sum(map(stop_words.__contains__, lowered))
@@ -122,8 +130,15 @@ class _Grams:
         # rules' answers depend on positions, not on the ids' values, so they are the same in every process
         self.ids = np.fromiter(map(hash, ws), dtype=np.int64, count=len(ws)).view(np.uint64)
         self.cum = np.concatenate([[0], np.cumsum(np.fromiter(map(len, ws), dtype=np.int64, count=len(ws)))])
-        self.cum_list = self.cum.tolist()  # for the one rule that must walk the words in Python
+        self._cum_list: list[int] | None = None
         self._repeated: dict[int, np.ndarray] = {}  # n -> positions whose n-gram occurs more than once
+
+    @property
+    def cum_list(self) -> list[int]:
+        """`cum` as a list, for the one rule that must walk the words in Python (on few documents)."""
+        if self._cum_list is None:
+            self._cum_list = self.cum.tolist()
+        return self._cum_list
 
     def hashes(self, n: int, at: np.ndarray | None = None) -> np.ndarray:
         """Hashes of the n-grams starting at `at` (default: every position)."""
@@ -190,11 +205,8 @@ def _duplicated_ngram_chars(g: _Grams, n: int, at_most: float | None = None) -> 
         return 0
     first_of = pos[first[inverse]]
     later = first_of != pos
-    if at_most is not None:
-        starts, size = pos[later], len(g.ids)
-        depth = np.cumsum(np.bincount(starts, minlength=size + n) - np.bincount(starts + n, minlength=size + n))
-        if int(np.diff(g.cum)[depth[:size] > 0].sum()) <= at_most:
-            return None
+    if at_most is not None and _covered_chars(g, pos[later], n) <= at_most:
+        return None
     cum = g.cum_list
     skipped: list[int] = []  # starts of the skipped spans (i, i + n), in order
     seen_at_candidate: set[int] = set()
@@ -210,6 +222,22 @@ def _duplicated_ngram_chars(g: _Grams, n: int, at_most: float | None = None) -> 
         else:
             seen_at_candidate.add(value)
     return chars
+
+
+def _covered_chars(g: _Grams, starts: np.ndarray, n: int) -> int:
+    """Characters of the words that the n-grams starting at `starts` cover (their union)."""
+    size = len(g.ids)
+    depth = np.cumsum(np.bincount(starts, minlength=size + n) - np.bincount(starts + n, minlength=size + n))
+    return int(np.diff(g.cum)[depth[:size] > 0].sum())
+
+
+def _repeats_cover(g: _Grams, n: int) -> int:
+    """Characters covered by the n-grams that repeat an earlier one: a bound on `_duplicated_ngram_chars` for
+    this n and every larger one. An m-gram (m >= n) at i that repeats one at j is covered by the n-grams at
+    i .. i+m-n, each a repeat of the one at j + the same offset; so the union of the repeated m-grams lies
+    within the union of the repeated n-grams, and `_duplicated_ngram_chars`' own bound is at most this."""
+    pos, first, inverse, _ = g.groups(n)
+    return _covered_chars(g, pos[pos[first[inverse]] != pos], n) if len(pos) else 0
 
 
 def gopher_repetition(cfg) -> Gate:
@@ -235,6 +263,9 @@ def gopher_repetition(cfg) -> Gate:
             frac = s[f"top_{n}_gram_char_frac"] = ratio(_top_ngram_chars(grams, n * scale), word_chars)
             if frac > limit:
                 return drop("gopher_top_ngram", s, n=n * scale, max=limit)
+        limits = {n: min(1.0, limit * relax) for n, limit in cfg.dup_ngram_max_char_frac.items()}
+        if limits and _repeats_cover(grams, min(limits) * scale) <= min(limits.values()) * word_chars:
+            return None  # every duplicated n-gram rule's bound (below) holds: most pages end here, in one pass
         bounded = []  # n-grams found within their limit by the bound: walked only if the document is dropped
         for n, limit in sorted(cfg.dup_ngram_max_char_frac.items()):
             limit = min(1.0, limit * relax)

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
-
 from kiln.data.gates.text import SPACELESS_SCRIPTS, TextView, as_view, ratio
 from kiln.data.gates.types import Edit, Gate, Verdict, drop
 
@@ -86,10 +84,9 @@ def token_noise(cfg) -> Gate:
     def gate(text: "str | TextView") -> "Verdict | Edit":
         view = as_view(text)
         text = view.text
-        toks = view.words if not view.has_cjk else text.split()  # the words other gates split already
         out, noisy, cut_lines, cut_chars = [], 0, 0, 0
         done = 0  # text[:done] is judged (and in `out`)
-        for start, end in _suspect_lines(text, toks, long):  # only the lines that hold a suspect are split
+        for start, end in _suspect_lines(view, long):  # only the lines that hold a suspect are split
             out.append(text[done:start])
             line, done = text[start:end], end
             line_toks = line.split()
@@ -109,7 +106,7 @@ def token_noise(cfg) -> Gate:
         if not noisy:
             return None
         out.append(text[done:])
-        total = len(toks)
+        total = view.token_count
         s = {"noise_tokens": noisy, "tokens": total, "noise_frac": ratio(noisy, total)}
         if s["noise_frac"] > cfg.max_doc_noise:
             return drop("token_noise", s, max=cfg.max_doc_noise)
@@ -122,19 +119,16 @@ def token_noise(cfg) -> Gate:
     return gate
 
 
-def _suspect_lines(text: str, toks: list[str], long: int) -> list[tuple[int, int]]:
+def _suspect_lines(view: TextView, long: int) -> list[tuple[int, int]]:
     """(start, end) of each line holding a long token, markup or a hex run, in order: found by C scans (the
-    long tokens among the words, `in` before the markup regex), so a clean document costs no Python loop."""
-    at: list[int] = []
-    cursor = 0
-    lengths = np.fromiter(map(len, toks), dtype=np.int64, count=len(toks))
-    for tok in map(toks.__getitem__, np.flatnonzero(lengths >= long).tolist()):
-        cursor = text.find(tok, cursor)
-        at.append(cursor)
-        cursor += len(tok)
+    long tokens from the view's token bounds, `in` before the markup regex), so a clean document costs no
+    Python loop."""
+    text = view.text
+    starts, ends = view.token_bounds
+    at: list[int] = starts[ends - starts >= long].tolist()
     if any(c in text for c in _MARKUP_STARTS):
         at += [m.start() for m in _MARKUP.finditer(text)]
-    if len(toks) >= 8:  # a run's first character (lines are all that matter here: a run is within one)
+    if len(starts) >= 8:  # a run's first character (lines are all that matter here: a run is within one)
         at += [0] if _HEX_RUN.match(text) else []
         at += [m.start() + 1 for m in _HEX_RUN_AFTER_SPACE.finditer(text)]
     spans: dict[int, int] = {}
