@@ -64,6 +64,7 @@ def c4_lines(cfg) -> Gate:
         if not n_removed:
             return None
         # the lines that stay keep their code marks: the next gates need not split and judge them again
-        after = TextView(out, view.lang, raw_lines=kept, code=kept_code) if out == "\n".join(kept) else None
+        after = TextView(out, view.lang, raw_lines=kept, code=kept_code, stripped=list(compress(stripped, keep))) \
+            if out == "\n".join(kept) else None
         return Edit(out, {"c4_lines_removed": n_removed}, after)
     return gate

@@ -11,7 +11,7 @@ On a page with code (`TextView.has_code`: documentation) the duplicated-line lim
 
 from __future__ import annotations
 
-from kiln.data.gates.text import TERMINAL_PUNCT, TextView, as_view, ratio
+from kiln.data.gates.text import TERMINAL_PUNCT, TextView, as_view, duplicates, ratio
 from kiln.data.gates.types import Gate, Verdict, drop
 
 
@@ -27,12 +27,7 @@ def fineweb_rules(cfg) -> Gate:
         s["short_line_ratio"] = ratio(sum(len(ln) <= cfg.short_line_chars for ln in ls), len(ls))
         if s["short_line_ratio"] > cfg.max_short_line_ratio:
             return drop("fineweb_short_lines", s, max=cfg.max_short_line_ratio)
-        seen: set[str] = set()
-        dup_chars = 0
-        for ln in ls:
-            if ln in seen:
-                dup_chars += len(ln)
-            seen.add(ln)
+        _, dup_chars = duplicates(ls)
         s["dup_line_char_ratio"] = ratio(dup_chars, len(view.text) - view.text.count("\n"))
         limit = cfg.max_dup_line_char_ratio_code if view.has_code else cfg.max_dup_line_char_ratio
         if s["dup_line_char_ratio"] > limit:

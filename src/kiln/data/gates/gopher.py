@@ -27,7 +27,7 @@ from itertools import repeat
 
 import numpy as np
 
-from kiln.data.gates.text import _CJK, LETTER, TextView, as_view, code_paragraph, ratio
+from kiln.data.gates.text import _CJK, LETTER, TextView, as_view, code_paragraph, duplicates, ratio
 from kiln.data.gates.types import Gate, Verdict, drop
 
 STOP_WORDS_BY_LANG = {lang: frozenset(ws.split()) for lang, ws in {
@@ -98,22 +98,6 @@ def gopher_quality(cfg) -> Gate:
             return drop("gopher_stop_words", s, min=cfg.min_stop_words)
         return None
     return gate
-
-
-def _duplicates(items: list[str], skip=None) -> tuple[int, int]:
-    """How many items repeat an earlier one, and their characters (not counting repeats `skip` says to)."""
-    if len(set(items)) == len(items):
-        return 0, 0  # the usual case, decided in C
-    seen: set[str] = set()
-    count = chars = 0
-    for it in items:
-        if it in seen:
-            if skip is None or not skip(it):
-                count += 1
-                chars += len(it)
-        else:
-            seen.add(it)
-    return count, chars
 
 
 class _Grams:
@@ -245,13 +229,13 @@ def gopher_repetition(cfg) -> Gate:
         view = as_view(text)
         total = len(view.text)
         paras = view.paragraphs
-        n_dup_para, para_chars = _duplicates(paras, skip=code_paragraph)
+        n_dup_para, para_chars = duplicates(paras, skip=code_paragraph)
         s: dict = {"dup_para_frac": ratio(n_dup_para, len(paras)), "dup_para_char_frac": ratio(para_chars, total)}
         if s["dup_para_frac"] > cfg.max_dup_para_frac:
             return drop("gopher_dup_paragraphs", s, max=cfg.max_dup_para_frac)
         if s["dup_para_char_frac"] > cfg.max_dup_para_char_frac:
             return drop("gopher_dup_paragraph_chars", s, max=cfg.max_dup_para_char_frac)
-        _, line_chars = _duplicates(view.prose_lines or view.lines)
+        _, line_chars = duplicates(view.prose_lines or view.lines)
         s["dup_line_char_frac"] = ratio(line_chars, total)
         if s["dup_line_char_frac"] > cfg.max_dup_line_char_frac:
             return drop("gopher_dup_line_chars", s, max=cfg.max_dup_line_char_frac)

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import re
 
-from kiln.data.gates.text import SPACELESS_SCRIPTS, TextView, as_view, ratio
+import numpy as np
+
+from kiln.data.gates.text import HEX, SPACELESS_SCRIPTS, TextView, as_view, ratio
 from kiln.data.gates.types import Edit, Gate, Verdict, drop
 
 _ENTITY = r"&(?:[a-zA-Z]{2,8}|#[0-9]{2,6}|#[xX][0-9a-fA-F]{2,5});"
@@ -128,7 +130,7 @@ def _suspect_lines(view: TextView, long: int) -> list[tuple[int, int]]:
     at: list[int] = starts[ends - starts >= long].tolist()
     if any(c in text for c in _MARKUP_STARTS):
         at += [m.start() for m in _MARKUP.finditer(text)]
-    if len(starts) >= 8:  # a run's first character (lines are all that matter here: a run is within one)
+    if _may_hold_hex_run(view):  # a run's first character (lines are all that matter here: a run is within one)
         at += [0] if _HEX_RUN.match(text) else []
         at += [m.start() + 1 for m in _HEX_RUN_AFTER_SPACE.finditer(text)]
     spans: dict[int, int] = {}
@@ -138,6 +140,16 @@ def _suspect_lines(view: TextView, long: int) -> list[tuple[int, int]]:
             end = text.find("\n", pos)
             spans[start] = len(text) if end < 0 else end
     return list(spans.items())
+
+
+def _may_hold_hex_run(view: TextView) -> bool:
+    """Whether 8 tokens in a row are made of hex digits and colons only, as every hex run's groups are (they
+    are whitespace tokens, one after the other): in numpy, so that most documents need no regex scan."""
+    hexy = view.tokens_all(HEX)
+    if len(hexy) < 8:
+        return False
+    in_row = np.concatenate([[0], np.cumsum(hexy)])
+    return bool((in_row[8:] - in_row[:-8] == 8).any())
 
 
 def _token_start(line: str, index: int) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from itertools import compress, repeat
 
 from kiln.data.gates.noise import _ENTITY, _TAG
 from kiln.data.gates.text import TextView, as_view
@@ -18,12 +19,12 @@ _TAGS = re.compile(_TAG)
 _ENTITIES = re.compile(_ENTITY)
 
 
-def _broken_json(text: str) -> int:
+def _broken_json(stripped: list[str]) -> int:
     """Lines that look like a JSON object or array ('{' or '[' then a '"key":') but do not parse."""
     broken = 0
-    for line in text.split("\n"):
-        line = line.strip().rstrip(",")
-        if line.startswith(("{", "[")) and '":' in line:
+    for line in compress(stripped, map(str.startswith, stripped, repeat(("{", "[")))):  # the few such lines
+        line = line.rstrip(",")
+        if '":' in line:
             try:
                 json.loads(line)
             except ValueError:
@@ -31,28 +32,27 @@ def _broken_json(text: str) -> int:
     return broken
 
 
-def _ragged_table_rows(text: str) -> int:
-    ragged, prev = 0, None
-    for line in text.split("\n"):
-        line = line.strip()
-        if line.startswith("|") and line.count("|") >= 2:
-            cells = line.strip("|").count("|") + 1
-            ragged += prev is not None and cells != prev
-            prev = cells
-        else:
-            prev = None
+def _ragged_table_rows(stripped: list[str]) -> int:
+    """Table rows ('|' first, two or more) whose cell count differs from the row right before."""
+    rows = [i for i, ln in enumerate(stripped) if ln.startswith("|") and ln.count("|") >= 2]
+    ragged, prev, prev_row = 0, None, -2
+    for i in rows:
+        cells = stripped[i].strip("|").count("|") + 1
+        ragged += prev is not None and prev_row == i - 1 and cells != prev
+        prev, prev_row = cells, i
     return ragged
 
 
 def format_residue(cfg) -> Gate:
     def gate(view: "str | TextView") -> Verdict:
-        text = as_view(view).text
+        view = as_view(view)
+        text = view.text
         if "<" not in text and "&" not in text and '":' not in text and "|" not in text:
             return None
         s = {"tags": len(_TAGS.findall(text)) if "<" in text else 0,
              "entities": len(_ENTITIES.findall(text)) if "&" in text else 0,
-             "broken_json": _broken_json(text) if '":' in text else 0,
-             "ragged_table_rows": _ragged_table_rows(text) if "|" in text else 0}
+             "broken_json": _broken_json(view.stripped_lines) if '":' in text else 0,
+             "ragged_table_rows": _ragged_table_rows(view.stripped_lines) if "|" in text else 0}
         s["per_kchar"] = round(sum(s.values()) * 1000 / max(len(text), 1), 3)
         return drop("format_residue", s, max=cfg.max_per_kchar) if s["per_kchar"] > cfg.max_per_kchar else None
     return gate

@@ -25,7 +25,9 @@ between them) is code when at least half of the block's lines are code-shaped, w
 from __future__ import annotations
 
 import re
+from collections import Counter
 from functools import lru_cache
+from itertools import repeat
 
 import numpy as np
 
@@ -88,14 +90,15 @@ def paragraphs(text: str) -> list[str]:
 
 
 # bits of `char_flags`: str.isspace (what str.split splits on), str.isalpha, re's [^\W\d_] (a letter to
-# Gopher's "word with a letter"), and Han/kana (_CJK_CHAR)
-SPACE, ALPHA, LETTER, CJK = 1, 2, 4, 8
+# Gopher's "word with a letter"), Han/kana (_CJK_CHAR), and what a hex dump's groups are made of
+SPACE, ALPHA, LETTER, CJK, HEX = 1, 2, 4, 8, 16
 _LETTER_RE = re.compile(r"[^\W\d_]")
+_HEX_CHARS = frozenset("0123456789abcdefABCDEF:")
 
 
 def _flags_of(c: str) -> int:
     return (SPACE * c.isspace() | ALPHA * c.isalpha() | LETTER * (_LETTER_RE.match(c) is not None)
-            | CJK * (_CJK_CHAR.match(c) is not None))
+            | CJK * (_CJK_CHAR.match(c) is not None) | HEX * (c in _HEX_CHARS))
 
 
 @lru_cache(maxsize=1)
@@ -116,6 +119,20 @@ def char_flags(text: str) -> np.ndarray:
     return flags
 
 
+def duplicates(items: list[str], skip=None) -> tuple[int, int]:
+    """How many items repeat an earlier one, and their characters (not counting repeats `skip` says to)."""
+    distinct = set(items)
+    if len(distinct) == len(items):
+        return 0, 0  # the usual case, decided in C
+    if skip is None:  # every occurrence after a value's first counts: all of them less one of each value
+        return len(items) - len(distinct), sum(map(len, items)) - sum(map(len, distinct))
+    count = chars = 0
+    for it, k in Counter(items).items():  # counted in C; only the repeated values are asked about
+        if k > 1 and not skip(it):
+            count, chars = count + k - 1, chars + (k - 1) * len(it)
+    return count, chars
+
+
 def ratio(part: float, whole: float) -> float:
     return round(part / whole, 4) if whole else 0.0
 
@@ -130,12 +147,12 @@ class TextView:
                  "_visible", "_code", "_prose_lines", "_prose_words", "_has_cjk", "_flags", "_tokens")
 
     def __init__(self, text: str, lang: str | None = None, raw_lines: list[str] | None = None,
-                 code: list[bool] | None = None) -> None:
-        """`raw_lines` and `code`, when given, must be `text.split("\\n")` and its code marks (an edit that kept
-        some lines knows both)."""
+                 code: list[bool] | None = None, stripped: list[str] | None = None) -> None:
+        """`raw_lines`, `code` and `stripped`, when given, must be `text.split("\\n")`, its code marks and those
+        lines stripped (an edit that kept some lines knows them)."""
         self.text, self.lang = text, lang  # lang: what language ID said (None: not known)
-        self._raw_lines, self._code = raw_lines, code
-        self._stripped = self._lines = self._words = self._paragraphs = None
+        self._raw_lines, self._code, self._stripped = raw_lines, code, stripped
+        self._lines = self._words = self._paragraphs = None
         self._spaceless = self._visible = self._prose_lines = self._prose_words = self._has_cjk = None
         self._flags = self._tokens = None
 
@@ -231,9 +248,17 @@ class TextView:
 
     def tokens_with(self, bit: int) -> int:
         """Whitespace tokens holding at least one character with that bit (LETTER: Gopher's words with a letter)."""
+        return int(np.count_nonzero(self._chars_in_tokens(bit)))
+
+    def tokens_all(self, bit: int) -> np.ndarray:
+        """For each whitespace token: are all its characters ones with that bit?"""
+        starts, ends = self.token_bounds
+        return self._chars_in_tokens(bit) == ends - starts
+
+    def _chars_in_tokens(self, bit: int) -> np.ndarray:
         starts, ends = self.token_bounds
         within = np.concatenate([[0], np.cumsum((self.char_flags & bit) != 0)])
-        return int(np.count_nonzero(within[ends] > within[starts]))
+        return within[ends] - within[starts]
 
     @property
     def visible_chars(self) -> int:
@@ -267,7 +292,12 @@ def code_lines(stripped: list[str]) -> list[bool]:
     """Which lines (each stripped, blank ones "") are code: code-shaped ones, every line of a block that is
     at least half code-shaped, and a lone unpunctuated line right before code (`import asyncio`, cut from its
     example by a blank line)."""
-    out = [bool(s) and code_shaped(s) for s in stripped]
+    # code_shaped, line by line, with the str tests run by map in C and the regex only where they leave it open
+    prompt = map(str.startswith, stripped, repeat(_PROMPTS))
+    code_end = map(str.endswith, stripped, repeat(_CODE_ENDS))
+    final = map(str.endswith, stripped, repeat(TERMINAL_PUNCT))
+    out = [bool(s) and (p or e or (not f and _CODE_SIGN.search(s) is not None))
+           for s, p, e, f in zip(stripped, prompt, code_end, final)]
     blank = [i for i, s in enumerate(stripped) if not s]
     blocks = [(a + 1, b) for a, b in zip([-1] + blank, blank + [len(stripped)]) if b > a + 1]
     for a, b in blocks:
