@@ -1,0 +1,120 @@
+"""The fast gate parts (numpy counts, C-level scans, bounds that skip work) against the plain loops they replaced
+(tests/gates_reference.py), on random text: CJK, right-to-left scripts, emoji and other characters beyond the BMP,
+every kind of whitespace, lone surrogates, empty text, very long lines, and the fragments each rule looks for."""
+
+from __future__ import annotations
+
+import math
+
+import gates_reference as ref
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kiln.config import C4Config, GopherRepetitionConfig
+from kiln.data.gates import gopher, noise, pii, residue
+from kiln.data.gates.c4 import c4_lines
+from kiln.data.gates.text import ALPHA, CJK, HEX, LETTER, TextView, code_lines, duplicates
+
+FRAGMENTS = [
+    "the", "of", "Debian", "système", "日本語", "中文字符", "한국어", "مرحبا", "שלום", "🎉", "👍🏽", "𝒜",
+    "\ud800", "\udfff",
+    "²", "½", "_", "x_1", "3.14", "...", "\u2026", "#", "- item", "* item", "\u2022", ">>>", "$ ls", "# c", "}", "{",
+    "f(x)", "a = 1", "--opt", "try:", "0x7f", "7f", "45", "4c", "0300:", "deadbeef", "&amp;", "&#8217;", "<b>",
+    "</span>", "Ã©", "â€", "Â©", "\ufffd", "user@example.org", "a.b@c.co.uk", "8.8.8.8", "192.168.1.1", "999.1.1.1",
+    "| a | b |", "| 1 |", '{"k": 1}', '["a", "b":', "javascript", "privacy policy", "Lorem ipsum", "https://x.org/",
+    "/usr/share/doc/" + "d" * 40, "Z" * 45, "ab" * 30,
+]
+SPACES = [" ", "  ", "\t", "\n", "\n\n", "\n \n", "\u3000", "\xa0", "\u2028", "\x1c", "\x0b", "\r\n", "\u200b"]
+texts = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.sampled_from(SPACES), st.text(max_size=12)),
+                 max_size=120).map("".join)
+many = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@many
+@given(text=texts)
+def test_view_counts_are_the_python_ones(text):
+    view = TextView(text)
+    tokens = text.split()
+    assert view.token_count == len(tokens)
+    assert view.visible_chars == ref.visible_chars(text)
+    assert view.count(ALPHA) == sum(map(str.isalpha, text))
+    assert view.count(CJK) == ref.cjk_chars(text)
+    assert view.tokens_with(LETTER) == ref.words_with_letters(tokens)
+    assert view.tokens_all(HEX).tolist() == [set(t) <= set("0123456789abcdefABCDEF:") for t in tokens]
+    assert view.word_count == len(view.words)
+    starts, ends = view.token_bounds
+    assert [text[a:b] for a, b in zip(starts.tolist(), ends.tolist())] == tokens
+
+
+@many
+@given(text=texts)
+def test_line_rules_are_the_loops(text):
+    stripped = [ln.strip() for ln in text.split("\n")]
+    assert code_lines(stripped) == ref.code_lines(stripped)
+    lines = [s for s in stripped if s]
+    assert duplicates(lines) == ref.duplicates(lines)
+    skip = lambda s: len(s) % 2 == 0  # noqa: E731
+    assert duplicates(lines, skip) == ref.duplicates(lines, skip)
+    assert residue._broken_json(stripped) == ref.broken_json(text)
+    assert residue._ragged_table_rows(stripped) == ref.ragged_table_rows(text)
+
+
+@many
+@given(text=texts, long=st.sampled_from([8, 20, 40]))
+def test_noise_finds_the_same_suspect_lines(text, long):
+    assert noise._suspect_lines(TextView(text), long) == ref.suspect_lines(text, long)
+    assert [m.span() for m in noise._MARKUP.finditer(text)] == [m.span() for m in ref.MARKUP.finditer(text)]
+
+
+@many
+@given(text=texts)
+def test_emails_are_redacted_as_one_regex_over_the_text_would(text):
+    assert pii._redact_emails(text, "<E@M\n>") == ref.redact_emails(text, "<E@M\n>")
+
+
+@many
+@given(text=texts, require_punct=st.booleans(), min_words=st.integers(0, 4), min_sentences=st.integers(0, 3))
+def test_c4_is_the_line_loop(text, require_punct, min_words, min_sentences):
+    cfg = C4Config(require_terminal_punct=require_punct, min_words_per_line=min_words, min_sentences=min_sentences)
+    assert c4_lines(cfg)(text) == ref.c4_lines(cfg)(text)
+
+
+_word = st.text("abcdefghijklmnop", min_size=1, max_size=7)
+
+
+@st.composite
+def repetitive_pages(draw) -> str:
+    """Distinct-ish filler with a few phrases (4-14 words) repeated: pages on both sides of the n-gram limits."""
+    others = st.sampled_from(["a", "日本", "x=1", "\n\n"])
+    words = draw(st.lists(_word, min_size=60, max_size=300)) + draw(st.lists(others, max_size=8))
+    for _ in range(draw(st.integers(0, 3))):
+        phrase = draw(st.lists(_word, min_size=4, max_size=14))
+        for _ in range(draw(st.integers(1, 4))):
+            at = draw(st.integers(0, len(words)))
+            words[at:at] = phrase
+    return " ".join(words)
+
+
+@many
+@given(text=repetitive_pages(), cjk_scale=st.integers(1, 2), code_scale=st.sampled_from([1.0, 1.5]))
+def test_repetition_bound_changes_no_decision(text, cjk_scale, code_scale):
+    # the one bound over repeated 5-grams must only ever skip pages the per-n rules keep
+    cfg = GopherRepetitionConfig(cjk_ngram_scale=cjk_scale, code_page_ngram_scale=code_scale)
+    fast = gopher.gopher_repetition(cfg)(text)
+    real = gopher._repeats_cover
+    gopher._repeats_cover = lambda g, n: math.inf
+    try:
+        slow = gopher.gopher_repetition(cfg)(text)
+    finally:
+        gopher._repeats_cover = real
+    assert fast == slow
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=texts)
+def test_language_id_is_fast_langdetects(text):
+    from kiln.data.language import _detector, detect_language
+
+    text = text.encode("utf-8", "replace").decode()  # fastText takes no lone surrogates, either way
+    best = _detector(2000, None).detect(" ".join(text[:4000].split()), k=1)[0]
+    assert detect_language(text) == (best["lang"], float(best["score"]))
