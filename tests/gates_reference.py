@@ -17,6 +17,17 @@ POLICY = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "us
 _SENTENCE_END = re.compile(r"[.!?\u3002\uff01\uff1f]+(?:\s|$)")
 
 
+def words(text: str) -> list[str]:
+    from kiln.data.gates.text import _WORD
+
+    if _CJK_CHAR.search(text) is None:
+        return text.split()
+    out: list[str] = []
+    for tok in text.split():
+        out.extend([tok] if tok.isascii() else _WORD.findall(tok))
+    return out
+
+
 def visible_chars(text: str) -> int:
     return len("".join(text.split()))
 

@@ -41,7 +41,9 @@ def test_view_counts_are_the_python_ones(text):
     assert view.count(CJK) == ref.cjk_chars(text)
     assert view.tokens_with(LETTER) == ref.words_with_letters(tokens)
     assert view.tokens_all(HEX).tolist() == [set(t) <= set("0123456789abcdefABCDEF:") for t in tokens]
+    assert view.words == ref.words(text)
     assert view.word_count == len(view.words)
+    assert view.prose_words == (ref.words("\n".join(view.prose_lines)) if any(view.code) else view.words)
     starts, ends = view.token_bounds
     assert [text[a:b] for a, b in zip(starts.tolist(), ends.tolist())] == tokens
 

@@ -56,7 +56,8 @@ def c4_lines(cfg) -> Gate:
         s = {"lines": n_lines, "lines_removed": n_removed} | {f"removed_{k}": v for k, v in removed.items() if v}
         if n_removed == n_lines or ratio(n_removed, n_lines) > cfg.max_removed_lines_frac:
             return drop("c4_lines_removed", s, max=cfg.max_removed_lines_frac)
-        out = "\n".join(kept).strip() if n_removed else text
+        joined = "\n".join(kept) if n_removed else text
+        out = joined.strip() if n_removed else text
         if cfg.min_sentences:
             s["sentences"] = len(_SENTENCE_END.findall(out))
             if s["sentences"] < cfg.min_sentences:
@@ -65,6 +66,6 @@ def c4_lines(cfg) -> Gate:
             return None
         # the lines that stay keep their code marks: the next gates need not split and judge them again
         after = TextView(out, view.lang, raw_lines=kept, code=kept_code, stripped=list(compress(stripped, keep))) \
-            if out == "\n".join(kept) else None
+            if out == joined else None
         return Edit(out, {"c4_lines_removed": n_removed}, after)
     return gate

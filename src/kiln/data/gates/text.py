@@ -49,13 +49,7 @@ def words(text: str) -> list[str]:
     """Whitespace-separated words, with each CJK character a word of its own."""
     if _CJK_CHAR.search(text) is None:
         return text.split()  # the same words (\\s is str.isspace), split in C several times faster
-    out: list[str] = []
-    for tok in text.split():  # Chinese and Japanese have few spaces: few, long tokens
-        if tok.isascii():
-            out.append(tok)
-        else:
-            out.extend(_WORD.findall(tok))
-    return out
+    return _WORD.findall(text)  # whitespace is in neither branch: each token's findall, in one scan
 
 
 CJK_CHARS_PER_WORD = 2  # a Chinese word averages ~1.5 characters, a Japanese one ~2
@@ -213,7 +207,11 @@ class TextView:
     def prose_words(self) -> list[str]:
         """`words` of the prose lines (all the words when there is no code)."""
         if self._prose_words is None:
-            self._prose_words = self.words if not any(self.code) else words("\n".join(self.prose_lines))
+            if not any(self.code):
+                self._prose_words = self.words
+            else:  # the prose lines hold Han/kana only if the text does
+                prose = "\n".join(self.prose_lines)
+                self._prose_words = words(prose) if self.has_cjk else prose.split()
         return self._prose_words
 
     @property
