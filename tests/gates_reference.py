@@ -7,7 +7,8 @@ import re
 
 from kiln.data.gates.noise import _ENTITY, _MARKUP_STARTS, _MOJIBAKE, _TAG
 from kiln.data.gates.pii import EMAIL
-from kiln.data.gates.text import _CJK_CHAR, TERMINAL_PUNCT, code_shaped, ratio, word_count
+from kiln.data.gates.gopher import _SPACED_WORD, BULLETS, STOP_WORDS, STOP_WORDS_BY_LANG
+from kiln.data.gates.text import _CJK_CHAR, TERMINAL_PUNCT, TextView, code_shaped, ratio, word_count
 from kiln.data.gates.types import Edit, drop
 
 MARKUP = re.compile(f"{_ENTITY}|{_TAG}|{_MOJIBAKE}")
@@ -160,4 +161,45 @@ def c4_lines(cfg):
             if s["sentences"] < cfg.min_sentences:
                 return drop("c4_few_sentences", s, min=cfg.min_sentences)
         return Edit(out, {"c4_lines_removed": n_removed}) if n_removed else None
+    return gate
+
+
+def gopher_quality(cfg):
+    """The Gopher quality gate with every signal counted in full, word by word."""
+    def gate(text: str, lang: str | None = None):
+        view = TextView(text, lang)
+        text = view.text
+        n = len(words(text))
+        ls = view.lines
+        s: dict = {"words": n}
+        if n < cfg.min_words:
+            return drop("gopher_short_doc", s, min_words=cfg.min_words)
+        if n > cfg.max_words:
+            return drop("gopher_long_doc", s, max_words=cfg.max_words)
+        cjk = _CJK_CHAR.search(text) is not None and cjk_chars(text) / visible_chars(text) > 0.3
+        s["alpha_words_frac"] = ratio(words_with_letters(words(text)), n)
+        s["bullet_lines_frac"] = ratio(sum(ln.startswith(BULLETS) for ln in ls), len(ls))
+        s["ellipsis_lines_frac"] = ratio(sum(ln.endswith(("...", "\u2026")) for ln in ls), len(ls))
+        s["symbol_word_ratio"] = ratio(text.count("#") + text.count("...") + text.count("\u2026"), n)
+        stop_words = STOP_WORDS_BY_LANG.get(view.lang) if view.lang else STOP_WORDS
+        if not cjk:
+            has_cjk = view.has_cjk  # without Han/kana the words are the spaced words
+            spaced = _SPACED_WORD.findall(text) if has_cjk else text.split()
+            s["mean_word_len"] = ratio(sum(map(len, spaced)), len(spaced))
+            if stop_words:
+                lowered = _SPACED_WORD.findall(text.lower()) if has_cjk else text.lower().split()
+                s["stop_words"] = sum(map(stop_words.__contains__, lowered))
+            if not cfg.min_mean_word_len <= s["mean_word_len"] <= cfg.max_mean_word_len:
+                return drop("gopher_mean_word_len", s, min=cfg.min_mean_word_len, max=cfg.max_mean_word_len)
+        if s["symbol_word_ratio"] > cfg.max_symbol_word_ratio:
+            return drop("gopher_symbol_ratio", s, max=cfg.max_symbol_word_ratio)
+        if s["bullet_lines_frac"] > cfg.max_bullet_lines_frac:
+            return drop("gopher_bullet_lines", s, max=cfg.max_bullet_lines_frac)
+        if s["ellipsis_lines_frac"] > cfg.max_ellipsis_lines_frac:
+            return drop("gopher_ellipsis_lines", s, max=cfg.max_ellipsis_lines_frac)
+        if s["alpha_words_frac"] < cfg.min_alpha_words_frac:
+            return drop("gopher_alpha_words", s, min=cfg.min_alpha_words_frac)
+        if "stop_words" in s and s["stop_words"] < cfg.min_stop_words:
+            return drop("gopher_stop_words", s, min=cfg.min_stop_words)
+        return None
     return gate

@@ -10,13 +10,14 @@ import gates_reference as ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kiln.config import C4Config, GopherRepetitionConfig
+from kiln.config import C4Config, GopherQualityConfig, GopherRepetitionConfig
 from kiln.data.gates import gopher, noise, pii, residue
 from kiln.data.gates.c4 import c4_lines
 from kiln.data.gates.text import ALPHA, CJK, HEX, LETTER, TextView, code_lines, duplicates
 
 FRAGMENTS = [
-    "the", "of", "Debian", "système", "日本語", "中文字符", "한국어", "مرحبا", "שלום", "🎉", "👍🏽", "𝒜",
+    "the", "of", "and", "to", "The", "THE", "der", "und", "и", "ΣΑΣ", "İ",
+    "Debian", "système", "日本語", "中文字符", "한국어", "مرحبا", "שלום", "🎉", "👍🏽", "𝒜",
     "\ud800", "\udfff",
     "²", "½", "_", "x_1", "3.14", "...", "\u2026", "#", "- item", "* item", "\u2022", ">>>", "$ ls", "# c", "}", "{",
     "f(x)", "a = 1", "--opt", "try:", "0x7f", "7f", "45", "4c", "0300:", "deadbeef", "&amp;", "&#8217;", "<b>",
@@ -110,6 +111,18 @@ def test_repetition_bound_changes_no_decision(text, cjk_scale, code_scale):
     finally:
         gopher._repeats_cover = real
     assert fast == slow
+
+
+@many
+@given(text=texts, lang=st.sampled_from([None, "en", "de", "ru", "ko", "ja"]), min_words=st.integers(0, 40),
+       min_stop_words=st.integers(0, 4), chunk=st.sampled_from([1, 16, 2048]))
+def test_gopher_quality_is_the_word_by_word_gate(text, lang, min_words, min_stop_words, chunk):
+    cfg = GopherQualityConfig(min_words=min_words, min_stop_words=min_stop_words)
+    real, gopher.STOP_WORD_CHUNK = gopher.STOP_WORD_CHUNK, chunk  # the stop words read chunk by chunk
+    try:
+        assert gopher.gopher_quality(cfg)(TextView(text, lang)) == ref.gopher_quality(cfg)(text, lang)
+    finally:
+        gopher.STOP_WORD_CHUNK = real
 
 
 @settings(max_examples=150, deadline=None)

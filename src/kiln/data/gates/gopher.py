@@ -82,22 +82,56 @@ def gopher_quality(cfg) -> Gate:
             else:  # the tokens' characters are the visible ones
                 s["mean_word_len"] = ratio(view.visible_chars, view.token_count)
             if stop_words:
-                lowered = _SPACED_WORD.findall(text.lower()) if has_cjk else text.lower().split()
-                s["stop_words"] = sum(map(stop_words.__contains__, lowered))
-            if not cfg.min_mean_word_len <= s["mean_word_len"] <= cfg.max_mean_word_len:
-                return drop("gopher_mean_word_len", s, min=cfg.min_mean_word_len, max=cfg.max_mean_word_len)
-        if s["symbol_word_ratio"] > cfg.max_symbol_word_ratio:
-            return drop("gopher_symbol_ratio", s, max=cfg.max_symbol_word_ratio)
-        if s["bullet_lines_frac"] > cfg.max_bullet_lines_frac:
-            return drop("gopher_bullet_lines", s, max=cfg.max_bullet_lines_frac)
-        if s["ellipsis_lines_frac"] > cfg.max_ellipsis_lines_frac:
-            return drop("gopher_ellipsis_lines", s, max=cfg.max_ellipsis_lines_frac)
-        if s["alpha_words_frac"] < cfg.min_alpha_words_frac:
-            return drop("gopher_alpha_words", s, min=cfg.min_alpha_words_frac)
-        if "stop_words" in s and s["stop_words"] < cfg.min_stop_words:
-            return drop("gopher_stop_words", s, min=cfg.min_stop_words)
-        return None
+                s["stop_words"] = 0  # its place among the signals; counted below, in full only if it is shown
+        failed = _quality_failure(s, cfg)
+        if "stop_words" in s:
+            if failed is None and _stop_words_at_least(text, stop_words, cfg.min_stop_words, view.has_cjk):
+                return None
+            s["stop_words"] = _stop_words_in(text.lower(), stop_words, view.has_cjk)
+            if failed is None and s["stop_words"] < cfg.min_stop_words:
+                failed = "gopher_stop_words", {"min": cfg.min_stop_words}
+        return drop(failed[0], s, **failed[1]) if failed else None
     return gate
+
+
+def _quality_failure(s: dict, cfg) -> tuple[str, dict] | None:
+    """The first Gopher quality rule (but the stop words') that the signals break, with its limits."""
+    if "mean_word_len" in s and not cfg.min_mean_word_len <= s["mean_word_len"] <= cfg.max_mean_word_len:
+        return "gopher_mean_word_len", {"min": cfg.min_mean_word_len, "max": cfg.max_mean_word_len}
+    if s["symbol_word_ratio"] > cfg.max_symbol_word_ratio:
+        return "gopher_symbol_ratio", {"max": cfg.max_symbol_word_ratio}
+    if s["bullet_lines_frac"] > cfg.max_bullet_lines_frac:
+        return "gopher_bullet_lines", {"max": cfg.max_bullet_lines_frac}
+    if s["ellipsis_lines_frac"] > cfg.max_ellipsis_lines_frac:
+        return "gopher_ellipsis_lines", {"max": cfg.max_ellipsis_lines_frac}
+    if s["alpha_words_frac"] < cfg.min_alpha_words_frac:
+        return "gopher_alpha_words", {"min": cfg.min_alpha_words_frac}
+    return None
+
+
+def _stop_words_in(lowered: str, stop_words: frozenset[str], has_cjk: bool) -> int:
+    """Stop words among the spaced words of a lower-cased text."""
+    return sum(map(stop_words.__contains__, _SPACED_WORD.findall(lowered) if has_cjk else lowered.split()))
+
+
+STOP_WORD_CHUNK = 2048
+
+
+def _stop_words_at_least(text: str, stop_words: frozenset[str], k: int, has_cjk: bool) -> bool:
+    """Whether the text holds `k` stop words, read from its start in chunks only as far as needed.
+
+    Chunks are cut at a space, so no word is split, and lower-cased alone each is the same slice of
+    `text.lower()` (a final sigma looks no further than the space); most pages meet `k` in the first chunk.
+    """
+    found, start = 0, 0
+    while start < len(text):
+        cut = text.find(" ", start + STOP_WORD_CHUNK)
+        end = len(text) if cut < 0 else cut
+        found += _stop_words_in(text[start:end].lower(), stop_words, has_cjk)
+        if found >= k:
+            return True
+        start = end
+    return False
 
 
 class _Grams:
