@@ -45,6 +45,7 @@ def test_view_counts_are_the_python_ones(text):
     assert view.words == ref.words(text)
     assert view.word_count == len(view.words)
     assert view.prose_words == (ref.words("\n".join(view.prose_lines)) if any(view.code) else view.words)
+    assert view.line_token_counts.tolist() == [len(ln.split()) for ln in text.split("\n")]
     starts, ends = view.token_bounds
     assert [text[a:b] for a, b in zip(starts.tolist(), ends.tolist())] == tokens
 

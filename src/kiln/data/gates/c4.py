@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from itertools import compress
 
+import numpy as np
+
 from kiln.data.gates.text import TERMINAL_PUNCT, TextView, as_view, ratio, word_count
 from kiln.data.gates.types import Edit, Gate, Verdict, drop
 
@@ -30,27 +32,33 @@ def c4_lines(cfg) -> Gate:
             return drop("c4_lorem_ipsum", {})
         if cfg.drop_curly_brace and "{" in text:
             return drop("c4_curly_brace", {})
-        stripped, code, min_words = view.stripped_lines, view.code, cfg.min_words_per_line
-        boilerplate: list = [None] * len(stripped)  # "javascript" or "policy": removed first, code or not
+        stripped, min_words = view.stripped_lines, cfg.min_words_per_line
+        code = np.array(view.code, dtype=bool)
+        javascript, policy = np.zeros(len(stripped), dtype=bool), np.zeros(len(stripped), dtype=bool)
         if cfg.drop_javascript_lines and "javascript" in low or cfg.drop_policy_lines and any(p in low for p in POLICY):
-            for i, line in enumerate(stripped):
+            for i, line in enumerate(stripped):  # removed first, code or not
                 lower = line.lower()
                 if cfg.drop_javascript_lines and "javascript" in lower:
-                    boilerplate[i] = "javascript"
+                    javascript[i] = True
                 elif cfg.drop_policy_lines and any(p in lower for p in POLICY):
-                    boilerplate[i] = "policy"
-        # a line's words are its spaced ones unless it holds Han/kana (none can when the page has none): counted
-        # in C, up to the few that matter; blank and code lines are never short
-        spaced = not view.has_cjk
-        short = [bool(line) and not c and (len(line.split(None, min_words)) < min_words if spaced or line.isascii()
-                                           else word_count(line) < min_words) for line, c in zip(stripped, code)]
-        punct = [not cfg.require_terminal_punct or not line or c or line.endswith(TERMINAL_PUNCT)
-                 for line, c in zip(stripped, code)]
-        keep = [b is None and not sh and p for b, sh, p in zip(boilerplate, short, punct)]
-        removed = {"javascript": boilerplate.count("javascript"), "policy": boilerplate.count("policy"),
-                   "short": sum(b is None and sh for b, sh in zip(boilerplate, short)),
-                   "no_punct": sum(b is None and not sh and not p for b, sh, p in zip(boilerplate, short, punct))}
-        kept, kept_code = list(compress(view.raw_lines, keep)), list(compress(code, keep))
+                    policy[i] = True
+        if view.has_cjk:  # a line's words are its spaced ones unless it holds Han/kana: those are counted
+            short = np.array([bool(line) and (len(line.split(None, min_words)) < min_words if line.isascii()
+                                              else word_count(line) < min_words) for line in stripped], dtype=bool)
+        else:  # no line can: the tokens in each line, counted in numpy (a blank line has none)
+            tokens = view.line_token_counts
+            short = (tokens > 0) & (tokens < min_words)
+        short &= ~code  # blank and code lines are never short
+        if cfg.require_terminal_punct:
+            punct = np.array([not line or line.endswith(TERMINAL_PUNCT) for line in stripped], dtype=bool) | code
+        else:
+            punct = np.ones(len(stripped), dtype=bool)
+        left = ~(javascript | policy)
+        keep = left & ~short & punct
+        removed = {"javascript": int(javascript.sum()), "policy": int(policy.sum()), "short": int((left & short).sum()),
+                   "no_punct": int((left & ~short & ~punct).sum())}
+        keep_list = keep.tolist()
+        kept, kept_code = list(compress(view.raw_lines, keep_list)), list(compress(view.code, keep_list))
         n_removed = sum(removed.values())
         n_lines = len(view.lines)
         s = {"lines": n_lines, "lines_removed": n_removed} | {f"removed_{k}": v for k, v in removed.items() if v}
@@ -65,7 +73,7 @@ def c4_lines(cfg) -> Gate:
         if not n_removed:
             return None
         # the lines that stay keep their code marks: the next gates need not split and judge them again
-        after = TextView(out, view.lang, raw_lines=kept, code=kept_code, stripped=list(compress(stripped, keep))) \
+        after = TextView(out, view.lang, raw_lines=kept, code=kept_code, stripped=list(compress(stripped, keep_list))) \
             if out == joined else None
         return Edit(out, {"c4_lines_removed": n_removed}, after)
     return gate

@@ -84,15 +84,15 @@ def paragraphs(text: str) -> list[str]:
 
 
 # bits of `char_flags`: str.isspace (what str.split splits on), str.isalpha, re's [^\W\d_] (a letter to
-# Gopher's "word with a letter"), Han/kana (_CJK_CHAR), and what a hex dump's groups are made of
-SPACE, ALPHA, LETTER, CJK, HEX = 1, 2, 4, 8, 16
+# Gopher's "word with a letter"), Han/kana (_CJK_CHAR), what a hex dump's groups are made of, and "\n"
+SPACE, ALPHA, LETTER, CJK, HEX, NEWLINE = 1, 2, 4, 8, 16, 32
 _LETTER_RE = re.compile(r"[^\W\d_]")
 _HEX_CHARS = frozenset("0123456789abcdefABCDEF:")
 
 
 def _flags_of(c: str) -> int:
     return (SPACE * c.isspace() | ALPHA * c.isalpha() | LETTER * (_LETTER_RE.match(c) is not None)
-            | CJK * (_CJK_CHAR.match(c) is not None) | HEX * (c in _HEX_CHARS))
+            | CJK * (_CJK_CHAR.match(c) is not None) | HEX * (c in _HEX_CHARS) | NEWLINE * (c == "\n"))
 
 
 @lru_cache(maxsize=1)
@@ -229,6 +229,13 @@ class TextView:
             edges = np.flatnonzero(np.diff(solid))
             self._tokens = edges[0::2], edges[1::2]
         return self._tokens
+
+    @property
+    def line_token_counts(self) -> np.ndarray:
+        """For each raw line: how many whitespace tokens it holds (`len(line.split())`; 0 for a blank line)."""
+        starts, _ = self.token_bounds
+        newlines_before = np.cumsum((self.char_flags & NEWLINE) != 0)[starts]  # a token starts on no newline
+        return np.bincount(newlines_before, minlength=len(self.raw_lines))
 
     @property
     def token_count(self) -> int:
