@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kiln.config import C4Config, GopherQualityConfig, GopherRepetitionConfig
 from kiln.data.gates import gopher, noise, pii, residue
 from kiln.data.gates.c4 import c4_lines
-from kiln.data.gates.text import ALPHA, CJK, HEX, LETTER, TextView, code_lines, duplicates
+from kiln.data.gates.text import ALPHA, CJK, HEX, LETTER, TextView, code_lines, duplicates, word_count
 
 FRAGMENTS = [
     "the", "of", "and", "to", "The", "THE", "der", "und", "и", "ΣΑΣ", "İ",
@@ -46,6 +46,7 @@ def test_view_counts_are_the_python_ones(text):
     assert view.word_count == len(view.words)
     assert view.prose_words == (ref.words("\n".join(view.prose_lines)) if any(view.code) else view.words)
     assert view.line_token_counts.tolist() == [len(ln.split()) for ln in text.split("\n")]
+    assert view.line_word_counts.tolist() == [word_count(ln) for ln in text.split("\n")]
     starts, ends = view.token_bounds
     assert [text[a:b] for a, b in zip(starts.tolist(), ends.tolist())] == tokens
 

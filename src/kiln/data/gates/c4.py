@@ -16,7 +16,7 @@ from itertools import compress
 
 import numpy as np
 
-from kiln.data.gates.text import TERMINAL_PUNCT, TextView, as_view, ratio, word_count
+from kiln.data.gates.text import TERMINAL_PUNCT, TextView, as_view, ratio
 from kiln.data.gates.types import Edit, Gate, Verdict, drop
 
 POLICY = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
@@ -42,13 +42,8 @@ def c4_lines(cfg) -> Gate:
                     javascript[i] = True
                 elif cfg.drop_policy_lines and any(p in lower for p in POLICY):
                     policy[i] = True
-        if view.has_cjk:  # a line's words are its spaced ones unless it holds Han/kana: those are counted
-            short = np.array([bool(line) and (len(line.split(None, min_words)) < min_words if line.isascii()
-                                              else word_count(line) < min_words) for line in stripped], dtype=bool)
-        else:  # no line can: the tokens in each line, counted in numpy (a blank line has none)
-            tokens = view.line_token_counts
-            short = (tokens > 0) & (tokens < min_words)
-        short &= ~code  # blank and code lines are never short
+        # word_count of each line, in numpy; blank (no token) and code lines are never short
+        short = (view.line_token_counts > 0) & (view.line_word_counts < min_words) & ~code
         if cfg.require_terminal_punct:
             punct = np.array([not line or line.endswith(TERMINAL_PUNCT) for line in stripped], dtype=bool) | code
         else:

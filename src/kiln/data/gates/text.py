@@ -84,15 +84,17 @@ def paragraphs(text: str) -> list[str]:
 
 
 # bits of `char_flags`: str.isspace (what str.split splits on), str.isalpha, re's [^\W\d_] (a letter to
-# Gopher's "word with a letter"), Han/kana (_CJK_CHAR), what a hex dump's groups are made of, and "\n"
-SPACE, ALPHA, LETTER, CJK, HEX, NEWLINE = 1, 2, 4, 8, 16, 32
+# Gopher's "word with a letter"), Han/kana (_CJK_CHAR), what a hex dump's groups are made of, "\n", and
+# str.isalnum
+SPACE, ALPHA, LETTER, CJK, HEX, NEWLINE, ALNUM = 1, 2, 4, 8, 16, 32, 64
 _LETTER_RE = re.compile(r"[^\W\d_]")
 _HEX_CHARS = frozenset("0123456789abcdefABCDEF:")
 
 
 def _flags_of(c: str) -> int:
     return (SPACE * c.isspace() | ALPHA * c.isalpha() | LETTER * (_LETTER_RE.match(c) is not None)
-            | CJK * (_CJK_CHAR.match(c) is not None) | HEX * (c in _HEX_CHARS) | NEWLINE * (c == "\n"))
+            | CJK * (_CJK_CHAR.match(c) is not None) | HEX * (c in _HEX_CHARS) | NEWLINE * (c == "\n")
+            | ALNUM * c.isalnum())
 
 
 @lru_cache(maxsize=1)
@@ -236,6 +238,23 @@ class TextView:
         starts, _ = self.token_bounds
         newlines_before = np.cumsum((self.char_flags & NEWLINE) != 0)[starts]  # a token starts on no newline
         return np.bincount(newlines_before, minlength=len(self.raw_lines))
+
+    @property
+    def line_word_counts(self) -> np.ndarray:
+        """For each raw line: `word_count(line)` (tokens, or with Han/kana in it: the spaced words that hold a
+        letter or digit plus its Han/kana characters / 2), counted in numpy."""
+        tokens = self.line_token_counts
+        if not self.has_cjk:
+            return tokens
+        flags, lines = self.char_flags, len(self.raw_lines)
+        line_of = np.cumsum((flags & NEWLINE) != 0)  # each character's raw line
+        cjk = np.bincount(line_of[(flags & CJK) != 0], minlength=lines)
+        solid = np.concatenate([[0], (flags & (SPACE | CJK)) == 0, [0]]).astype(np.int8)  # words between them
+        edges = np.flatnonzero(np.diff(solid))
+        starts, ends = edges[0::2], edges[1::2]
+        alnum = np.concatenate([[0], np.cumsum((flags & ALNUM) != 0)])
+        spaced = np.bincount(line_of[starts][alnum[ends] > alnum[starts]], minlength=lines)
+        return np.where(cjk > 0, spaced + cjk / CJK_CHARS_PER_WORD, tokens)
 
     @property
     def token_count(self) -> int:
