@@ -218,7 +218,7 @@ class TextView:
 
     @property
     def char_flags(self) -> np.ndarray:
-        """`char_flags(text)`: SPACE, ALPHA, LETTER and CJK bits of each character."""
+        """`char_flags(text)`: the SPACE, ALPHA, LETTER, CJK, HEX, NEWLINE and ALNUM bits of each character."""
         if self._flags is None:
             self._flags = char_flags(self.text)
         return self._flags
