@@ -78,6 +78,24 @@ def test_jsonl_bad_lines_are_rejections(tmp_path, suffix):
     assert r[f"docs{suffix}:5"]["signals"]["error"] == "a JSON list, not an object"
 
 
+def test_jsonl_lone_surrogates_become_replacement_characters_not_a_crash(tmp_path):
+    """JSON may escape a lone surrogate ("\\ud800"); json.loads gives a str no UTF-8 encoder takes. fastText's
+    predict raised a TypeError on it and stopped the worker (before the fix); now it is U+FFFD, as an invalid
+    UTF-8 byte is, in the text and in the id, and the document goes through language ID and the docs/ parts."""
+    text = english(1)
+    cut = text.index(" ", 100)
+    src = tmp_path / "docs.jsonl"
+    line = json.dumps({"id": "s\ud83d1", "body": text[:cut] + " \udc00\ud800 " + text[cut:]})
+    src.write_text(line + "\n")
+    assert "\\udc00" in src.read_text()  # json.dumps escapes them: the file is valid UTF-8 JSON
+    out = tmp_path / "docs"
+    stats = run_data([str(src)], out, cfg(text_field="body", lang_threshold=0))
+    assert stats["documents"] == {"read": 1, "kept": 1, "rejected": 0}
+    (doc,) = read_docs(out)
+    assert doc["id"] == "s\ufffd1" and doc["lang"] == "en"
+    assert doc["text"] == text[:cut] + " \ufffd\ufffd " + text[cut:]
+
+
 def test_truncated_jsonl_gz_keeps_lines_before_the_cut(tmp_path):
     raw = b"".join(json.dumps({"id": f"d{i}", "text": english(i)}).encode() + b"\n" for i in range(40))
     blob = gzip.compress(raw)

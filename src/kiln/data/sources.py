@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import zlib
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -212,9 +213,20 @@ def _lines(raw: IO[bytes], source: str, max_bytes: int | None = None) -> Iterato
         yield line(b"")
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _valid_unicode(text: str) -> str:
+    """`text` with lone surrogates (JSON allows `"\\ud800"`; no UTF-8 encoder, tokenizer or fastText takes them)
+    replaced by U+FFFD, as invalid UTF-8 bytes are when a page is decoded. ASCII (most text) costs one C scan."""
+    if text.isascii():
+        return text
+    return _SURROGATE.sub("\ufffd", text)
+
+
 def _field(rec: dict[str, Any], name: str) -> str | None:
     value = rec.get(name)
-    return None if value is None or value == "" else str(value)
+    return None if value is None or value == "" else _valid_unicode(str(value))
 
 
 def _record_doc(rec: Any, source: str, offset: int, length: int, where: str, fields: tuple[str, ...]) -> Document:
@@ -234,7 +246,7 @@ def _record_doc(rec: Any, source: str, offset: int, length: int, where: str, fie
         return doc.reject(
             "read", "missing_text", field=text_field, found=type(text).__name__ if text_field in rec else "absent"
         )
-    doc.text = text
+    doc.text = _valid_unicode(text)
     return doc
 
 
