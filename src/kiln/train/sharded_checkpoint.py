@@ -1,5 +1,5 @@
-"""Sharded checkpoints (`checkpoint.format: sharded`, the default under FSDP2/HSDP): every rank writes its own
-pieces of the weights and optimizer state; any world size and mesh reads them back.
+"""Sharded checkpoints (`checkpoint.format: sharded`, the default whenever a parameter is split over ranks):
+every rank writes its own pieces of the weights and optimizer state; any world size and mesh reads them back.
 
 A sharded `step-NNNNNNNN/` holds, beside the small files of the full format (rng.pt, state.json,
 config.yaml, tokenizer.json, manifest.json, manifest.sig):
@@ -11,6 +11,21 @@ A piece held by several ranks (a replicated dimension of an HSDP mesh, a DDP mod
 counters) is written once: a DTensor's by the ranks at coordinate 0 of its replicated mesh dimensions, a
 plain tensor's by one of its holders, chosen to balance the bytes each rank writes.
 
+What each kind of parallelism writes, every piece under the whole model's name and global shape (so each
+kind reads what any other wrote):
+  FSDP2 / HSDP      each parameter's and moment's DTensor shard (rows of dim 0)
+  tensor parallel   the DTensor shares: column-parallel rows, row-parallel columns, vocabulary rows of the
+                    embeddings and the head; replicated norm weights by the tp rank at coordinate 0
+  tp x dp_shard     FSDP2's shard of each tensor-parallel share (_StridedShard, then Shard on one dim):
+                    `local_boxes` finds the global rows from torch's own placement arithmetic; a share whose
+                    rows have gaps is written as several boxes (`{key}#n` in the file, one index entry each)
+  pipeline          each stage its own layers (`layers.5.attention.wq.weight`), embeddings on the first
+                    stage, norm and head on the last; index.json holds the param_groups of all stages merged
+  expert parallel   each rank's experts as a box along the expert dimension of the whole (n_experts, ...)
+                    tensor (`Parallelized.checkpoint_slices`), moments alike; the dense DDP replicas once
+Memory: each rank holds its own pieces only (plus one copy of them while an async save writes), never the
+model; the index costs a few hundred bytes per piece.
+
 Saving, on every rank: the state dicts of torch.distributed.checkpoint.state_dict (DTensors under FSDP2, no
 gather), a CPU snapshot when async, then (in the background when async) write and fsync the rank's three
 files, sha256 them, and send the hashes to rank 0 over a gloo group of the checkpoint's own. Rank 0 writes
@@ -20,7 +35,8 @@ checkpoint until every rank's files are in its manifest. Rank 0 holds its own pi
 
 Loading executes no code: safetensors and JSON only (rng.pt is read with weights_only=True, as in the full
 format). Each rank fills its own shard of the model it has (any world size, FSDP2, HSDP, DDP or one process)
-from the pieces that overlap it (`shard_storage.PieceIndex.read_box`), reading only those slices.
+from the pieces that overlap it (`shard_storage.PieceIndex.read_box`), reading only those slices: a tp=2
+checkpoint loads into one process and back, FSDP2 into tensor parallel, a pipeline's into one model.
 
 Every file is in the manifest, so `kiln ckpt verify`, signing, retention and the fallback to an older
 valid checkpoint treat a sharded folder as they treat a full one. The folder must be on a filesystem every
