@@ -315,6 +315,7 @@ def test_ep2_experts_are_boxes_of_the_whole_tensor_and_resume_on_one_process(pre
 
     one = _resume_from_step_5(ep, tmp_path / "one", 1, model=MOE_MODEL, train={**STEPS, "micro_batch_size": 4})
     _assert_close(one, ep)
+    assert _loader_state(_last(one)) == _loader_state(folder)
 
 
 STRIDED_SCRIPT = """
@@ -402,3 +403,23 @@ def test_tp2_x_dp_shard2_strided_shares_are_the_right_boxes_and_round_trip(tmp_p
         line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(f"rank {rank} "))
         assert "same=True assembled=True" in line and int(line.split("strided=")[1].split()[0]) > 0, line
     verify_checkpoint(tmp_path / "checkpoints" / "step-00000001")
+
+
+@pytest.mark.slow
+def test_ep2_over_four_ranks_writes_each_expert_box_once(prepared, tmp_path_factory):
+    """ep=2 of 4 DDP ranks: ranks 0 and 2 hold experts 0-1, ranks 1 and 3 experts 2-3 (replicas). Each box is
+    written by one of its two holders, the dense weights by one of four, and the pieces tile every tensor. A
+    GPU run would add the all-to-all over NVLink within each expert group."""
+    ep = _run(_fresh_out(prepared, tmp_path_factory, "ep4"), 4, model=MOE_MODEL, parallel={"ep": 2},
+              checkpoint={"every": 5})
+    folder = _last(ep)
+    _ranks_files(folder, 4)
+    verify_checkpoint(folder)  # with check_loads: every tensor's pieces cover it exactly once
+    index = [json.loads((folder / f"index-{r:05d}.json").read_text())["pieces"] for r in range(4)]
+    for kind in ("model", "optimizer"):
+        for key in {k for i in index for k in i[kind] if ".experts." in k}:
+            holders = [(r, i[kind][key]["offsets"][0]) for r, i in enumerate(index) if key in i[kind]]
+            assert sorted(o for _, o in holders) == [0, 2], (key, holders)  # two boxes, each once
+            assert all(o == 2 * (r % 2) for r, o in holders)  # by a rank that holds those experts
+    whole = load_checkpoint(folder)["model"]
+    assert whole["layers.0.feed_forward.experts.w1"].shape[0] == 4

@@ -166,9 +166,10 @@ def local_boxes(global_shape, mesh_shape, coordinate, placements) -> list[tuple[
     The global indices each sharded dimension keeps are torch's own (`_get_shard_size_and_offsets`, from which
     compute_local_shape_and_global_offset returns only the first). Shard placements leave one box. A
     _StridedShard (FSDP2 on top of tensor parallel, both sharding dim 0) keeps consecutive rows when it comes
-    first, as FSDP2 places it (rows [tp·R/tp + dp·R/(tp·dp), ...): one box again); any other order keeps rows
-    with gaps, which are cut here into their runs of consecutive rows: one box per run (and per run of every
-    other dimension).
+    first, as FSDP2 places it (the dp-th part of the tp-th part of the rows: one box again); after a Shard of
+    the same dim it keeps rows with gaps, which are cut here into their runs of consecutive rows: one box per
+    run (and per run of every other dimension). tests/test_sharded_checkpoint_parallel.py checks both against
+    torch's shards.
     """
     from torch.distributed.tensor._utils import _get_shard_size_and_offsets
 
