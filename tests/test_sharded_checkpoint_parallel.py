@@ -424,3 +424,39 @@ def test_ep2_over_four_ranks_writes_each_expert_box_once(prepared, tmp_path_fact
             assert all(o == 2 * (r % 2) for r, o in holders)  # by a rank that holds those experts
     whole = load_checkpoint(folder)["model"]
     assert whole["layers.0.feed_forward.experts.w1"].shape[0] == 4
+
+
+def test_a_model_holding_only_some_of_the_checkpoints_layers_is_refused_in_one_line(tmp_path):
+    """One process, a pipeline part of layer 0 only (what a stage holds): the pieces of its tensors are there, but
+    the param_groups of every rank together must be the checkpoint's, so the load is refused (as a model of
+    another size is), naming the folder; the whole model loads the same checkpoint back bitwise."""
+    from kiln.errors import KilnError
+    from kiln.model.build import build_model
+    from kiln.model.config import ModelConfig
+    from kiln.train import sharded_checkpoint as sharded
+    from kiln.train.checkpoint import Saver, rng_state
+    from kiln.train.engine import param_groups
+    from kiln.train.parallel import Dist
+    from kiln.train.parallel.pipeline import ModelPart
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(dim=16, n_layers=2, n_heads=2), vocab_size=32, max_seq_len=8)
+    opt = torch.optim.AdamW(param_groups(model, 0.1))
+    model(torch.randint(0, 32, (1, 8))).sum().backward()
+    opt.step()
+    (tmp_path / "tokenizer.json").write_text("{}")
+    sharded.save(tmp_path / "ckpt", 1, model, opt, Dist(), Saver(False), state={"step": 1}, rng=rng_state(),
+                 config_yaml="", tokenizer_file=tmp_path / "tokenizer.json", manifest_fields={}, signing_key=None,
+                 timeout_s=60)
+    folder = tmp_path / "ckpt" / "step-00000001"
+    part = ModelPart(build_model(ModelConfig(dim=16, n_layers=2, n_heads=2), vocab_size=32, max_seq_len=8), [0],
+                     embeddings=True, head=False)
+    with pytest.raises(KilnError, match="step-00000001: the optimizer's parameter groups differ"):
+        sharded.load(folder, part, torch.optim.AdamW(param_groups(part, 0.1)), Dist())
+    torch.manual_seed(1)
+    other = build_model(ModelConfig(dim=16, n_layers=2, n_heads=2), vocab_size=32, max_seq_len=8)
+    other_opt = torch.optim.AdamW(param_groups(other, 0.1))
+    sharded.load(folder, other, other_opt, Dist())
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    assert all(torch.equal(opt.state[a]["exp_avg"], other_opt.state[b]["exp_avg"])
+               for a, b in zip(model.parameters(), other.parameters()))
