@@ -111,6 +111,8 @@ def test_ep2_kiln_train_matches_ddp_with_whole_experts(workdir, tmp_path):
 def test_ep2_on_two_ranks_resumes_bitwise(workdir, tmp_path):
     full = tmp_path / "full"
     shutil.copytree(workdir, full)
-    sections = {"train": {"max_steps": 10}, "model": MOE, "parallel": {"ep": 2}}
+    # checkpoint.format=full (a user's choice; sharded is the default under ep): experts gathered, sliced again
+    sections = {"train": {"max_steps": 10}, "model": MOE, "parallel": {"ep": 2}, "checkpoint": {"format": "full"}}
     torchrun(tmp_path, full, 2, **sections)
+    assert (list_checkpoints(full / "run" / "checkpoints")[-1] / "model.safetensors").is_file()
     resume_from_step_5(tmp_path, full, 2, **sections)

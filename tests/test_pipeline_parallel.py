@@ -100,7 +100,8 @@ def test_pp2_kiln_train_matches_one_process_over_40_steps(workdir, tmp_path, sch
     shutil.copytree(workdir, pp)
     train, model = {"max_steps": 40, "eval_every": 20}, {"n_layers": 4}
     Trainer(tiny_config(workdir, train=train, model=model), log=lambda *_: None).run()
-    torchrun(tmp_path, pp, 2, train=train, model=model, parallel={"pp": 2, "pp_schedule": schedule})
+    torchrun(tmp_path, pp, 2, train=train, model=model, parallel={"pp": 2, "pp_schedule": schedule},
+             checkpoint={"format": "full"})  # a user's choice; sharded is the default under pp
     single, piped = steps(workdir), steps(pp)
     assert len(piped) == 40
     # Same global batch through two stages: the loss is the mean of the pipeline's micro-batch means.
@@ -111,6 +112,7 @@ def test_pp2_kiln_train_matches_one_process_over_40_steps(workdir, tmp_path, sch
     assert evals(pp) == pytest.approx(evals(workdir), rel=5e-3)  # forward-only through the pipeline
     a = load_checkpoint(list_checkpoints(workdir / "run" / "checkpoints")[-1])["model"]
     b = load_checkpoint(list_checkpoints(pp / "run" / "checkpoints")[-1])["model"]
+    assert (list_checkpoints(pp / "run" / "checkpoints")[-1] / "model.safetensors").is_file()
     assert a.keys() == b.keys()  # rank 0 wrote both stages' weights, under the whole model's names
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=1e-2, atol=1e-4), k

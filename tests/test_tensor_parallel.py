@@ -90,7 +90,8 @@ def test_tp2_kiln_train_matches_one_process_over_40_steps(workdir, tmp_path):
     shutil.copytree(workdir, tp)
     train = {"max_steps": 40, "eval_every": 20}
     Trainer(tiny_config(workdir, train=train, model=TP_MODEL), log=lambda *_: None).run()
-    torchrun(tmp_path, tp, 2, train=train, model=TP_MODEL, parallel={"tp": 2})
+    # checkpoint.format=full (a user's choice; sharded is the default under tp): rank 0 writes it gathered
+    torchrun(tmp_path, tp, 2, train=train, model=TP_MODEL, parallel={"tp": 2}, checkpoint={"format": "full"})
     single, sharded = steps(workdir), steps(tp)
     assert len(sharded) == 40
     # Same global batch on both TP ranks; only the order of float sums differs.
@@ -99,6 +100,7 @@ def test_tp2_kiln_train_matches_one_process_over_40_steps(workdir, tmp_path):
     # The full-format checkpoint holds the gathered (unsharded) weights, as one process's does.
     a = load_checkpoint(list_checkpoints(workdir / "run" / "checkpoints")[-1])["model"]
     b = load_checkpoint(list_checkpoints(tp / "run" / "checkpoints")[-1])["model"]
+    assert (list_checkpoints(tp / "run" / "checkpoints")[-1] / "model.safetensors").is_file()
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].shape == b[k].shape and torch.allclose(a[k], b[k], rtol=1e-2, atol=1e-4), k

@@ -495,9 +495,8 @@ class CheckpointConfig(Section):
     )
     format: Literal["full", "sharded"] | None = Field(
         None, description="full: rank 0 writes the whole model.safetensors + optimizer.pt; sharded: each rank "
-        "writes its own pieces (safetensors + JSON index), any world size resumes; default: sharded when the "
-        "model is sharded (parallel.mode=fsdp, HSDP too), else full; tensor, pipeline and expert parallel "
-        "(parallel.tp/pp/ep > 1) save in full only for now"
+        "writes its own pieces (safetensors + JSON index), any world size and mesh resumes; default: sharded "
+        "whenever a parameter is split over ranks (parallel.mode=fsdp, HSDP, parallel.tp/pp/ep > 1), else full"
     )
     save_timeout_s: float = Field(
         3600, gt=0, description="how long a checkpoint save may take on any rank before the watchdog and the "

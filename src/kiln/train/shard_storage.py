@@ -6,9 +6,11 @@ indexes are JSON, so there is no pickle anywhere (unlike torch.distributed.check
 A piece is one box of a tensor: its `offsets` into the tensor's `global_shape` and its own `shape`. Each
 rank writes one `{kind}-RRRRR.safetensors` per kind (model, optimizer) holding the pieces it owns, under
 the tensor's key, and `index-RRRRR.json` saying, for each key, the piece's file, offsets, shape, the
-global shape and the dtype. `PieceIndex` reads every rank's index and `read_box` assembles any box
-(another world size's shard, or the whole tensor) from the pieces that overlap it, reading only the
-slices it needs (safetensors `get_slice` reads from a memory map).
+global shape and the dtype. A rank whose share of a tensor is not one box (a strided DTensor placement)
+writes it as several boxes: the index lists them, each stored in the file under `{key}#{n}` (`stored`).
+`PieceIndex` reads every rank's index and `read_box` assembles any box (another world size's shard, or the
+whole tensor) from the pieces that overlap it, reading only the slices it needs (safetensors `get_slice`
+reads from a memory map).
 
 Memory: a writer holds only what it is given; a reader holds the box it fills, plus the indexes (one
 entry per piece: a few hundred bytes times tensors times ranks).
@@ -60,10 +62,12 @@ class Piece:
     shape: tuple[int, ...]
     global_shape: tuple[int, ...]
     dtype: str
+    stored: str = ""  # its key in `file` when not the tensor's own (one of several boxes of a rank's share)
 
     def entry(self) -> dict:
-        return {"file": self.file, "offsets": list(self.offsets), "shape": list(self.shape),
-                "global_shape": list(self.global_shape), "dtype": self.dtype}
+        entry = {"file": self.file, "offsets": list(self.offsets), "shape": list(self.shape),
+                 "global_shape": list(self.global_shape), "dtype": self.dtype}
+        return {**entry, "stored": self.stored} if self.stored else entry
 
 
 def write_safetensors(path: Path, names: list[tuple[str, torch.dtype, tuple[int, ...]]],
@@ -104,13 +108,14 @@ def write_pieces(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     write_safetensors(path, names, tensors.__getitem__)
 
 
-def write_index(path: Path, pieces: dict[str, dict[str, Piece]]) -> None:
-    """One rank's index: for each kind (model, optimizer), each key's piece."""
+def write_index(path: Path, pieces: dict[str, dict[str, Piece | list[Piece]]]) -> None:
+    """One rank's index: for each kind (model, optimizer), each key's piece (or pieces: a list)."""
     from kiln.manifest import fsync_dir
 
     with open(path, "w") as f:
         json.dump({"version": INDEX_VERSION,
-                   "pieces": {kind: {k: p.entry() for k, p in of.items()} for kind, of in pieces.items()}}, f)
+                   "pieces": {kind: {k: [q.entry() for q in p] if isinstance(p, list) else p.entry()
+                                     for k, p in of.items()} for kind, of in pieces.items()}}, f)
         f.flush()
         os.fsync(f.fileno())
     fsync_dir(path.parent)
@@ -128,9 +133,11 @@ class PieceIndex:
             try:
                 data = json.loads(path.read_text())
                 entries = data["pieces"][kind]
-                for key, e in entries.items():
-                    self.pieces.setdefault(key, []).append(Piece(e["file"], tuple(e["offsets"]), tuple(e["shape"]),
-                                                                 tuple(e["global_shape"]), e["dtype"]))
+                for key, listed in entries.items():
+                    for e in listed if isinstance(listed, list) else [listed]:
+                        self.pieces.setdefault(key, []).append(Piece(
+                            e["file"], tuple(e["offsets"]), tuple(e["shape"]), tuple(e["global_shape"]), e["dtype"],
+                            e.get("stored", "")))
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise IntegrityError(f"{path}: not a readable piece index ({type(exc).__name__}: {exc})") from None
         self._files: dict[str, object] = {}
@@ -181,7 +188,7 @@ class PieceIndex:
             try:
                 with safe_open(str(path), framework="pt") as f:
                     for key, p in items:
-                        s = f.get_slice(key)
+                        s = f.get_slice(p.stored or key)
                         if tuple(s.get_shape()) != p.shape or _ST_DTYPES[dtype_of(p.dtype, path)] != s.get_dtype():
                             raise ValueError(f"{key} is {s.get_dtype()} {s.get_shape()}, the index says "
                                              f"{p.dtype} {list(p.shape)}")
@@ -230,7 +237,8 @@ class PieceIndex:
                     continue
             src = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, p.offsets))
             dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))
-            part = self._open(p.file).get_slice(key)[src] if src else self._open(p.file).get_tensor(key)
+            stored = p.stored or key
+            part = self._open(p.file).get_slice(stored)[src] if src else self._open(p.file).get_tensor(stored)
             out[dst].copy_(part)
             filled += part.numel()
         if filled != out.numel():

@@ -1,5 +1,5 @@
-"""Sharded checkpoints (`checkpoint.format: sharded`, the default under FSDP2/HSDP): every rank writes its own
-pieces of the weights and optimizer state; any world size and mesh reads them back.
+"""Sharded checkpoints (`checkpoint.format: sharded`, the default whenever a parameter is split over ranks):
+every rank writes its own pieces of the weights and optimizer state; any world size and mesh reads them back.
 
 A sharded `step-NNNNNNNN/` holds, beside the small files of the full format (rng.pt, state.json,
 config.yaml, tokenizer.json, manifest.json, manifest.sig):
@@ -11,6 +11,21 @@ A piece held by several ranks (a replicated dimension of an HSDP mesh, a DDP mod
 counters) is written once: a DTensor's by the ranks at coordinate 0 of its replicated mesh dimensions, a
 plain tensor's by one of its holders, chosen to balance the bytes each rank writes.
 
+What each kind of parallelism writes, every piece under the whole model's name and global shape (so each
+kind reads what any other wrote):
+  FSDP2 / HSDP      each parameter's and moment's DTensor shard (rows of dim 0)
+  tensor parallel   the DTensor shares: column-parallel rows, row-parallel columns, vocabulary rows of the
+                    embeddings and the head; replicated norm weights by the tp rank at coordinate 0
+  tp x dp_shard     FSDP2's shard of each tensor-parallel share (_StridedShard, then Shard on one dim):
+                    `local_boxes` finds the global rows from torch's own placement arithmetic; a share whose
+                    rows have gaps is written as several boxes (`{key}#n` in the file, one index entry each)
+  pipeline          each stage its own layers (`layers.5.attention.wq.weight`), embeddings on the first
+                    stage, norm and head on the last; index.json holds the param_groups of all stages merged
+  expert parallel   each rank's experts as a box along the expert dimension of the whole (n_experts, ...)
+                    tensor (`Parallelized.checkpoint_slices`), moments alike; the dense DDP replicas once
+Memory: each rank holds its own pieces only (plus one copy of them while an async save writes), never the
+model; the index costs a few hundred bytes per piece.
+
 Saving, on every rank: the state dicts of torch.distributed.checkpoint.state_dict (DTensors under FSDP2, no
 gather), a CPU snapshot when async, then (in the background when async) write and fsync the rank's three
 files, sha256 them, and send the hashes to rank 0 over a gloo group of the checkpoint's own. Rank 0 writes
@@ -20,7 +35,8 @@ checkpoint until every rank's files are in its manifest. Rank 0 holds its own pi
 
 Loading executes no code: safetensors and JSON only (rng.pt is read with weights_only=True, as in the full
 format). Each rank fills its own shard of the model it has (any world size, FSDP2, HSDP, DDP or one process)
-from the pieces that overlap it (`shard_storage.PieceIndex.read_box`), reading only those slices.
+from the pieces that overlap it (`shard_storage.PieceIndex.read_box`), reading only those slices: a tp=2
+checkpoint loads into one process and back, FSDP2 into tensor parallel, a pipeline's into one model.
 
 Every file is in the manifest, so `kiln ckpt verify`, signing, retention and the fallback to an older
 valid checkpoint treat a sharded folder as they treat a full one. The folder must be on a filesystem every
@@ -29,6 +45,7 @@ rank sees (a shared out_dir); a rank that cannot see the staging folder stops th
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import time
@@ -53,7 +70,7 @@ KINDS = ("model", "optimizer")
 
 
 def resolve_format(requested: str | None, sharded: bool) -> str:
-    """checkpoint.format, or its default: sharded when the parameters are shards (FSDP2/HSDP), else full."""
+    """checkpoint.format, or its default: sharded when some parameter is split over ranks, else full."""
     return requested or ("sharded" if sharded else "full")
 
 
@@ -135,16 +152,55 @@ def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[di
     return {"model": model_sd, "optimizer": flat}, optim_sd["param_groups"]
 
 
-def _dtensor_box(t) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(local shape, global offsets) of this rank's piece of a DTensor."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+def _is_shard(placement) -> bool:
+    """Shard or _StridedShard (FSDP2 over a tensor-parallel dimension; its is_shard() says False)."""
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
-    for p in t.placements:
-        if type(p).__name__ == "_StridedShard":
-            raise KilnError("checkpoint.format=sharded: a parameter is sharded twice along one dimension "
-                            "(_StridedShard); not supported yet, use checkpoint.format=full")
-    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return tuple(shape), tuple(offsets)
+    return isinstance(placement, (Shard, _StridedShard))
+
+
+def local_boxes(global_shape, mesh_shape, coordinate, placements) -> list[tuple[tuple, tuple, tuple]]:
+    """The share of a DTensor at `coordinate` of its mesh as boxes of the global tensor: [(global offsets, shape,
+    the box's slices of the local tensor)], empty boxes left out.
+
+    The global indices each sharded dimension keeps are torch's own (`_get_shard_size_and_offsets`, from which
+    compute_local_shape_and_global_offset returns only the first). Shard placements leave one box. A
+    _StridedShard (FSDP2 on top of tensor parallel, both sharding dim 0) keeps consecutive rows when it comes
+    first, as FSDP2 places it (the dp-th part of the tp-th part of the rows: one box again); after a Shard of
+    the same dim it keeps rows with gaps, which are cut here into their runs of consecutive rows: one box per
+    run (and per run of every other dimension). tests/test_sharded_checkpoint_parallel.py checks both against
+    torch's shards.
+    """
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+
+    sizes, index = list(global_shape), {}
+    for mesh_dim, p in enumerate(placements):
+        if not _is_shard(p):
+            continue
+        size, ids = _get_shard_size_and_offsets(sizes[p.dim], mesh_shape[mesh_dim], coordinate[mesh_dim], p,
+                                                index.get(p.dim), global_shape[p.dim], False)
+        if size == 0:
+            return []
+        sizes[p.dim], index[p.dim] = size, ids
+    runs = []  # per dimension: [(global start, local start, length)]
+    for dim, size in enumerate(global_shape):
+        ids = index[dim].tolist() if dim in index else None
+        if ids is None:
+            runs.append([(0, 0, size)])
+            continue
+        cuts = [0] + [i for i in range(1, len(ids)) if ids[i] != ids[i - 1] + 1] + [len(ids)]
+        runs.append([(ids[a], a, b - a) for a, b in zip(cuts, cuts[1:])])
+    boxes = []
+    for combo in itertools.product(*runs):
+        shape = tuple(n for _, _, n in combo)
+        if all(shape):
+            boxes.append((tuple(g for g, _, _ in combo), shape, tuple(slice(a, a + n) for _, a, n in combo)))
+    return boxes
+
+
+def _dtensor_boxes(t) -> list[tuple[tuple, tuple, tuple]]:
+    mesh = t.device_mesh
+    return local_boxes(tuple(t.shape), tuple(mesh.shape), mesh.get_coordinate(), t.placements)
 
 
 def _is_dtensor(t) -> bool:
@@ -153,38 +209,67 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
-def _my_pieces(d, group, states: dict[str, dict]) -> tuple[dict[str, dict[str, torch.Tensor]],
-                                                          dict[str, dict[str, tuple]]]:
-    """The pieces this rank writes: {kind: {key: local tensor}} and {kind: {key: (offsets, global shape)}}.
+Slices = dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
 
-    A DTensor's piece is written by the ranks at coordinate 0 of each replicated mesh dimension; a plain
-    tensor (every holder has it whole) by one holder: largest first, each to the holder with the fewest bytes
-    so far (the same choice on every rank, from one all_gather of the plain tensors' names and sizes).
+
+def _plain_box(slices: Slices, kind: str, key: str, t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, global shape) of a plain tensor: the whole tensor, or the slice of a larger one that the
+    parallel kind says this rank holds (`Parallelized.checkpoint_slices`: {parameter name: (offsets, local shape,
+    global shape)}, expert parallel's experts); an optimizer state of the parameter's shape is sliced alike."""
+    box = slices.get(key if kind == "model" else key.rsplit("/", 1)[0])
+    if box is not None and tuple(t.shape) == tuple(box[1]):
+        return tuple(box[0]), tuple(box[2])
+    return (0,) * t.ndim, tuple(t.shape)
+
+
+def _my_pieces(d, group, states: dict[str, dict], slices: Slices) -> tuple[dict[str, dict[str, torch.Tensor]],
+                                                                         dict[str, dict[str, tuple]]]:
+    """The pieces this rank writes: {kind: {stored key: tensor}} and {kind: {stored key: (tensor key, offsets,
+    global shape)}}; the stored key is the tensor's, or `{key}#{n}` for each box of a share that is several.
+
+    A DTensor's share is written by the ranks at coordinate 0 of each replicated mesh dimension; a plain
+    tensor, or a plain slice (`slices`), held whole by several ranks by one holder: largest first, each to the
+    holder with the fewest bytes so far (the same choice on every rank, from one all_gather of the plain
+    pieces' names and sizes). A pipeline stage's tensors have one holder per data-parallel replica.
     """
     tensors: dict[str, dict[str, torch.Tensor]] = {k: {} for k in states}
     boxes: dict[str, dict[str, tuple]] = {k: {} for k in states}
     plain: dict[str, int] = {}
+    mine: dict[str, tuple] = {}
     for kind, sd in states.items():
         for key, t in sd.items():
             if _is_dtensor(t):
-                shape, offsets = _dtensor_box(t)
                 coord = t.device_mesh.get_coordinate()
-                replica0 = all(c == 0 for c, p in zip(coord, t.placements) if not p.is_shard())
+                if any(c and not _is_shard(p) for c, p in zip(coord, t.placements)):
+                    continue  # a replica of a piece the rank at coordinate 0 writes
                 local = t.to_local()
-                if replica0 and (local.numel() or not shape):
-                    tensors[kind][key], boxes[kind][key] = local, (offsets, tuple(t.shape))
+                parts = _dtensor_boxes(t)
+                for n, (offsets, _, where) in enumerate(parts):
+                    stored = key if len(parts) == 1 else f"{key}#{n}"
+                    tensors[kind][stored], boxes[kind][stored] = local[where], (key, offsets, tuple(t.shape))
             else:
-                plain[f"{kind}:{key}"] = t.numel() * t.element_size()
+                offsets, glob = _plain_box(slices, kind, key, t)
+                name = f"{kind}:{key}@{list(offsets)}"
+                plain[name], mine[name] = t.numel() * t.element_size(), (kind, key, offsets, glob)
     held = _all_gather(d, group, plain)
     load = [0] * len(held)
     for name in sorted(set().union(*held), key=lambda n: (-max(h.get(n, 0) for h in held), n)):
         writer = min((r for r, h in enumerate(held) if name in h), key=lambda r: (load[r], r))
         load[writer] += held[writer][name]
         if writer == d.rank:
-            kind, key = name.split(":", 1)
-            t = states[kind][key]
-            tensors[kind][key], boxes[kind][key] = t, ((0,) * t.ndim, tuple(t.shape))
+            kind, key, offsets, glob = mine[name]
+            tensors[kind][key], boxes[kind][key] = states[kind][key], (key, offsets, glob)
     return tensors, boxes
+
+
+def _merged_groups(everyone: list[list[dict]]) -> list[dict]:
+    """The optimizer's param_groups of the whole model from every rank's: a pipeline stage's groups name its own
+    parameters only, so each group's params are the union (in rank order); the hyperparameters are the same."""
+    if len({len(groups) for groups in everyone}) > 1:
+        raise KilnError("the ranks' optimizers have different numbers of parameter groups; "
+                        "checkpoint.format=sharded needs one layout on every rank (use checkpoint.format=full)")
+    return [{**g, "params": list(dict.fromkeys(p for groups in everyone for p in groups[i]["params"]))}
+            for i, g in enumerate(everyone[0])]
 
 
 def _jsonable_groups(groups: list[dict]) -> list[dict]:
@@ -221,12 +306,15 @@ class ShardedCheckpoint:
     def gather(self, parallel, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         """This rank's pieces {kind: {key: local tensor}} and {"boxes", "param_groups"}; every rank calls it,
         after the previous background save ended (the checkpoint group is free again)."""
-        return self.pieces(parallel.model, optimizer)
+        return self.pieces(parallel.model, optimizer, parallel.checkpoint_slices())
 
-    def pieces(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    def pieces(self, model: nn.Module, optimizer: torch.optim.Optimizer, slices: Slices | None = None
+               ) -> tuple[dict, dict]:
         states, param_groups = _state_dicts(model, optimizer)
-        tensors, boxes = _my_pieces(self.d, _group(self.d, self.timeout_s), states)
-        return tensors, {"boxes": boxes, "param_groups": _jsonable_groups(param_groups)}
+        group = _group(self.d, self.timeout_s)
+        tensors, boxes = _my_pieces(self.d, group, states, slices or {})
+        groups = _merged_groups(_all_gather(self.d, group, _jsonable_groups(param_groups)))
+        return tensors, {"boxes": boxes, "param_groups": groups}
 
     def write(self, root: Path, step: int, weights: tuple[dict, dict], rngs: list, state: dict, config_yaml: str,
               tokenizer_file: Path, fields: dict, signing_key: str | None) -> Path:
@@ -251,7 +339,7 @@ class ShardedCheckpoint:
         return {**data, "model": model_shapes(folder), "folder": Path(folder)}
 
     def load(self, parallel, optimizer: torch.optim.Optimizer, data: dict[str, Any]) -> None:
-        load(data["folder"], parallel.model, optimizer, self.d, self.timeout_s)
+        load(data["folder"], parallel.model, optimizer, self.d, self.timeout_s, parallel.checkpoint_slices())
 
 
 def _open_stage(d, group, final: Path):
@@ -302,13 +390,19 @@ def _write_rank_files(d, tmp: Path, tensors: dict, boxes: dict) -> dict[str, dic
         raise KilnError(f"rank {d.rank} on host {d.host} does not see the staging folder {tmp}: "
                         "checkpoint.format=sharded needs out_dir on a filesystem every rank shares "
                         "(or use checkpoint.format=full)")
-    pieces: dict[str, dict[str, Piece]] = {}
+    pieces: dict[str, dict[str, Piece | list[Piece]]] = {}
     names = []
     for kind in KINDS:
         name = rank_file(kind, d.rank)
         write_pieces(tmp / name, tensors[kind])
-        pieces[kind] = {k: Piece(name, offsets, tuple(tensors[kind][k].shape), glob, dtype_name(tensors[kind][k].dtype))
-                        for k, (offsets, glob) in boxes[kind].items()}
+        pieces[kind] = {}
+        for stored, (key, offsets, glob) in boxes[kind].items():
+            t = tensors[kind][stored]
+            if stored == key:
+                pieces[kind][key] = Piece(name, offsets, tuple(t.shape), glob, dtype_name(t.dtype))
+            else:  # one of several boxes of this rank's share
+                pieces[kind].setdefault(key, []).append(Piece(name, offsets, tuple(t.shape), glob,
+                                                              dtype_name(t.dtype), stored))
         names.append(name)
     name = rank_file("index", d.rank, "json")
     write_index(tmp / name, pieces)
@@ -420,66 +514,88 @@ def model_shapes(folder: Path) -> dict[str, torch.Tensor]:
         return {k: torch.empty(p.global_shape(k), dtype=p.dtype(k), device="meta") for k in p.keys()}
 
 
-def _fill(p: PieceIndex, key: str, t: torch.Tensor) -> None:
-    """Read this rank's part of tensor `key` (its DTensor shard, or the whole of a plain tensor) into `t`."""
-    if tuple(p.global_shape(key)) != tuple(t.shape):
-        raise KilnError(f"{p.folder}: {key} is {list(p.global_shape(key))} in the checkpoint and "
-                        f"{list(t.shape)} in this model; it was written for a model of another size")
+def _fill(p: PieceIndex, kind: str, key: str, t: torch.Tensor, slices: Slices) -> None:
+    """Read this rank's part of tensor `key` (its DTensor share, the slice `slices` names, or the whole of a plain
+    tensor) into `t`."""
     if _is_dtensor(t):
-        shape, offsets = _dtensor_box(t)
-        local = t.to_local()
+        glob, local = tuple(t.shape), t.to_local()
+        parts = [(offsets, where) for offsets, _, where in _dtensor_boxes(t)]
     else:
-        offsets, local = (0,) * t.ndim, t
-    if local.numel() == 0 and local.ndim:
-        return
-    if local.device.type == "cpu":
-        p.read_box(key, local, offsets)
-    else:
-        local.copy_(p.read_box(key, torch.empty(local.shape, dtype=local.dtype), offsets))
+        (offsets, glob), local = _plain_box(slices, kind, key, t), t
+        parts = [(offsets, (slice(None),) * t.ndim)] if t.numel() or not t.ndim else []
+    if tuple(p.global_shape(key)) != glob:
+        raise KilnError(f"{p.folder}: {key} is {list(p.global_shape(key))} in the checkpoint and "
+                        f"{list(glob)} in this model; it was written for a model of another size")
+    for offsets, where in parts:
+        view = local[where]
+        if view.device.type == "cpu":
+            p.read_box(key, view, offsets)
+        else:
+            view.copy_(p.read_box(key, torch.empty(view.shape, dtype=view.dtype), offsets))
 
 
-def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, d, timeout_s: float = 1800) -> None:
-    """Fill the model and optimizer (any world size, FSDP2/HSDP/DDP/one process) from a sharded checkpoint.
+def _raise_first(errors: list[str | None]) -> None:
+    """The ranks' errors (every rank has them all): the first one raised, on every rank."""
+    errors = [e for e in errors if e]
+    if errors:
+        raise IntegrityError(errors[0] if len(errors) == 1 else f"{errors[0]} (and {len(errors) - 1} more ranks)")
 
-    Every rank reads only the slices of its own shards (the whole tensors under DDP or one process). Every rank
-    calls this; a failure on any rank stops every rank with its message. Memory: one shard's box at a time on
-    GPU runs (a CPU staging buffer), nothing extra on CPU.
+
+def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, d, timeout_s: float = 1800,
+         slices: Slices | None = None) -> None:
+    """Fill the model and optimizer (any world size and mesh: FSDP2/HSDP, DDP, tensor parallel, a pipeline stage,
+    expert slices, one process) from a sharded checkpoint.
+
+    Every rank reads only the slices of its own share (`slices`: Parallelized.checkpoint_slices, the plain
+    tensors that are parts of larger ones; a pipeline stage's model holds its own layers only). Every rank calls
+    this; a failure on any rank stops every rank with its message. Memory: one box at a time on GPU runs (a CPU
+    staging buffer), nothing extra on CPU.
     """
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 
-    folder = Path(folder)
+    folder, slices = Path(folder), slices or {}
     group = _group(d, timeout_s)
-    error = None
+    error, index, optim_sd = None, {}, {"param_groups": []}
     try:
         index = read_index(folder)
         with torch.no_grad(), PieceIndex(folder, index["index_files"], "model") as p:
             model_sd = get_model_state_dict(model)
             for key, t in model_sd.items():
-                _fill(p, key, t)
+                _fill(p, "model", key, t, slices)
         set_model_state_dict(model, model_sd)
         optim_sd = get_optimizer_state_dict(model, optimizer)  # builds the state to fill (a zero step)
         with torch.no_grad(), PieceIndex(folder, index["index_files"], "optimizer") as p:
             for fqn, entries in optim_sd["state"].items():
                 for name, t in entries.items():
-                    _fill(p, f"{fqn}/{name}", t)
-        optim_sd["param_groups"] = _restore_groups(index["param_groups"], optim_sd["param_groups"], folder)
+                    _fill(p, "optimizer", f"{fqn}/{name}", t, slices)
+    except (KilnError, OSError, RuntimeError, ValueError) as exc:
+        error = f"rank {d.rank}: {exc}"
+    # Each rank's parameter names too: a pipeline stage's groups are a part of the checkpoint's.
+    held = _all_gather(d, group, (error, [g["params"] for g in optim_sd["param_groups"]]))
+    _raise_first([e for e, _ in held])
+    try:
+        optim_sd["param_groups"] = _restore_groups(index["param_groups"], optim_sd["param_groups"],
+                                                   [params for _, params in held], folder)
         set_optimizer_state_dict(model, optimizer, optim_sd)
     except (KilnError, OSError, RuntimeError, ValueError) as exc:
         error = f"rank {d.rank}: {exc}"
-    errors = [e for e in _all_gather(d, group, error) if e]
-    if errors:
-        raise IntegrityError(errors[0] if len(errors) == 1 else f"{errors[0]} (and {len(errors) - 1} more ranks)")
+    _raise_first(_all_gather(d, group, error))
 
 
-def _restore_groups(saved: list[dict], current: list[dict], folder: Path) -> list[dict]:
-    """The saved param_groups, with JSON's lists back to tuples where the optimizer has tuples (betas)."""
-    if [sorted(g["params"]) for g in saved] != [sorted(g["params"]) for g in current]:
+def _restore_groups(saved: list[dict], current: list[dict], everyone: list[list[list[str]]], folder: Path
+                    ) -> list[dict]:
+    """The saved param_groups' settings for this rank's groups, with JSON's lists back to tuples where the
+    optimizer has tuples (betas). The saved groups' parameters must be those of every rank's groups together
+    (a pipeline stage holds some of them)."""
+    union = [sorted(set().union(*(ranks[i] for ranks in everyone))) for i in range(len(current))]
+    if len(saved) != len(current) or [sorted(g["params"]) for g in saved] != union:
         raise KilnError(f"{folder}: the optimizer's parameter groups differ from this model's; it was written "
                         "for another model")
     out = []
     for s, c in zip(saved, current):
-        out.append({k: tuple(v) if isinstance(c.get(k), tuple) and isinstance(v, list) else v for k, v in s.items()})
+        settings = {k: tuple(v) if isinstance(c.get(k), tuple) and isinstance(v, list) else v for k, v in s.items()}
+        out.append({**settings, "params": c["params"]})
     return out
 
 

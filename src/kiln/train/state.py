@@ -112,16 +112,16 @@ class RunInputs:
 
 
 def checkpoint_format(cfg: CheckpointConfig, parallel: Parallelized, d: Dist) -> FullCheckpoint | ShardedCheckpoint:
-    """checkpoint.format, or its default: sharded when the parameters are FSDP2/HSDP shards, else full. Tensor,
-    pipeline and expert parallel save in the full format for now (`writes_sharded_checkpoints`: their pieces are
-    not in the sharded index yet; FSDP on top of TP shards a dimension twice), so asking for sharded there is
-    refused; one process and DDP may ask for it (each tensor is one piece)."""
+    """checkpoint.format, or its default: sharded whenever some parameter is split over ranks
+    (`splits_parameters`: FSDP2/HSDP shards, tensor parallel, pipeline stages, expert slices, and their
+    combinations), else full; one process and DDP may ask for sharded too (each tensor is one piece). A kind
+    that cannot write its pieces (`writes_sharded_checkpoints` False; none today) refuses sharded."""
     can = parallel.writes_sharded_checkpoints
-    if resolve_format(cfg.format, parallel.sharded and can) == "full":
+    if resolve_format(cfg.format, parallel.splits_parameters and can) == "full":
         return FullCheckpoint()
     if not can:
-        raise ConfigError(f"checkpoint.format=sharded is not supported with parallel {parallel.name!r} yet "
-                          "(tensor, pipeline or expert parallel); set checkpoint.format: full")
+        raise ConfigError(f"checkpoint.format=sharded is not supported with parallel {parallel.name!r}; "
+                          "set checkpoint.format: full")
     return ShardedCheckpoint(d, cfg.save_timeout_s)
 
 

@@ -19,8 +19,9 @@ each one (n_experts, C, dim) activation, the size of the unsharded layer's.
 
 In `kiln train` (`ExpertParallel`) expert parallel composes with DDP replicas: DDP skips the expert weights,
 whose gradients are averaged over the ranks holding the same experts; clipping norms add the experts' squares
-over the expert group; full checkpoints gather the experts whole and a resume slices them again. Not yet with
-FSDP2, tensor or pipeline parallel.
+over the expert group; a sharded checkpoint holds each rank's experts as a box of the whole tensor along the
+expert dimension (`checkpoint_slices`), full checkpoints gather the experts whole and a resume slices them
+again. Not yet with FSDP2, tensor or pipeline parallel.
 """
 
 from __future__ import annotations
@@ -138,6 +139,17 @@ class ExpertParallel:
                     squares[row, i] = torch.nn.utils.get_total_norm(grads).double() ** 2
         dist.all_reduce(squares[1], group=self.group)
         return {g: squares[:, i].sum().sqrt().float() for i, g in enumerate(names)}
+
+    def checkpoint_slices(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+        """{expert weight's name: (offsets, local shape, global shape)}: this rank's experts are rows
+        [ep_rank·local, (ep_rank+1)·local) of the whole model's (n_experts, ...) tensor (a sharded checkpoint's
+        box; the replicas holding the same experts write it once)."""
+        out = {}
+        for name, p in zip(self.names, self.params):
+            name = name.replace("_checkpoint_wrapped_module.", "")  # as torch.distributed.checkpoint names it
+            local = tuple(p.shape)
+            out[name] = ((self.ep_rank * local[0],) + (0,) * (p.ndim - 1), local, (local[0] * self.ep, *local[1:]))
+        return out
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist

@@ -52,6 +52,7 @@ class Parallelized:
     pipeline = None  # a pipeline.Pipeline: the engine then steps through its schedule (Engine.train_step)
     every_rank_reads = False  # a resume reads the full checkpoint on every rank (each keeps its part), not rank 0
     writes_sharded_checkpoints = True  # checkpoint.format=sharded can save it (sharded_checkpoint.py)
+    splits_parameters = False  # some parameter is split over ranks: sharded checkpoints are then the default
 
     def __init__(self, model: nn.Module, d: Dist, autocast: torch.dtype | None, loss_fn: Callable,
                  mesh: Mesh | None = None) -> None:
@@ -89,6 +90,12 @@ class Parallelized:
         """Load full (unsharded) weights and optimizer state, read by rank 0 (the others pass empty dicts)."""
         self.model.load_state_dict(model_sd)
         optimizer.load_state_dict(optim_sd)
+
+    def checkpoint_slices(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+        """For a sharded checkpoint: {parameter name: (offsets, local shape, global shape)} of the plain tensors
+        that are a slice of the whole model's (DTensors say their place themselves; a pipeline stage's layers
+        are whole tensors under the whole model's names)."""
+        return {}
 
     def sum_shards_(self, t: torch.Tensor) -> torch.Tensor:
         """A sum over this rank's parameters -> the sum over the whole model (in place; no host sync)."""
@@ -133,7 +140,7 @@ class TensorParallelModel(Parallelized):
 
     name = "tp"
     sharded = True
-    writes_sharded_checkpoints = False  # the tensor-parallel pieces are not in the sharded index yet
+    splits_parameters = True
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -164,10 +171,6 @@ class FSDPModel(TensorParallelModel):
 
     name = "fsdp"
 
-    @property
-    def writes_sharded_checkpoints(self) -> bool:
-        return self.mesh.tp == 1  # FSDP2 over tensor-parallel DTensors shards a dimension twice (_StridedShard)
-
     @contextmanager
     def no_sync(self, last: bool):
         # FSDP2: gradients are reduce-scattered after every micro-batch, so each rank accumulates only its
@@ -197,12 +200,13 @@ def _load_broadcast(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd
 class ExpertParallelModel(DDPModel):
     """Expert parallel (parallel.ep) over DDP replicas: each rank holds n_experts/ep of every MoE block's experts
     (expert.py). DDP skips the expert weights, whose gradients the ranks holding the same experts average after
-    backward; the clipping norms add the experts' squares over the expert group; full checkpoints gather the
-    experts whole, and a resume (every rank reads the checkpoint) slices them again."""
+    backward; the clipping norms add the experts' squares over the expert group; a sharded checkpoint (the
+    default) has each rank write its experts as a box of the whole (n_experts, ...) tensor; full checkpoints
+    gather the experts whole, and a resume (every rank reads the checkpoint) slices them again."""
 
     name = "ddp+ep"
     every_rank_reads = True
-    writes_sharded_checkpoints = False  # the expert slices are not in the sharded index yet
+    splits_parameters = True
 
     def __init__(self, model: nn.Module, d: Dist, autocast: torch.dtype | None, loss_fn: Callable,
                  mesh: Mesh | None = None, experts=None) -> None:
@@ -218,6 +222,9 @@ class ExpertParallelModel(DDPModel):
         self.model.load_state_dict(model_sd)
         optimizer.load_state_dict(optim_sd)
 
+    def checkpoint_slices(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+        return self.experts.checkpoint_slices()
+
     def after_backward(self) -> None:
         self.experts.sync_gradients()
 
@@ -229,12 +236,13 @@ class PipelineModel(Parallelized):
     """Pipeline parallel (parallel.pp): this rank's stages only (`model` is the part the optimizer sees), driven
     by the schedule in Engine.train_step; each stage is sharded by FSDP2 or its replicas average gradients after
     the step (pipeline.build_pipeline). The loss is the last stage's, agreed over the pipeline; gradient norms add
-    their squares over the stages; evaluation runs forward only through the schedule; full checkpoints gather
-    every stage on rank 0 under the whole model's names, and a resume (every rank reads) keeps each stage's part."""
+    their squares over the stages; evaluation runs forward only through the schedule; sharded checkpoints (the
+    default) have each stage write its own layers under the whole model's names; full ones gather every stage on
+    rank 0, and a resume (every rank reads) keeps each stage's part."""
 
     name = "pp"
     every_rank_reads = True
-    writes_sharded_checkpoints = False  # a stage's pieces are not in the sharded index yet
+    splits_parameters = True
 
     def __init__(self, model: nn.Module, d: Dist, autocast: torch.dtype | None, loss_fn: Callable,
                  mesh: Mesh | None = None, pipeline=None) -> None:
