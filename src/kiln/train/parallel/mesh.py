@@ -181,7 +181,9 @@ def _check_expert_parallel(degrees: Degrees, cfg: Config) -> None:
 
 @dataclass
 class Mesh:
-    """Where this rank sits in the degrees, and the DeviceMesh (made on first use: a DDP run needs none)."""
+    """Where this rank sits in the degrees, and the DeviceMesh (made on first use: a DDP run needs none). Every
+    mode takes its device mesh from here: FSDP2/HSDP (`dp_mesh`), tensor parallel (`tp_mesh`), the pipeline
+    (`pp_mesh`); nothing else calls init_device_mesh, so the rank order is this one everywhere."""
 
     degrees: Degrees
     rank: int
@@ -245,13 +247,19 @@ class Mesh:
 
     @property
     def dp_mesh(self):
-        """FSDP2's mesh: [replicate, shard] (HSDP) when both are > 1, else the shard dimension alone; None when
-        neither tensor nor pipeline parallel is on (apply_fsdp then builds the data-parallel mesh itself)."""
-        if self.degrees.tp == 1 and self.degrees.pp == 1:
-            return None
-        if self.degrees.dp_replicate > 1 and self.degrees.dp_shard > 1:
+        """FSDP2's mesh, the data-parallel dimensions of the one DeviceMesh, in every mode (plain FSDP2/HSDP too):
+        [dp_replicate, dp_shard] (HSDP) whenever dp_replicate > 1, else dp_shard alone. With dp_shard = 1 the
+        2-D mesh is still HSDP: each replica holds the whole model (what parallel.mesh [R, 1] has always meant);
+        FSDP2 given the replicate dimension alone would shard over it instead."""
+        if self.degrees.dp_replicate > 1:
             return self.device_mesh["dp_replicate", "dp_shard"]
-        return self.device_mesh["dp_replicate" if self.degrees.dp_replicate > 1 else "dp_shard"]
+        return self.device_mesh["dp_shard"]
+
+    @property
+    def replicas_group(self):
+        """The process group of the data-parallel replicas when parallel.mode is ddp (dp_shard = 1): ranks that
+        average gradients themselves (a pipeline stage's replicas)."""
+        return self.device_mesh["dp_replicate"].get_group()
 
 
 def build_mesh(cfg: Config, d, vocab_size: int) -> Mesh:

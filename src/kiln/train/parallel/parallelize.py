@@ -26,7 +26,7 @@ from kiln.config import ParallelConfig, TrainConfig
 from kiln.errors import KilnError
 from kiln.train.clip import GROUPS, group_norms
 from kiln.train.parallel.dist import Dist, all_reduce_, init_single_process_group
-from kiln.train.parallel.mesh import Mesh, resolve_degrees
+from kiln.train.parallel.mesh import Degrees, Mesh, resolve_degrees
 from kiln.train.precision import apply_precision_policy, modules_of_kind
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -317,7 +317,7 @@ def parallelize(model: nn.Module, d: Dist, cfg: ParallelConfig, precision: Preci
         autocast = None if sharded else autocast
     elif kind is FSDPModel:
         try:
-            apply_fsdp(model, d, cfg.mesh, precision.dtype, list(precision.fp32_modules), mesh.dp_mesh)  # 5
+            apply_fsdp(model, d, mesh, precision.dtype, list(precision.fp32_modules))  # 5
         except ValueError as exc:
             raise KilnError(str(exc)) from None
         autocast = None  # FSDP2's mixed-precision policy casts parameters instead
@@ -358,31 +358,25 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
-def apply_fsdp(model: nn.Module, d: Dist, mesh_shape: list[int] | None, param_dtype: torch.dtype | None,
-               fp32_kinds: list[str] = (), dp_mesh=None) -> None:
-    """FSDP2: shard each block, then the root; a 2-D mesh [replicate, shard] gives hybrid sharding (HSDP).
+def apply_fsdp(model: nn.Module, d: Dist, mesh: Mesh | None = None, param_dtype: torch.dtype | None = None,
+               fp32_kinds: list[str] = ()) -> None:
+    """FSDP2: shard each block, then the root, over `mesh.dp_mesh` (mesh.py): the data-parallel dimensions of the
+    run's one DeviceMesh, [dp_replicate, dp_shard] for hybrid sharding (HSDP). `mesh` None: plain FSDP2 over all
+    d.world ranks (benchmarks and tests of a bare model), a Mesh all the same.
 
     `fp32_kinds` (train.fp32_modules) are sharded as groups of their own whose parameters are gathered in
     fp32 and whose inputs are cast to fp32: FSDP2's counterpart of running them outside autocast. Their
     outputs return in the compute dtype, which the rest of the block expects, except the output head's:
     fp32 logits are why one keeps the head in fp32.
     """
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if model.config.tie_embeddings and {"output", "embeddings"} & set(fp32_kinds):
         raise ValueError("train.fp32_modules with 'output' or 'embeddings' needs untied embeddings under FSDP2 "
                         "(one weight cannot sit in two shard groups of different dtypes); set "
                         "model.tie_embeddings: false, or use parallel.mode=ddp")
-    init_single_process_group(d)  # FSDP2 on one device (no torchrun)
-    shape = tuple(mesh_shape) if mesh_shape else (d.world,)
-    if dp_mesh is None and int(torch.tensor(shape).prod()) != d.world:
-        raise ValueError(
-            f"parallel.mesh={list(shape)} multiplies to {int(torch.tensor(shape).prod())}, not the {d.world} ranks"
-        )
-    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
-    # dp_mesh: the data-parallel dimensions of mesh.py's DeviceMesh, when tensor/pipeline parallel share it
-    mesh = dp_mesh if dp_mesh is not None else init_device_mesh(d.device.type, shape, mesh_dim_names=names)
+    init_single_process_group(d)  # FSDP2 on one device (no torchrun), before the DeviceMesh is made
+    dp_mesh = (mesh or Mesh(Degrees(dp_shard=d.world, mode="fsdp"), d.rank, d.device.type)).dp_mesh
     # Parameters are gathered in the compute dtype; gradients are reduced in fp32 so small updates survive.
     # Inputs are not cast: a block's activations are already in the compute dtype, and casting would turn the
     # fp32 RoPE tables to bf16 in every block, which DDP under autocast does not do (torchtitan: the same).
@@ -392,9 +386,9 @@ def apply_fsdp(model: nn.Module, d: Dist, mesh_shape: list[int] | None, param_dt
             keep = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
                                         output_dtype=None if kind == "output" else param_dtype)
             for module in modules_of_kind(model, kind):
-                fully_shard(module, mesh=mesh, mp_policy=keep)
+                fully_shard(module, mesh=dp_mesh, mp_policy=keep)
     for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp)
     # The root group (embeddings, final norm, head) is used again at once by backward: resharding it after
     # forward would only gather it again. A GPU run confirms the memory/communication trade on the 1B model.
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
