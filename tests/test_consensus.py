@@ -191,3 +191,29 @@ def test_a_flipped_byte_in_any_file_sends_every_rank_back_with_one_line(agreemen
 def test_ranks_wait_for_a_slow_hasher_on_the_checkpoint_timeout_not_the_step_timeout(agreements):
     seen, _ = agreements
     assert [rank["slow"]["folder"] for rank in seen] == ["step-00000002"] * 2
+
+
+def test_the_checkpointer_agrees_under_the_watchdogs_saving_and_the_save_timeout(tmp_path, monkeypatch):
+    """A rollback's agreement runs while the watchdog is up: the ranks hash under Watchdog.saving (judged against
+    checkpoint.save_timeout_s, not stall_timeout_s), and the collectives get the same timeout. (agreed_checkpoint
+    is replaced by a probe; the real one runs on gloo ranks above.)"""
+    from kiln.config import CheckpointConfig, WatchdogConfig
+    from kiln.train import consensus
+    from kiln.train.parallel import Dist
+    from kiln.train.parts.watchdog import Watchdog
+    from kiln.train.state import Checkpointer, FullCheckpoint, TrainState
+
+    dog = Watchdog(Dist(), WatchdogConfig(stall_timeout_s=30), tmp_path)
+    seen = {}
+
+    def probe(d, root, log, public_key=None, before=None, timeout_s=None):
+        seen.update(saving=dog.save_timeout_s, timeout_s=timeout_s, before=before)
+        return None
+
+    monkeypatch.setattr(consensus, "agreed_checkpoint", probe)
+    checkpointer = Checkpointer(CheckpointConfig(save_timeout_s=900), tmp_path, TrainState([], 1, "0"), None, Dist(),
+                                None, "", lambda: None, lambda _: None, lambda _: None, dog, fmt=FullCheckpoint())
+    progress = dog.progress
+    assert checkpointer.agreed(before=7) is None
+    assert seen == {"saving": 900, "timeout_s": 900, "before": 7}
+    assert dog.save_timeout_s is None and dog.progress == progress + 1  # the end of the hashing is progress
