@@ -71,7 +71,7 @@ def mesh_for(world: int, rank: int = 0, vocab: int = 1024, **sections) -> Mesh:
     ({"parallel": {"pp": 2}, "train": {"dtype": "fp16"}}, "does not combine with train.dtype=fp16"),
     ({"parallel": {"pp": 2}, "train": {"micro_batch_size": 1}}, "unset train.micro_batch_size"),
     ({"parallel": {"ep": 2}}, "model.moe.n_experts=0; set parallel.ep=1"),
-    ({"parallel": {"ep": 2, "mode": "fsdp"}, "model": {"moe": {"n_experts": 4}}}, "it needs DDP replicas"),
+    ({"parallel": {"ep": 2, "compile": True}, "model": {"moe": {"n_experts": 4}}}, "combine with parallel.compile"),
     ({"parallel": {"ep": 3}, "model": {"moe": {"n_experts": 4}}}, "must divide model.moe.n_experts=4"),
 ])
 def test_model_that_the_degrees_cannot_split_is_a_config_error(sections, words):
@@ -129,18 +129,19 @@ def test_gpu_parallel_benchmark_smoke_runs_three_layouts_on_cpu(tmp_path):
 
 def test_one_parallelized_kind_per_combination_of_degrees():
     """parallelize's kind_for: the one place the degrees pick how the model is wrapped, gathered and loaded."""
-    from kiln.train.parallel.parallelize import (DDPModel, ExpertParallelModel, FSDPModel, Parallelized,
-                                                 PipelineModel, TensorParallelModel, kind_for)
+    from kiln.train.parallel.parallelize import (DDPModel, ExpertFSDPModel, ExpertParallelModel, FSDPModel,
+                                                 Parallelized, PipelineModel, TensorParallelModel, kind_for)
 
     cases = [(Degrees(), Parallelized), (Degrees(dp_replicate=4, mode="ddp"), DDPModel),
              (Degrees(dp_shard=4, mode="fsdp"), FSDPModel), (Degrees(tp=2), TensorParallelModel),
              (Degrees(dp_shard=2, tp=2, mode="fsdp"), FSDPModel),
              (Degrees(pp=2, dp_shard=2, mode="fsdp"), PipelineModel),
              (Degrees(pp=2, dp_replicate=2, mode="ddp"), PipelineModel),
-             (Degrees(dp_replicate=4, mode="ddp", ep=2), ExpertParallelModel)]
+             (Degrees(dp_replicate=4, mode="ddp", ep=2), ExpertParallelModel),
+             (Degrees(dp_shard=4, mode="fsdp", ep=2), ExpertFSDPModel)]
     for degrees, kind in cases:
         assert kind_for(Mesh(degrees, 0)) is kind, degrees
-    assert PipelineModel.every_rank_reads and ExpertParallelModel.every_rank_reads
+    assert PipelineModel.every_rank_reads and ExpertParallelModel.every_rank_reads and ExpertFSDPModel.every_rank_reads
     assert not (Parallelized.every_rank_reads or FSDPModel.every_rank_reads)
 
 

@@ -167,8 +167,7 @@ def _check_expert_parallel(degrees: Degrees, cfg: Config) -> None:
     if m.moe.n_experts % p.ep or degrees.dp % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.n_experts={m.moe.n_experts} and the "
                           f"{degrees.dp} data-parallel ranks; choose a divisor of both")
-    unsupported = [(degrees.mode != "ddp", f"parallel.mode={degrees.mode} (it needs DDP replicas: parallel.mode "
-                    "ddp or auto, no dp_shard)"), (degrees.tp > 1, "parallel.tp>1"),
+    unsupported = [(degrees.tp > 1, "parallel.tp>1"),
                    (degrees.pp > 1, "parallel.pp>1"), (p.compile, "parallel.compile"),
                    (bool(cfg.eval.tasks), "eval.tasks (rows of any length: ranks would send the all-to-all "
                     "different sizes)"),
