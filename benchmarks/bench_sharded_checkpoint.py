@@ -1,8 +1,9 @@
 """Sharded against full checkpoints on 2 FSDP2 ranks (gloo, CPU): save time, load time, and rank 0's peak RSS
 during a save, in the same run.
 
-State: a Llama of ~50 M parameters (d=512, 6 layers, vocabulary 32,000) sharded by FSDP2 over 2 ranks, after
-one AdamW step: weights + exp_avg + exp_avg_sq, ~600 MB of fp32 tensors in all, ~300 MB per rank.
+State: a Llama of ~170 M parameters (d=1024, 8 layers, vocabulary 32,000) sharded by FSDP2 over 2 ranks, after
+one AdamW step: weights + exp_avg + exp_avg_sq, ~2 GB of fp32 tensors in all, ~1 GB per rank (the largest that
+fits beside other jobs on a 24 GiB, 2-core machine with room for the full format's gather on rank 0).
 
   full     what the trainer does for checkpoint.format=full: gather the whole weights and optimizer state
            (get_model_state_dict / get_optimizer_state_dict, full_state_dict, cpu_offload) onto rank 0, which
@@ -12,7 +13,14 @@ one AdamW step: weights + exp_avg + exp_avg_sq, ~600 MB of fp32 tensors in all, 
            and the manifest; load: each rank reads the slices of its own shard (sharded_checkpoint.load).
 
 Times are rank 0's wall clock from the call until every rank is done (a barrier), medians of RUNS rounds with
-the order flipped every round; the files are in the page cache when read. RSS: rank 0's resident memory
+the order flipped every round; the files are in the page cache when read.
+
+Resume-time hashing, on the last round's checkpoint of each format (in the page cache: the hashing's CPU time):
+  serial    what consensus.agreed_checkpoint did before: rank 0 hashes every file, the other ranks their small
+            files, then a barrier
+  parallel  consensus.agreed_checkpoint: every rank hashes its share (hash_shares), one thread each
+  verify    one process hashing the whole folder (kiln ckpt verify's verify_folder) with 1 thread and with
+            manifest.HASH_THREADS threads RSS: rank 0's resident memory
 sampled every 2 ms during the save: its peak, and the peak less what it held before the save (the growth;
 a tensor this large is mmapped by glibc and returned to the system when freed, so rounds do not mask each
 other).
@@ -34,7 +42,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = 5
+RUNS = 3
+DIM, LAYERS, HEADS = 1024, 8, 16
 
 
 class PeakRSS:
@@ -82,7 +91,7 @@ def worker(out: Path) -> None:
     d = parallel.Dist(rank=dist.get_rank(), world=dist.get_world_size())
     torch.manual_seed(0)
     vocab = 32_000
-    model = build_model(ModelConfig(dim=512, n_layers=6, n_heads=8), vocab_size=vocab, max_seq_len=64)
+    model = build_model(ModelConfig(dim=DIM, n_layers=LAYERS, n_heads=HEADS), vocab_size=vocab, max_seq_len=64)
     apply_fsdp(model, d, None, None)
     fsdp = FSDPModel(model, d, None, None)  # how the trainer gathers and loads full states under FSDP2
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -136,15 +145,59 @@ def worker(out: Path) -> None:
             load(folder)
             dist.barrier()
             results[name]["load_s"].append(time.perf_counter() - t0)
-            if d.is_main:
+            if d.is_main and r < RUNS - 1:
                 shutil.rmtree(root)
+    hashing = resume_hashing(d, {name: out / f"{name}-{RUNS - 1}" for name in sides})
     if d.is_main:
         print(json.dumps({"state_mb": state_bytes / 1e6, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
-                          "results": results}))
+                          "results": results, "hashing": hashing}))
     dist.destroy_process_group()
 
 
+def resume_hashing(d, roots: dict[str, Path]) -> dict[str, dict[str, list[float]]]:
+    """Seconds to agree on (and so hash) each root's one checkpoint: serial rank 0 against the ranks' shares,
+    and one process's verify with 1 thread against HASH_THREADS; RUNS rounds, the order flipped each round."""
+    import torch.distributed as dist
+
+    from kiln import manifest
+    from kiln.train import consensus
+    from kiln.train.checkpoint import check_loads, list_checkpoints, load_checkpoint
+
+    consensus.HASH_THREADS = 1  # the ranks' split alone; the threads are measured by `verify`
+
+    def serial(root: Path) -> None:
+        folder = list_checkpoints(root)[-1]
+        if d.is_main:
+            manifest.verify_folder(folder, workers=1)
+            check_loads(folder)
+        else:
+            load_checkpoint(folder, verify=True, weights=False)
+
+    def parallel(root: Path) -> None:
+        assert consensus.agreed_checkpoint(d, root, print) is not None
+
+    def verify(workers: int):
+        def run(root: Path) -> None:
+            if d.is_main:
+                manifest.verify_folder(list_checkpoints(root)[-1], workers=workers)
+        return run
+
+    ways = {"serial": serial, "parallel": parallel, "verify-1": verify(1),
+            f"verify-{manifest.HASH_THREADS}": verify(manifest.HASH_THREADS)}
+    times = {f"{kind}/{way}": [] for kind in roots for way in ways}
+    for r in range(RUNS):
+        for kind, root in roots.items():
+            for way in (list(ways) if r % 2 == 0 else list(reversed(ways))):
+                dist.barrier()
+                t0 = time.perf_counter()
+                ways[way](root)
+                dist.barrier()
+                times[f"{kind}/{way}"].append(time.perf_counter() - t0)
+    return times
+
+
 def main() -> None:
+    pre_load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="kiln-bench-sharded-") as tmp:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
             [str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -155,6 +208,7 @@ def main() -> None:
             raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
         report = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("{")))
     res = report["results"]
+    print(f"load average before: {pre_load}, after: {os.getloadavg()}")
     print(f"state: {report['params_m']:.1f} M parameters on 2 FSDP2 ranks, {report['state_mb']:.0f} MB of fp32 "
           f"weights + AdamW moments in all")
     print(f"\n{'':8} {'save s':>8} {'load s':>8} {'rank 0 RSS +MB':>15} {'peak MB':>8}   (medians of {RUNS}; runs)")
@@ -169,6 +223,14 @@ def main() -> None:
           f"rank 0 peak RSS during save {s['peak_mb'] / f['peak_mb']:.2f}; growth of rank 0's RSS during the save "
           f"= {s['rss_mb'] / report['state_mb']:.2f} (sharded) and {f['rss_mb'] / report['state_mb']:.2f} (full) "
           f"of the full state's size")
+    hashing = {k: statistics.median(v) for k, v in report["hashing"].items()}
+    print(f"\nresume-time hashing, seconds (medians of {RUNS}): " + ", ".join(
+        f"{k} {v:.2f}" for k, v in hashing.items()))
+    threads = next(k.split("-")[1] for k in hashing if k.startswith("full/verify-") and k != "full/verify-1")
+    for kind in ("full", "sharded"):
+        print(f"{kind}: parallel/serial {hashing[f'{kind}/parallel'] / hashing[f'{kind}/serial']:.2f}; "
+              f"verify {threads} threads / 1 thread "
+              f"{hashing[f'{kind}/verify-{threads}'] / hashing[f'{kind}/verify-1']:.2f}")
 
 
 if __name__ == "__main__":

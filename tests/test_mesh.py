@@ -71,7 +71,7 @@ def mesh_for(world: int, rank: int = 0, vocab: int = 1024, **sections) -> Mesh:
     ({"parallel": {"pp": 2}, "train": {"dtype": "fp16"}}, "does not combine with train.dtype=fp16"),
     ({"parallel": {"pp": 2}, "train": {"micro_batch_size": 1}}, "unset train.micro_batch_size"),
     ({"parallel": {"ep": 2}}, "model.moe.n_experts=0; set parallel.ep=1"),
-    ({"parallel": {"ep": 2, "mode": "fsdp"}, "model": {"moe": {"n_experts": 4}}}, "it needs DDP replicas"),
+    ({"parallel": {"ep": 2, "compile": True}, "model": {"moe": {"n_experts": 4}}}, "combine with parallel.compile"),
     ({"parallel": {"ep": 3}, "model": {"moe": {"n_experts": 4}}}, "must divide model.moe.n_experts=4"),
 ])
 def test_model_that_the_degrees_cannot_split_is_a_config_error(sections, words):
@@ -129,16 +129,97 @@ def test_gpu_parallel_benchmark_smoke_runs_three_layouts_on_cpu(tmp_path):
 
 def test_one_parallelized_kind_per_combination_of_degrees():
     """parallelize's kind_for: the one place the degrees pick how the model is wrapped, gathered and loaded."""
-    from kiln.train.parallel.parallelize import (DDPModel, ExpertParallelModel, FSDPModel, Parallelized,
-                                                 PipelineModel, TensorParallelModel, kind_for)
+    from kiln.train.parallel.parallelize import (DDPModel, ExpertFSDPModel, ExpertParallelModel, FSDPModel,
+                                                 Parallelized, PipelineModel, TensorParallelModel, kind_for)
 
     cases = [(Degrees(), Parallelized), (Degrees(dp_replicate=4, mode="ddp"), DDPModel),
              (Degrees(dp_shard=4, mode="fsdp"), FSDPModel), (Degrees(tp=2), TensorParallelModel),
              (Degrees(dp_shard=2, tp=2, mode="fsdp"), FSDPModel),
              (Degrees(pp=2, dp_shard=2, mode="fsdp"), PipelineModel),
              (Degrees(pp=2, dp_replicate=2, mode="ddp"), PipelineModel),
-             (Degrees(dp_replicate=4, mode="ddp", ep=2), ExpertParallelModel)]
+             (Degrees(dp_replicate=4, mode="ddp", ep=2), ExpertParallelModel),
+             (Degrees(dp_shard=4, mode="fsdp", ep=2), ExpertFSDPModel)]
     for degrees, kind in cases:
         assert kind_for(Mesh(degrees, 0)) is kind, degrees
-    assert PipelineModel.every_rank_reads and ExpertParallelModel.every_rank_reads
+    assert PipelineModel.every_rank_reads and ExpertParallelModel.every_rank_reads and ExpertFSDPModel.every_rank_reads
     assert not (Parallelized.every_rank_reads or FSDPModel.every_rank_reads)
+
+
+# --- FSDP2/HSDP take their device mesh from the one Mesh ---------------------------------------------------
+
+_FSDP_MESH = r"""
+import json, sys
+import torch
+import torch.distributed as dist
+from kiln.config import ParallelConfig
+from kiln.model.build import build_model
+from kiln.model.config import ModelConfig
+from kiln.train.parallel import Dist
+from kiln.train.parallel.parallelize import Precision, parallelize
+
+dist.init_process_group("gloo")
+d = Dist(rank=dist.get_rank(), world=dist.get_world_size())
+out = {}
+for name, section in json.loads(sys.argv[1]).items():
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(dim=64, n_layers=2, n_heads=4), vocab_size=128, max_seq_len=64)
+    whole = model.layers[0].attention.wq.weight.detach().clone()
+    parallelize(model, d, ParallelConfig(**section), Precision(), None)
+    w = model.layers[0].attention.wq.weight
+    local = w.to_local()
+    rows = [r for r in range(whole.shape[0]) if any(torch.equal(whole[r], x) for x in local)]
+    seen = [None] * d.world
+    dist.all_gather_object(seen, {"dims": list(w.device_mesh.mesh_dim_names), "ranks": w.device_mesh.mesh.tolist(),
+                                  "placements": [type(p).__name__ for p in w.placements], "rows": rows})
+    out[name] = seen
+if d.rank == 0:
+    print(json.dumps(out))
+"""
+
+
+def _fsdp_meshes(tmp_path, nproc: int, layouts: dict) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    script = tmp_path / "fsdp_mesh.py"
+    script.write_text(_FSDP_MESH)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           str(script), json.dumps(layouts)], env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_plain_fsdp_and_hsdp_shard_over_the_one_meshs_data_parallel_dims(tmp_path):
+    """Plain FSDP2 and HSDP (no tp/pp) shard over the data-parallel dimensions of mesh.py's DeviceMesh, named as
+    there: parallel.mesh [2, 1] is two replicas of the whole weight (swapping replicate and shard would make it
+    FSDP2 over 2 ranks, each holding half the rows), [1, 2] and plain fsdp shard the rows over both ranks."""
+    seen = _fsdp_meshes(tmp_path, 2, {"fsdp": {"mode": "fsdp"}, "hsdp-2x1": {"mode": "fsdp", "mesh": [2, 1]},
+                                      "hsdp-1x2": {"mode": "fsdp", "mesh": [1, 2]},
+                                      "replicate-2": {"mode": "fsdp", "dp_replicate": 2}})
+    half = [list(range(0, 32)), list(range(32, 64))]
+    for name in ("fsdp", "hsdp-1x2"):
+        assert [r["dims"] for r in seen[name]] == [["dp_shard"]] * 2, name
+        assert [r["ranks"] for r in seen[name]] == [[0, 1]] * 2
+        assert [r["placements"] for r in seen[name]] == [["Shard"]] * 2
+        assert [r["rows"] for r in seen[name]] == half, name
+    for name in ("hsdp-2x1", "replicate-2"):
+        assert [r["dims"] for r in seen[name]] == [["dp_replicate", "dp_shard"]] * 2, name
+        assert [r["ranks"] for r in seen[name]] == [[[0], [1]]] * 2
+        assert [r["placements"] for r in seen[name]] == [["Replicate", "Shard"]] * 2
+        assert [r["rows"] for r in seen[name]] == [list(range(64))] * 2, name  # each replica holds it whole
+
+
+@pytest.mark.slow
+def test_hsdp_2x2_shards_within_a_replica_and_replicates_across(tmp_path):
+    """4 ranks, parallel.mesh [2, 2]: ranks (0, 1) and (2, 3) are the two replicas, each sharding the weight in two;
+    ranks 0 and 2 hold the same rows (rank = replicate x 2 + shard, mesh.py's order). Swapped dimensions would
+    pair 0 with 2 in a shard group instead."""
+    seen = _fsdp_meshes(tmp_path, 4, {"hsdp": {"mode": "fsdp", "mesh": [2, 2]}})["hsdp"]
+    assert {tuple(r["dims"]) for r in seen} == {("dp_replicate", "dp_shard")}
+    assert seen[0]["ranks"] == [[0, 1], [2, 3]]
+    assert [r["rows"] for r in seen] == [list(range(0, 32)), list(range(32, 64))] * 2

@@ -105,3 +105,14 @@ def test_expert_parallel_divides_the_experts():
     ep_cfg, _ = cfg_and_model(model={"moe": {"n_experts": 4}}, parallel={"ep": 2})
     ep2 = memory_plan(ep_cfg, model, Degrees(dp_replicate=2, mode="ddp"), None)
     assert one["parameters"] - ep2["parameters"] == 4 * experts / 2
+
+
+def test_expert_parallel_with_fsdp2_divides_the_experts_by_ep_and_the_rest_by_dp_shard():
+    from kiln.ops.memory import stage_params
+
+    _, model = cfg_and_model(model={"moe": {"n_experts": 4, "top_k": 2}})
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    rest = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
+    fsdp4 = Degrees(dp_shard=4, mode="fsdp")
+    assert stage_params(model, fsdp4, "gpipe", ep=2) == [pytest.approx(experts / 2 + rest / 4)]  # experts: ep
+    assert stage_params(model, fsdp4, "gpipe") == [pytest.approx((experts + rest) / 4)]  # no ep: FSDP2 shards all

@@ -319,6 +319,27 @@ def test_ep2_experts_are_boxes_of_the_whole_tensor_and_resume_on_one_process(pre
     assert _loader_state(_last(one)) == _loader_state(folder)
 
 
+@pytest.mark.slow
+def test_ep2_with_fsdp2_writes_expert_boxes_beside_fsdp_shards_and_resumes_on_one_process(prepared,
+                                                                                          tmp_path_factory, tmp_path):
+    """Expert parallel under FSDP2 (parallelize.ExpertFSDPModel): the experts stay out of FSDP2, so rank r writes
+    experts [2r, 2r+2) as plain boxes of the whole tensor, while the dense weights are FSDP2's row shards; nothing
+    is gathered. One process continues within 1e-3. A GPU run adds NCCL and bf16 parameters beside fp32 moments."""
+    ep = _run(_fresh_out(prepared, tmp_path_factory, "ep-fsdp"), 2, model=MOE_MODEL,
+              parallel={"mode": "fsdp", "ep": 2}, checkpoint={"every": EVERY})
+    folder = _last(ep)
+    _ranks_files(folder, 2)
+    index = [json.loads((folder / f"index-{r:05d}.json").read_text())["pieces"] for r in (0, 1)]
+    for rank in (0, 1):
+        w1 = index[rank]["model"]["layers.0.feed_forward.experts.w1"]
+        assert w1["offsets"][0] == 2 * rank and w1["shape"][0] == 2 and w1["global_shape"][0] == 4
+        wq = index[rank]["model"]["layers.0.attention.wq.weight"]  # FSDP2's Shard(0): half the rows each
+        assert wq["offsets"][0] == rank * wq["shape"][0] and 2 * wq["shape"][0] == wq["global_shape"][0]
+    assert kiln(["ckpt", "verify", str(folder)]) == 0
+    one = _resume_from_the_middle(ep, tmp_path / "one", 1, model=MOE_MODEL, train={**STEPS, "micro_batch_size": 4})
+    _assert_close(one, ep)
+
+
 STRIDED_SCRIPT = """
 import sys
 from pathlib import Path

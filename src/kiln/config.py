@@ -528,7 +528,7 @@ class ParallelConfig(Section):
     pp_microbatches: int | None = Field(None, ge=1, description="micro-batches each pipeline step is cut into; "
                                         "null = parallel.pp (more shrinks the pipeline bubble)")
     ep: int = Field(1, ge=1, description="expert-parallel degree for MoE: experts split over this many "
-                    "data-parallel (DDP) ranks, tokens sent to them by all-to-all")
+                    "data-parallel (DDP or FSDP2) ranks, tokens sent to them by all-to-all")
 
 
 class GuardConfig(Section):

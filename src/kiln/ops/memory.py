@@ -6,8 +6,8 @@ What is counted, per device (the heaviest pipeline stage when parallel.pp > 1):
   Tensor parallel divides the sharded weights by tp: attention wq/wk/wv/wo, the MLP's w1/w2/w3, the
   embeddings and the output head; the RMSNorm weights are replicated. Pipeline parallel keeps a stage's
   blocks (n_layers / stages), the embeddings on the first stage, the final norm and head on the last.
-  Expert parallel (parallel.ep) divides MoE experts by ep. FSDP2 (dp_shard) divides what is left by
-  dp_shard; DDP and HSDP's replicas keep a whole copy each.
+  Expert parallel (parallel.ep) divides MoE experts by ep (FSDP2 leaves them out of its shards). FSDP2
+  (dp_shard) divides the other weights by dp_shard; DDP and HSDP's replicas keep a whole copy each.
 - gradients: fp32, the same count as the parameters (FSDP2 reduce-scatters them: sharded the same way).
 - optimizer: AdamW's exp_avg and exp_avg_sq, 8 bytes per parameter, sharded like the parameters.
 - fsdp_buffers: under FSDP2 the gathered (unsharded) weights of the block being computed and of the next one
@@ -59,9 +59,8 @@ def stage_params(model, degrees: Degrees, schedule: str, ep: int = 1) -> list[fl
             continue
         seen.add(id(p))
         n = p.numel() / (degrees.tp if _TP_SHARDED.search(name) else 1)
-        if ".experts." in name:  # expert parallel: each rank holds n_experts / ep of them
-            n /= ep
-        per_rank[_stage_of(name, n_layers, n_stages) % degrees.pp] += n / degrees.dp_shard
+        experts = ".experts." in name and ep > 1  # each rank holds n_experts / ep of them, outside FSDP2's shards
+        per_rank[_stage_of(name, n_layers, n_stages) % degrees.pp] += n / ep if experts else n / degrees.dp_shard
     return per_rank
 
 

@@ -32,7 +32,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kiln.errors import IntegrityError, KilnError
-from kiln.manifest import MANIFEST, read_manifest, staging_dir, verify_folder, write_atomic, write_manifest
+from kiln.manifest import (HASH_THREADS, MANIFEST, read_manifest, staging_dir, verify_folder, write_atomic,
+                           write_manifest)
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 SIGNATURE = "manifest.sig"
@@ -261,9 +262,9 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def verify_checkpoint(folder: Path, public_key: str | None = None) -> dict[str, Any]:
-    """Sizes and sha256 of every file, the signature when a key is given, then that each piece loads
-    without executing code."""
-    manifest = verify_folder(folder)
+    """Sizes and sha256 of every file (HASH_THREADS files at once), the signature when a key is given, then that
+    each piece loads without executing code."""
+    manifest = verify_folder(folder, workers=HASH_THREADS)
     if _sharded(folder):
         if public_key:
             verify_signature(folder, public_key)
@@ -287,7 +288,7 @@ def latest_valid_of(folders: list[Path], log: Callable[[str], None] = lambda *_:
                     public_key: str | None = None) -> Path | None:
     for folder in reversed(folders):
         try:
-            verify_folder(folder)
+            verify_folder(folder, workers=HASH_THREADS)
             if public_key:
                 verify_signature(folder, public_key)
             check_loads(folder)

@@ -223,9 +223,13 @@ class Checkpointer:
         return self.format if isinstance(self.format, FullCheckpoint) else FullCheckpoint()
 
     def agreed(self, before: int | None = None) -> Path | None:
-        """The newest checkpoint every rank can read (consensus.agreed_checkpoint), or None."""
+        """The newest checkpoint every rank can read (consensus.agreed_checkpoint), or None. The ranks hash their
+        shares of it under `saving`: judged against checkpoint.save_timeout_s, like a save (a rollback's watchdog
+        is running)."""
         quiet = self.log if self.d.is_main and before is None else (lambda *_: None)
-        return consensus.agreed_checkpoint(self.d, self.ckpt_dir, quiet, self.cfg.public_key, before=before)
+        with self.saving():
+            return consensus.agreed_checkpoint(self.d, self.ckpt_dir, quiet, self.cfg.public_key, before=before,
+                                               timeout_s=self.cfg.save_timeout_s)
 
     def check_env(self, saved: dict[str, Any], folder: Path) -> None:
         """A checkpoint from another environment (env.PINNED): refused under checkpoint.strict_env, else a warning."""

@@ -17,11 +17,12 @@ same way in reverse, so an owner's expert gradients sum every rank's tokens.
 Memory: 1/ep of the experts' weights, gradients and optimizer state per rank; the two buffers in flight are
 each one (n_experts, C, dim) activation, the size of the unsharded layer's.
 
-In `kiln train` (`ExpertParallel`) expert parallel composes with DDP replicas: DDP skips the expert weights,
-whose gradients are averaged over the ranks holding the same experts; clipping norms add the experts' squares
-over the expert group; a sharded checkpoint holds each rank's experts as a box of the whole tensor along the
-expert dimension (`checkpoint_slices`), full checkpoints gather the experts whole and a resume slices them
-again. Not yet with FSDP2, tensor or pipeline parallel.
+In `kiln train` (`ExpertParallel`) expert parallel composes with DDP replicas or FSDP2/HSDP: DDP skips the
+expert weights, FSDP2 leaves them out of its shards (parallelize.ExpertFSDPModel); their gradients are averaged
+over the ranks holding the same experts; clipping norms add the experts' squares over the expert group; a
+sharded checkpoint holds each rank's experts as a box of the whole tensor along the expert dimension
+(`checkpoint_slices`), full checkpoints gather the experts whole and a resume slices them again. Not yet with
+tensor or pipeline parallel.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kiln.train.parallel.dist import full_value
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -57,9 +60,11 @@ class ExpertShard(nn.Module):
         ep, local = self.ep, self.local
         received = _all_to_all(x.reshape(n_experts * capacity, dim), self.group)  # (ep·local·C, dim), by source
         tokens = received.view(ep, local, capacity, dim).transpose(0, 1).reshape(local, ep * capacity, dim)
-        gate = torch.bmm(tokens, self.w1.transpose(1, 2))
-        up = torch.bmm(tokens, self.w3.transpose(1, 2))
-        out = torch.bmm(F.silu(gate) * up, self.w2.transpose(1, 2))
+        # In the activations' dtype: under FSDP2's bf16 the experts, outside FSDP2, are not cast for them
+        w1, w3, w2 = (w.to(x.dtype) for w in (self.w1, self.w3, self.w2))
+        gate = torch.bmm(tokens, w1.transpose(1, 2))
+        up = torch.bmm(tokens, w3.transpose(1, 2))
+        out = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))
         out = out.view(local, ep, capacity, dim).transpose(0, 1).reshape(ep * local * capacity, dim)
         return _all_to_all(out, self.group).view(n_experts, capacity, dim)
 
@@ -77,8 +82,8 @@ def apply_expert_parallel(model: nn.Module, ep_rank: int, ep: int, group) -> int
 # --- the Trainer's seam: groups, gradients, norms and full-format checkpoints of expert-parallel MoE ----------
 
 class ExpertParallel:
-    """Expert parallel over DDP replicas (parallel.ep of the data-parallel ranks; tensor and pipeline parallel
-    off). Ranks [k·ep, (k+1)·ep) form an expert group that shares the experts, rank i of a group holding the
+    """Expert parallel over DDP replicas or FSDP2 (parallel.ep of the data-parallel ranks; tensor and pipeline
+    parallel off). Ranks [k·ep, (k+1)·ep) form an expert group that shares the experts, rank i of a group holding the
     i-th n_experts/ep of every MoE block's experts; the ranks at the same place in every group hold the same
     experts (replicas). DDP averages the dense weights' gradients over all ranks and must skip the experts':
     `sync_gradients` averages those over the replicas instead, scaled to the same data-parallel mean.
@@ -135,8 +140,8 @@ class ExpertParallel:
             for row, ps in enumerate(([p for p in groups[g] if id(p) not in self.ids],
                                       [p for p in groups[g] if id(p) in self.ids])):
                 grads = [p.grad for p in ps if p.grad is not None]
-                if grads:
-                    squares[row, i] = torch.nn.utils.get_total_norm(grads).double() ** 2
+                if grads:  # full_value: FSDP2's dense gradients are shards (the same groups on every rank)
+                    squares[row, i] = full_value(torch.nn.utils.get_total_norm(grads)).double() ** 2
         dist.all_reduce(squares[1], group=self.group)
         return {g: squares[:, i].sum().sqrt().float() for i, g in enumerate(names)}
 

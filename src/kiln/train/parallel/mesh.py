@@ -167,8 +167,7 @@ def _check_expert_parallel(degrees: Degrees, cfg: Config) -> None:
     if m.moe.n_experts % p.ep or degrees.dp % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.n_experts={m.moe.n_experts} and the "
                           f"{degrees.dp} data-parallel ranks; choose a divisor of both")
-    unsupported = [(degrees.mode != "ddp", f"parallel.mode={degrees.mode} (it needs DDP replicas: parallel.mode "
-                    "ddp or auto, no dp_shard)"), (degrees.tp > 1, "parallel.tp>1"),
+    unsupported = [(degrees.tp > 1, "parallel.tp>1"),
                    (degrees.pp > 1, "parallel.pp>1"), (p.compile, "parallel.compile"),
                    (bool(cfg.eval.tasks), "eval.tasks (rows of any length: ranks would send the all-to-all "
                     "different sizes)"),
@@ -181,7 +180,9 @@ def _check_expert_parallel(degrees: Degrees, cfg: Config) -> None:
 
 @dataclass
 class Mesh:
-    """Where this rank sits in the degrees, and the DeviceMesh (made on first use: a DDP run needs none)."""
+    """Where this rank sits in the degrees, and the DeviceMesh (made on first use: a DDP run needs none). Every
+    mode takes its device mesh from here: FSDP2/HSDP (`dp_mesh`), tensor parallel (`tp_mesh`), the pipeline
+    (`pp_mesh`); nothing else calls init_device_mesh, so the rank order is this one everywhere."""
 
     degrees: Degrees
     rank: int
@@ -245,13 +246,19 @@ class Mesh:
 
     @property
     def dp_mesh(self):
-        """FSDP2's mesh: [replicate, shard] (HSDP) when both are > 1, else the shard dimension alone; None when
-        neither tensor nor pipeline parallel is on (apply_fsdp then builds the data-parallel mesh itself)."""
-        if self.degrees.tp == 1 and self.degrees.pp == 1:
-            return None
-        if self.degrees.dp_replicate > 1 and self.degrees.dp_shard > 1:
+        """FSDP2's mesh, the data-parallel dimensions of the one DeviceMesh, in every mode (plain FSDP2/HSDP too):
+        [dp_replicate, dp_shard] (HSDP) whenever dp_replicate > 1, else dp_shard alone. With dp_shard = 1 the
+        2-D mesh is still HSDP: each replica holds the whole model (what parallel.mesh [R, 1] has always meant);
+        FSDP2 given the replicate dimension alone would shard over it instead."""
+        if self.degrees.dp_replicate > 1:
             return self.device_mesh["dp_replicate", "dp_shard"]
-        return self.device_mesh["dp_replicate" if self.degrees.dp_replicate > 1 else "dp_shard"]
+        return self.device_mesh["dp_shard"]
+
+    @property
+    def replicas_group(self):
+        """The process group of the data-parallel replicas when parallel.mode is ddp (dp_shard = 1): ranks that
+        average gradients themselves (a pipeline stage's replicas)."""
+        return self.device_mesh["dp_replicate"].get_group()
 
 
 def build_mesh(cfg: Config, d, vocab_size: int) -> Mesh:

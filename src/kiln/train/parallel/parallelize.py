@@ -26,7 +26,7 @@ from kiln.config import ParallelConfig, TrainConfig
 from kiln.errors import KilnError
 from kiln.train.clip import GROUPS, group_norms
 from kiln.train.parallel.dist import Dist, all_reduce_, init_single_process_group
-from kiln.train.parallel.mesh import Mesh, resolve_degrees
+from kiln.train.parallel.mesh import Degrees, Mesh, resolve_degrees
 from kiln.train.precision import apply_precision_policy, modules_of_kind
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -232,6 +232,59 @@ class ExpertParallelModel(DDPModel):
         return self.experts.group_norms(groups)
 
 
+class ExpertFSDPModel(FSDPModel):
+    """Expert parallel (parallel.ep) with FSDP2/HSDP: FSDP2 shards the dense weights over the data-parallel
+    dimensions; the experts, n_experts/ep per rank (expert.py), stay out of it (`ignored_params`): each rank holds
+    its share already, and FSDP2 would shard it again over ranks that hold other experts. As under DDP, their
+    gradients are averaged over the ranks holding the same experts after backward, and the clipping norms add the
+    experts' squares over the expert group (the dense weights' from FSDP2's shards). A sharded checkpoint (the
+    default) holds FSDP2's shards of the dense weights and each rank's experts as a box of the whole tensor
+    (`checkpoint_slices`). Full checkpoints: FSDP2 gathers the dense weights onto rank 0 and the expert group
+    gathers the experts whole (one tensor at a time); a resume (every rank reads the checkpoint) slices the
+    experts again and keeps its shard of the rest.
+    Per-rank sums (`sum_shards_`) count each expert once per replica: a small overcount in update ratios."""
+
+    name = "fsdp+ep"
+    every_rank_reads = True
+
+    def __init__(self, model: nn.Module, d: Dist, autocast: torch.dtype | None, loss_fn: Callable,
+                 mesh: Mesh | None = None, experts=None) -> None:
+        super().__init__(model, d, autocast, loss_fn, mesh)
+        self.experts = experts
+
+    def full_states(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        model_sd, optim_sd = self.state_dict(), self.optimizer_state_dict(optimizer)  # on rank 0 (cpu_offload)
+        for name, p in zip(self.experts.names, self.experts.params):  # every rank takes part in each gather
+            whole = self.experts._gather(p.detach()).cpu()
+            moments = {k: self.experts._gather(v).cpu() for k, v in optimizer.state.get(p, {}).items()
+                       if k != "step" and v.ndim > 0}
+            if self.d.is_main:
+                model_sd[name] = whole
+                optim_sd["state"].get(name, {}).update(moments)
+        return model_sd, optim_sd
+
+    def load(self, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        names, cut = set(self.experts.names), self.experts._slice
+        model_sd = {k: cut(v) if k in names else v for k, v in model_sd.items()}
+        state = {k: {n: cut(t) if n != "step" and t.ndim > 0 else t for n, t in v.items()} if k in names else v
+                 for k, v in optim_sd["state"].items()}
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)  # every rank read it whole
+        set_model_state_dict(self.model, model_sd, options=opts)
+        set_optimizer_state_dict(self.model, optimizer, {**optim_sd, "state": state}, options=opts)
+
+    def checkpoint_slices(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+        return self.experts.checkpoint_slices()
+
+    def after_backward(self) -> None:
+        self.experts.sync_gradients()
+
+    def grad_norms(self, groups: dict[str, list[nn.Parameter]]) -> dict[str, torch.Tensor]:
+        return self.experts.group_norms(groups)
+
+
 class PipelineModel(Parallelized):
     """Pipeline parallel (parallel.pp): this rank's stages only (`model` is the part the optimizer sees), driven
     by the schedule in Engine.train_step; each stage is sharded by FSDP2 or its replicas average gradients after
@@ -278,7 +331,7 @@ def kind_for(mesh: Mesh) -> type[Parallelized]:
     if mesh.pp > 1:
         return PipelineModel
     if mesh.mode == "fsdp":
-        return FSDPModel
+        return ExpertFSDPModel if mesh.ep > 1 else FSDPModel
     if mesh.tp > 1:
         return TensorParallelModel
     if mesh.ep > 1:
@@ -323,9 +376,10 @@ def parallelize(model: nn.Module, d: Dist, cfg: ParallelConfig, precision: Preci
         sharded = mesh.mode == "fsdp"
         model, extra["pipeline"] = build_pipeline(model, mesh, sharded, d, cfg, precision, pad_id)  # 4 (and 5)
         autocast = None if sharded else autocast
-    elif kind is FSDPModel:
+    elif issubclass(kind, FSDPModel):
+        experts = set(extra["experts"].params) if "experts" in extra else set()  # already split: FSDP2 keeps out
         try:
-            apply_fsdp(model, d, cfg.mesh, precision.dtype, list(precision.fp32_modules), mesh.dp_mesh)  # 5
+            apply_fsdp(model, d, mesh, precision.dtype, list(precision.fp32_modules), experts)  # 5
         except ValueError as exc:
             raise KilnError(str(exc)) from None
         autocast = None  # FSDP2's mixed-precision policy casts parameters instead
@@ -366,31 +420,26 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
-def apply_fsdp(model: nn.Module, d: Dist, mesh_shape: list[int] | None, param_dtype: torch.dtype | None,
-               fp32_kinds: list[str] = (), dp_mesh=None) -> None:
-    """FSDP2: shard each block, then the root; a 2-D mesh [replicate, shard] gives hybrid sharding (HSDP).
+def apply_fsdp(model: nn.Module, d: Dist, mesh: Mesh | None = None, param_dtype: torch.dtype | None = None,
+               fp32_kinds: list[str] = (), ignored: set[nn.Parameter] = frozenset()) -> None:
+    """FSDP2: shard each block, then the root, over `mesh.dp_mesh` (mesh.py): the data-parallel dimensions of the
+    run's one DeviceMesh, [dp_replicate, dp_shard] for hybrid sharding (HSDP). `mesh` None: plain FSDP2 over all
+    d.world ranks (benchmarks and tests of a bare model), a Mesh all the same.
 
     `fp32_kinds` (train.fp32_modules) are sharded as groups of their own whose parameters are gathered in
     fp32 and whose inputs are cast to fp32: FSDP2's counterpart of running them outside autocast. Their
     outputs return in the compute dtype, which the rest of the block expects, except the output head's:
-    fp32 logits are why one keeps the head in fp32.
+    fp32 logits are why one keeps the head in fp32. `ignored`: parameters FSDP2 leaves whole and local (expert
+    parallel's experts, each rank's own share already).
     """
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if model.config.tie_embeddings and {"output", "embeddings"} & set(fp32_kinds):
         raise ValueError("train.fp32_modules with 'output' or 'embeddings' needs untied embeddings under FSDP2 "
                         "(one weight cannot sit in two shard groups of different dtypes); set "
                         "model.tie_embeddings: false, or use parallel.mode=ddp")
-    init_single_process_group(d)  # FSDP2 on one device (no torchrun)
-    shape = tuple(mesh_shape) if mesh_shape else (d.world,)
-    if dp_mesh is None and int(torch.tensor(shape).prod()) != d.world:
-        raise ValueError(
-            f"parallel.mesh={list(shape)} multiplies to {int(torch.tensor(shape).prod())}, not the {d.world} ranks"
-        )
-    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
-    # dp_mesh: the data-parallel dimensions of mesh.py's DeviceMesh, when tensor/pipeline parallel share it
-    mesh = dp_mesh if dp_mesh is not None else init_device_mesh(d.device.type, shape, mesh_dim_names=names)
+    init_single_process_group(d)  # FSDP2 on one device (no torchrun), before the DeviceMesh is made
+    dp_mesh = (mesh or Mesh(Degrees(dp_shard=d.world, mode="fsdp"), d.rank, d.device.type)).dp_mesh
     # Parameters are gathered in the compute dtype; gradients are reduced in fp32 so small updates survive.
     # Inputs are not cast: a block's activations are already in the compute dtype, and casting would turn the
     # fp32 RoPE tables to bf16 in every block, which DDP under autocast does not do (torchtitan: the same).
@@ -400,9 +449,9 @@ def apply_fsdp(model: nn.Module, d: Dist, mesh_shape: list[int] | None, param_dt
             keep = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
                                         output_dtype=None if kind == "output" else param_dtype)
             for module in modules_of_kind(model, kind):
-                fully_shard(module, mesh=mesh, mp_policy=keep)
+                fully_shard(module, mesh=dp_mesh, mp_policy=keep, ignored_params=set(ignored))
     for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, ignored_params=set(ignored))
     # The root group (embeddings, final norm, head) is used again at once by backward: resharding it after
     # forward would only gather it again. A GPU run confirms the memory/communication trade on the 1B model.
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=set(ignored))

@@ -181,7 +181,7 @@ def build_pipeline(model: nn.Module, mesh, sharded: bool, d, cfg, precision, pad
     part, stages = split_model(model, mesh.pp_rank, mesh.pp, schedule)
     if sharded:
         for stage in stages:
-            apply_fsdp(stage, d, None, precision.dtype, list(precision.fp32_modules), mesh.dp_mesh)
+            apply_fsdp(stage, d, mesh, precision.dtype, list(precision.fp32_modules))
     n_micro = cfg.pp_microbatches or mesh.pp
     pipeline = Pipeline(stages, mesh.pp_rank, mesh.pp, mesh.pp_mesh.get_group(), schedule, n_micro, d.device,
                         pipeline_loss(pad_id))
@@ -190,7 +190,7 @@ def build_pipeline(model: nn.Module, mesh, sharded: bool, d, cfg, precision, pad
         # Replicas average their gradients after the pipeline's step (DDP wrapping a stage trips DDP's reducer,
         # whose hooks fire once per micro-batch in torch 2.13). One all-reduce, not overlapped with backward:
         # on GPUs dp_shard (FSDP2, overlapped) is the better partner of pipeline parallel.
-        pipeline.replicas = (mesh.dp_mesh.get_group(), mesh.dp_world, list(part.parameters()))
+        pipeline.replicas = (mesh.replicas_group, mesh.dp_world, list(part.parameters()))
     return part, pipeline
 
 
