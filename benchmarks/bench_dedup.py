@@ -10,19 +10,20 @@ written once and read by both. Truth as there: a planted copy with Jaccard >= 0.
 - datatrove 0.10.1 (its own venv, $DATATROVE_PYTHON): JsonlReader -> MinhashDedupSignature (one task
   per file), MinhashDedupBuckets (one task per bucket), MinhashDedupCluster, MinhashDedupFilter (one
   task per file; reads the documents again, writes the kept ones and, through its exclusion writer,
-  the removed ones); its default 14 buckets x 8 hashes and 5-grams; LocalPipelineExecutor, one worker,
-  run one task at a time so that a run that is stopped resumes at the task it was in (WORK=...).
+  the removed ones); its default 14 buckets x 8 hashes and 5-grams; LocalPipelineExecutor with one worker
+  for each task, so that a run that is stopped resumes at the task it was in (WORK=...); PEER_WORKERS=2 runs
+  two of a stage's tasks at once (each still one process on one core, measured alone).
 Both run on one core; documents/s per core = documents / CPU seconds (user + sys, getrusage of the
 side's process and its waited-for children, measured around the work: robust to other jobs sharing the
-machine; wall-clock rates are printed too), medians of RUNS (PEER_RUNS for datatrove, which runs in a
-subprocess of its own while Kiln's runs go on). Recall and precision against the same truth.
-SimHash is timed too (Kiln only; METHODS=minhash leaves it out).
+machine; wall-clock rates are printed too, datatrove's over the sum of its tasks' wall times), medians of
+RUNS (PEER_RUNS for datatrove, which runs in subprocesses of its own while Kiln's runs go on). Recall and
+precision against the same truth. SimHash is timed too (Kiln only; METHODS=minhash leaves it out).
 
 A datatrove run at 100,000 documents takes ~15 CPU minutes: give it a WORK folder, which keeps the
 corpus, the truth and datatrove's finished tasks (with their CPU seconds, in progress.jsonl), and run it
 in the background; run the same command again to resume after a stop.
 
-    DATATROVE_PYTHON=/path/to/venv/bin/python DOCS=100000 RUNS=3 PEER_RUNS=1 WORK=/tmp/kiln-dedup \\
+    DATATROVE_PYTHON=/path/to/venv/bin/python DOCS=100000 RUNS=3 PEER_RUNS=1 PEER_WORKERS=2 WORK=/tmp/kiln-dedup \\
         nohup python -m benchmarks dedup > dedup.log 2>&1 &
 """
 
@@ -46,12 +47,16 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = int(os.environ.get("DOCS", "100000"))
 RUNS = int(os.environ.get("RUNS", "3"))
 PEER_RUNS = int(os.environ.get("PEER_RUNS", str(RUNS)))  # datatrove takes ~15 CPU minutes a run at 100,000 documents
+# datatrove's tasks of a stage in this many processes at once: the same CPU seconds a task, in less wall time on a
+# machine other jobs share (Kiln's side stays on one worker)
+PEER_WORKERS = int(os.environ.get("PEER_WORKERS", "1"))
 METHODS = os.environ.get("METHODS", "minhash,simhash").split(",")
 
-# Each (stage, rank) is one LocalPipelineExecutor run whose CPU seconds are appended to progress.jsonl, so a
-# stopped run redoes only the task it was in; skip_completed=False: a task not in progress.jsonl is measured anew.
+# Each (stage, rank) is one LocalPipelineExecutor run in a worker process, whose CPU seconds are appended to
+# progress.jsonl, so a stopped run redoes only the tasks it was in; skip_completed=False: a task not in
+# progress.jsonl is measured anew.
 PEER = r'''
-import glob, gzip, json, os, resource, sys, time
+import glob, gzip, json, os, resource, subprocess, sys, time
 from datatrove.executor import LocalPipelineExecutor
 from datatrove.pipeline.dedup.minhash import (MinhashConfig, MinhashDedupBuckets, MinhashDedupCluster,
                                               MinhashDedupFilter, MinhashDedupSignature)
@@ -79,23 +84,35 @@ def cpu():
     return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
 
 
+def run_task(stage, rank):
+    (me0, kids0), t0 = cpu(), time.perf_counter()
+    LocalPipelineExecutor(pipeline=pipeline(stage), tasks=TASKS[stage], local_tasks=1, local_rank_offset=rank,
+                          workers=1, skip_completed=False, logging_dir=f"{tmp}/logs{stage}").run()
+    (me1, kids1) = cpu()
+    row = {"stage": stage, "rank": rank, "cpu": me1 - me0, "children_cpu": kids1 - kids0,
+           "wall": time.perf_counter() - t0, "load": os.getloadavg()[0]}
+    with open(progress, "a") as f:  # one short line in append mode: workers do not interleave
+        f.write(json.dumps(row) + "\n")
+    print(f"datatrove {NAMES[stage]} task {rank + 1}/{TASKS[stage]}: {row['cpu']:.1f} CPU s "
+          f"(+{row['children_cpu']:.2f} in children), load {row['load']:.1f}", file=sys.stderr, flush=True)
+
+
+def finished():
+    return [json.loads(line) for line in open(progress)] if os.path.exists(progress) else []
+
+
 progress = os.path.join(tmp, "progress.jsonl")
-done = [json.loads(line) for line in open(progress)] if os.path.exists(progress) else []
-for stage, tasks in enumerate(TASKS):
-    for rank in range(tasks):
-        if any(r["stage"] == stage and r["rank"] == rank for r in done):
-            continue
-        (me0, kids0), t0 = cpu(), time.perf_counter()
-        LocalPipelineExecutor(pipeline=pipeline(stage), tasks=tasks, local_tasks=1, local_rank_offset=rank, workers=1,
-                              skip_completed=False, logging_dir=f"{tmp}/logs{stage}").run()
-        (me1, kids1) = cpu()
-        row = {"stage": stage, "rank": rank, "cpu": me1 - me0, "children_cpu": kids1 - kids0,
-               "wall": time.perf_counter() - t0, "load": os.getloadavg()[0]}
-        done.append(row)
-        with open(progress, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        print(f"datatrove {NAMES[stage]} task {rank + 1}/{tasks}: {row['cpu']:.1f} CPU s "
-              f"(+{row['children_cpu']:.2f} in children), load {row['load']:.1f}", file=sys.stderr, flush=True)
+if "run" in args:  # a worker: these tasks, one after the other
+    for stage, rank in args["run"]:
+        run_task(stage, rank)
+    sys.exit()
+for stage, tasks in enumerate(TASKS):  # each stage's tasks shared among `workers` processes, stage after stage
+    todo = [[stage, r] for r in range(tasks) if not any(d["stage"] == stage and d["rank"] == r for d in finished())]
+    procs = [subprocess.Popen([sys.executable, __file__, json.dumps(args | {"run": todo[w::args["workers"]]})])
+             for w in range(min(args["workers"], len(todo)))]
+    if any([p.wait() for p in procs]):
+        sys.exit(f"a datatrove {NAMES[stage]} task failed")
+done = finished()
 removed = [json.loads(line)["id"] for p in glob.glob(tmp + "/removed/*") for line in gzip.open(p, "rt")]
 stages = {name: sum(r["cpu"] + r["children_cpu"] for r in done if r["stage"] == s) for s, name in enumerate(NAMES)}
 print(json.dumps({"seconds": sum(r["wall"] for r in done), "cpu": sum(stages.values()), "stages": stages,
@@ -195,7 +212,8 @@ def main() -> None:
                 for k in range(PEER_RUNS):
                     peer_work = root / f"datatrove-{k}"
                     peer_work.mkdir(exist_ok=True)
-                    peer.append(_datatrove.run(PEER, {"folder": str(folder), "files": files}, work=peer_work))
+                    args = {"folder": str(folder), "files": files, "workers": PEER_WORKERS}
+                    peer.append(_datatrove.run(PEER, args, work=peer_work))
 
             thread = threading.Thread(target=peers)
             thread.start()
