@@ -34,16 +34,20 @@ def offline_home(root: Path) -> Path:
     return root / "hf"
 
 
-def run(script: str, args: dict) -> dict:
-    """Run `script` (Python source that prints one JSON line last) with `args` as JSON in argv[1]."""
+def run(script: str, args: dict, work: Path | None = None) -> dict:
+    """Run `script` (Python source that prints one JSON line last) with `args` as JSON in argv[1].
+
+    It gets a temporary folder as args["tmp"], or `work` for a long run that resumes: then the folder is
+    kept and datatrove's log goes to this process's stderr (the caller's log) as it runs."""
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "HF_HOME": str(offline_home(Path(tmp))), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
                "DATATROVE_COLORIZE_LOGS": "0"}
         path = Path(tmp) / "peer.py"
         path.write_text(script)
         done = subprocess.run(
-            [python(), str(path), json.dumps(args | {"tmp": tmp})], env=env, capture_output=True, text=True
+            [python(), str(path), json.dumps(args | {"tmp": str(work or tmp)})], env=env, text=True,
+            stdout=subprocess.PIPE, stderr=None if work else subprocess.PIPE,
         )
         if done.returncode:
-            raise RuntimeError(f"datatrove run failed:\n{done.stderr[-3000:]}")
+            raise RuntimeError(f"datatrove run failed:\n{(done.stderr or 'see its log above')[-3000:]}")
         return json.loads(done.stdout.strip().splitlines()[-1])

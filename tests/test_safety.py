@@ -310,11 +310,13 @@ def test_sigterm_to_kiln_data_ends_its_workers(tmp_path):
 # --- 9. long JSONL lines ------------------------------------------------------------------------------
 
 def _read_seconds(path: Path, limit: int | None = None) -> float:
+    """The best of 5 reads in CPU seconds of this process: other jobs on a loaded machine stretch wall time, not
+    this (a quadratic reader still spends 64x the CPU on 8x the bytes)."""
     best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
+    for _ in range(5):
+        t0 = time.process_time()
         docs = list(read_jsonl(str(path), ReadReport(), ("text", "id", "url"), None, limit))
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, time.process_time() - t0)
     assert len(docs) == 2
     return best
 
