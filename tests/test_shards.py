@@ -193,6 +193,26 @@ def test_manifest_bytes_do_not_depend_on_the_shard_count(prepared, tmp_path):
         assert len(a) == len(b) > 0 and np.array_equal(got, want)
 
 
+def test_write_manifest_table_round_trips_nested_file_lists(tmp_path):
+    from kiln.manifest import FileList, write_manifest
+
+    for name in ("a/2.bin", "a/10.bin", "b/1.bin", "other.txt"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(name)
+    lists = {"a": {"files": FileList(["a/2.bin", "a/10.bin"]), "groups": [{"files": FileList(["a/10.bin"])}]},
+             "b": {"files": FileList(["b/1.bin"])}, "empty": {"files": FileList([])}}
+    written = write_manifest(tmp_path, table="t.jsonl", stage="x", splits=lists)
+    assert written == read_manifest(tmp_path) and "file_table" not in written
+    assert written["splits"] == {"a": {"files": ["a/2.bin", "a/10.bin"], "groups": [{"files": ["a/10.bin"]}]},
+                                 "b": {"files": ["b/1.bin"]}, "empty": {"files": []}}
+    assert list(written["files"]) == sorted(["a/2.bin", "a/10.bin", "b/1.bin", "other.txt", "t.jsonl"])
+    assert json.loads((tmp_path / "manifest.json").read_text())["files"].keys() == {"t.jsonl"}
+    with pytest.raises(ValueError, match="not in the order"):  # lists the rows cannot all give back
+        write_manifest(tmp_path, table="t.jsonl", x=FileList(["a/2.bin", "b/1.bin"]),
+                       y=FileList(["b/1.bin", "a/2.bin"]))
+    assert write_manifest(tmp_path, table="t.jsonl", stage="x", splits=lists) == written  # the table rewritten
+
+
 def test_a_flipped_byte_in_the_file_table_is_one_line_naming_it(copy, capsys):
     flip_byte(copy / FILES_TABLE, 20)
     for read in (lambda: ShardSet(copy, "train"), lambda: verify_shards(copy), lambda: read_manifest(copy)):

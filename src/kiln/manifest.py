@@ -118,6 +118,7 @@ def _write_with_table(folder: Path, table: str, files: dict[str, dict], fields: 
         return node
 
     fields = strip(fields, [])
+    files = {name: meta for name, meta in files.items() if name != table}  # an earlier table is rewritten
     paths: dict[str, list[list]] = {}
     for path, names in moved:
         for name in names:
