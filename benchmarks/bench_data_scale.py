@@ -28,6 +28,7 @@ letters, repeated lines), exact and near-duplicate dedup run.
 
     N=50000 python -m benchmarks data_scale          # N >= 50,000 for the issue's figures; smaller to try it
     N=6250 ONE_WORKER=off python -m benchmarks data_scale   # N and 4N only: CPU by stage, quickly
+    N=6250 PROFILE=on python -m benchmarks data_scale       # one worker under cProfile: own time 4N / N
 
 Each run also reports its CPU seconds by stage (stats.json `timings_s.cpu` for the data stage's four
 steps; the tokenizer and pack stages timed around `kiln.flow.STAGES`) and their 4N / N ratios: a stage
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -205,13 +207,18 @@ def build_to(corpus: str, n: str, truth: str) -> None:
     Path(truth).write_text(json.dumps(build(Path(corpus), int(n))))
 
 
-def run(corpus: Path, out: Path, workers: int) -> dict:
+def write_config(corpus: Path, out: Path, workers: int) -> Path:
     config = out.parent / f"{out.name}.yaml"
     config.write_text(json.dumps({  # JSON is YAML
         "out_dir": str(out), "seed": 1,
         "data": {"inputs": [str(corpus / "*.jsonl")], "workers": workers, **GATES},
         "tokenizer": {"vocab_size": 4096, "max_docs": TOKENIZER_DOCS},
         "pack": {"seq_len": 1024, "samples_per_shard": SHARD_SAMPLES, "workers": workers}}))
+    return config
+
+
+def run(corpus: Path, out: Path, workers: int) -> dict:
+    config = write_config(corpus, out, workers)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run(
         [sys.executable, "-c", _CHILD, str(config)], capture_output=True, text=True, env=env, check=False, cwd=ROOT
@@ -257,19 +264,63 @@ def score(out: Path, truth: dict) -> dict:
             "recall_0.80_0.92": len(hit & band) / max(len(band), 1), "planted": len(go), "removed": len(removed)}
 
 
+def corpus_of(tmp: Path, n: int) -> tuple[Path, dict]:
+    """The corpus of n documents under tmp (built once, in a process of its own: see _CHILD) and its truth."""
+    corpus = tmp / f"corpus-{n}"
+    if not corpus.exists():
+        code = "import sys; from benchmarks.bench_data_scale import build_to; build_to(*sys.argv[1:])"
+        subprocess.run([sys.executable, "-c", code, str(corpus), str(n), str(tmp / f"truth-{n}.json")],
+                       check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    return corpus, json.loads((tmp / f"truth-{n}.json").read_text())
+
+
+_PROFILE_CHILD = r"""
+import cProfile, sys, time
+from kiln.cli import main
+profile = cProfile.Profile(time.process_time)  # CPU, not wall: the machine is shared
+profile.runcall(main, ["run", sys.argv[1], "--until", "pack"])
+profile.dump_stats(sys.argv[2])
+"""
+
+
+def profile() -> None:
+    """PROFILE=on: `kiln run --until pack` at N and 4N on one worker (every stage in one process) under
+    cProfile, in CPU time; prints the functions with the most own time at 4N beside their 4N / N ratio. Linear work
+    shows ~4x; a function well above is doing work that grows faster than the corpus."""
+    import pstats
+
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-scale-") as tmp:
+        tmp = Path(tmp)
+        own: dict[str, dict] = {}
+        for label, n in (("N", N), ("4N", 4 * N)):
+            corpus, _ = corpus_of(tmp, n)
+            out = tmp / f"out-{n}"
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-c", _PROFILE_CHILD, str(write_config(corpus, out, 1)), str(tmp / label)],
+                           check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+                           capture_output=True)
+            print(f"{label}: {n:,} documents profiled in {time.perf_counter() - t0:.0f} s", flush=True)
+            own[label] = {f"{Path(f).name}:{line}:{fn}": (tt, nc) for (f, line, fn), (_, nc, tt, _, _)
+                          in pstats.Stats(str(tmp / label)).stats.items()}
+            shutil.rmtree(out, ignore_errors=True)
+    total = {k: sum(tt for tt, _ in v.values()) for k, v in own.items()}
+    print(f"own CPU time: N {total['N']:.1f} s, 4N {total['4N']:.1f} s ({total['4N'] / total['N']:.2f}x)")
+    print(f"{'function':<72} {'4N s':>8} {'N s':>8} {'ratio':>6} {'calls 4N/N':>10}")
+    for name, (tt, nc) in sorted(own["4N"].items(), key=lambda kv: -kv[1][0])[:40]:
+        tt1, nc1 = own["N"].get(name, (0.0, 0))
+        print(f"{name[-72:]:<72} {tt:8.2f} {tt1:8.2f} {tt / max(tt1, 1e-9):6.2f} {nc / max(nc1, 1):10.2f}")
+
+
 def main() -> None:
+    if os.environ.get("PROFILE") == "on":
+        return profile()
     rows = {}
     runs = [("N", N, 2), ("4N", 4 * N, 2)] + ([] if os.environ.get("ONE_WORKER") == "off" else [("N, 1 worker", N, 1)])
     with tempfile.TemporaryDirectory(prefix="kiln-bench-scale-") as tmp:
         tmp = Path(tmp)
         for label, n, workers in runs:
-            corpus = tmp / f"corpus-{n}"
             t0 = time.perf_counter()
-            if not corpus.exists():  # in a process of its own: this one stays small (see _CHILD)
-                code = "import sys; from benchmarks.bench_data_scale import build_to; build_to(*sys.argv[1:])"
-                subprocess.run([sys.executable, "-c", code, str(corpus), str(n), str(tmp / f"truth-{n}.json")],
-                               check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-            truth = json.loads((tmp / f"truth-{n}.json").read_text())
+            corpus, truth = corpus_of(tmp, n)
             built = time.perf_counter() - t0
             out = tmp / f"out-{n}-{workers}"
             r = run(corpus, out, workers) | score(out, truth)
@@ -284,8 +335,6 @@ def main() -> None:
                   f"precision {r['precision']:.4f} [{r['planted']} planted, {r['removed']} removed; corpus built in "
                   f"{built:.0f} s]; CPU s by stage (data tasks / dedup stages / profiles / merge / tokenizer / "
                   f"pack): {cpu_line(r)}", flush=True)
-            import shutil
-
             shutil.rmtree(out, ignore_errors=True)
     one, four = rows["N"], rows["4N"]
     rss = max(four["driver_rss_mb"], four["worker_rss_mb"]) / max(one["driver_rss_mb"], one["worker_rss_mb"])
