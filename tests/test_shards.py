@@ -9,6 +9,10 @@ Covered, on the session's `prepared` corpus (copied before anything is corrupted
   `read_header`/`read_index` and from `verify_shards` once the manifest is re-hashed
   (so the header check itself, not the sha256, is what fires);
 - `ShardSet` with another tokenizer's sha256 raises KilnError naming the tokenizer;
+- the file table (`files.jsonl`): manifest.json's bytes are the same at 1 and at 25+ shards a split
+  but for the table's row count, size and sha256; a flipped byte in it, a wrong row count or name, a
+  missing table are one-line IntegrityErrors; a manifest with its files inline (written before the
+  table) still reads; pack replaces its own folder with a damaged table but not one holding a foreign file;
 - train/val document ids are disjoint and follow `split_of`, which is stable when
   documents are added (synthetic ids, and a real re-pack of a superset);
 - manifest token counts equal the sum of shard headers; every sample has
