@@ -27,12 +27,19 @@ The quality gates are off (GATES=on turns the defaults on); language ID, the bas
 letters, repeated lines), exact and near-duplicate dedup run.
 
     N=50000 python -m benchmarks data_scale          # N >= 50,000 for the issue's figures; smaller to try it
+    N=6250 ONE_WORKER=off python -m benchmarks data_scale   # N and 4N only: CPU by stage, quickly
+    N=6250 PROFILE=on python -m benchmarks data_scale       # one worker under cProfile: own time 4N / N
+
+Each run also reports its CPU seconds by stage (stats.json `timings_s.cpu` for the data stage's four
+steps; the tokenizer and pack stages timed around `kiln.flow.STAGES`) and their 4N / N ratios: a stage
+whose ratio is well above 4 does work that grows faster than the corpus.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -81,7 +88,19 @@ SYLLABLES = [c + v for c in "bcdfghklmnprstvwz" for v in ("a", "e", "i", "o", "u
 
 _CHILD = r"""
 import json, os, resource, sys, time
+import kiln.flow
 from kiln.cli import main
+from kiln.data.pipeline import cpu_seconds
+stages = {}  # each stage's wall and CPU seconds (CPU: this process and its pools' ended workers)
+def timed(name, stage):
+    def run(cfg, log):
+        t, c = time.perf_counter(), cpu_seconds()
+        try:
+            return stage(cfg, log)
+        finally:
+            stages[name] = {"wall_s": time.perf_counter() - t, "cpu_s": cpu_seconds() - c}
+    return run
+kiln.flow.STAGES.update({name: timed(name, stage) for name, stage in kiln.flow.STAGES.items()})
 t0, load0 = time.perf_counter(), os.getloadavg()[0]
 rc = main(["run", sys.argv[1], "--until", "pack"])
 me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -90,7 +109,7 @@ me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource
 hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
 print(json.dumps({"rc": rc, "wall_s": time.perf_counter() - t0, "load": [load0, os.getloadavg()[0]],
                   "cpu_s": me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime,
-                  "driver_rss_mb": hwm / 1024, "worker_rss_mb": kids.ru_maxrss / 1024}))
+                  "driver_rss_mb": hwm / 1024, "worker_rss_mb": kids.ru_maxrss / 1024, "stages": stages}))
 """
 
 
@@ -188,13 +207,18 @@ def build_to(corpus: str, n: str, truth: str) -> None:
     Path(truth).write_text(json.dumps(build(Path(corpus), int(n))))
 
 
-def run(corpus: Path, out: Path, workers: int) -> dict:
+def write_config(corpus: Path, out: Path, workers: int) -> Path:
     config = out.parent / f"{out.name}.yaml"
     config.write_text(json.dumps({  # JSON is YAML
         "out_dir": str(out), "seed": 1,
         "data": {"inputs": [str(corpus / "*.jsonl")], "workers": workers, **GATES},
         "tokenizer": {"vocab_size": 4096, "max_docs": TOKENIZER_DOCS},
         "pack": {"seq_len": 1024, "samples_per_shard": SHARD_SAMPLES, "workers": workers}}))
+    return config
+
+
+def run(corpus: Path, out: Path, workers: int) -> dict:
+    config = write_config(corpus, out, workers)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run(
         [sys.executable, "-c", _CHILD, str(config)], capture_output=True, text=True, env=env, check=False, cwd=ROOT
@@ -206,7 +230,17 @@ def run(corpus: Path, out: Path, workers: int) -> dict:
     result["manifest_bytes"] = (out / "shards" / "manifest.json").stat().st_size
     result["data_s"] = sum(stats["timings_s"][k] for k in ("process", "dedup_stages", "profiles", "merge"))
     result["stats"] = stats
+    result["cpu_by_stage"] = {**stats["timings_s"]["cpu"],
+                              **{k: result["stages"][k]["cpu_s"] for k in ("tokenizer", "pack")}}
     return result
+
+
+STAGE_NAMES = ("process", "dedup_stages", "profiles", "merge", "tokenizer", "pack")
+
+
+def cpu_line(r: dict) -> str:
+    """CPU seconds per stage: data tasks / dedup stages / profiles / merge / tokenizer / pack."""
+    return " / ".join(f"{r['cpu_by_stage'][k]:.1f}" for k in STAGE_NAMES)
 
 
 def score(out: Path, truth: dict) -> dict:
@@ -230,18 +264,63 @@ def score(out: Path, truth: dict) -> dict:
             "recall_0.80_0.92": len(hit & band) / max(len(band), 1), "planted": len(go), "removed": len(removed)}
 
 
-def main() -> None:
-    rows = {}
+def corpus_of(tmp: Path, n: int) -> tuple[Path, dict]:
+    """The corpus of n documents under tmp (built once, in a process of its own: see _CHILD) and its truth."""
+    corpus = tmp / f"corpus-{n}"
+    if not corpus.exists():
+        code = "import sys; from benchmarks.bench_data_scale import build_to; build_to(*sys.argv[1:])"
+        subprocess.run([sys.executable, "-c", code, str(corpus), str(n), str(tmp / f"truth-{n}.json")],
+                       check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    return corpus, json.loads((tmp / f"truth-{n}.json").read_text())
+
+
+_PROFILE_CHILD = r"""
+import cProfile, sys, time
+from kiln.cli import main
+profile = cProfile.Profile(time.process_time)  # CPU, not wall: the machine is shared
+profile.runcall(main, ["run", sys.argv[1], "--until", "pack"])
+profile.dump_stats(sys.argv[2])
+"""
+
+
+def profile() -> None:
+    """PROFILE=on: `kiln run --until pack` at N and 4N on one worker (every stage in one process) under
+    cProfile, in CPU time; prints the functions with the most own time at 4N beside their 4N / N ratio. Linear work
+    shows ~4x; a function well above is doing work that grows faster than the corpus."""
+    import pstats
+
     with tempfile.TemporaryDirectory(prefix="kiln-bench-scale-") as tmp:
         tmp = Path(tmp)
-        for label, n, workers in (("N", N, 2), ("4N", 4 * N, 2), ("N, 1 worker", N, 1)):
-            corpus = tmp / f"corpus-{n}"
+        own: dict[str, dict] = {}
+        for label, n in (("N", N), ("4N", 4 * N)):
+            corpus, _ = corpus_of(tmp, n)
+            out = tmp / f"out-{n}"
             t0 = time.perf_counter()
-            if not corpus.exists():  # in a process of its own: this one stays small (see _CHILD)
-                code = "import sys; from benchmarks.bench_data_scale import build_to; build_to(*sys.argv[1:])"
-                subprocess.run([sys.executable, "-c", code, str(corpus), str(n), str(tmp / f"truth-{n}.json")],
-                               check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-            truth = json.loads((tmp / f"truth-{n}.json").read_text())
+            subprocess.run([sys.executable, "-c", _PROFILE_CHILD, str(write_config(corpus, out, 1)), str(tmp / label)],
+                           check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+                           capture_output=True)
+            print(f"{label}: {n:,} documents profiled in {time.perf_counter() - t0:.0f} s", flush=True)
+            own[label] = {f"{Path(f).name}:{line}:{fn}": (tt, nc) for (f, line, fn), (_, nc, tt, _, _)
+                          in pstats.Stats(str(tmp / label)).stats.items()}
+            shutil.rmtree(out, ignore_errors=True)
+    total = {k: sum(tt for tt, _ in v.values()) for k, v in own.items()}
+    print(f"own CPU time: N {total['N']:.1f} s, 4N {total['4N']:.1f} s ({total['4N'] / total['N']:.2f}x)")
+    print(f"{'function':<72} {'4N s':>8} {'N s':>8} {'ratio':>6} {'calls 4N/N':>10}")
+    for name, (tt, nc) in sorted(own["4N"].items(), key=lambda kv: -kv[1][0])[:40]:
+        tt1, nc1 = own["N"].get(name, (0.0, 0))
+        print(f"{name[-72:]:<72} {tt:8.2f} {tt1:8.2f} {tt / max(tt1, 1e-9):6.2f} {nc / max(nc1, 1):10.2f}")
+
+
+def main() -> None:
+    if os.environ.get("PROFILE") == "on":
+        return profile()
+    rows = {}
+    runs = [("N", N, 2), ("4N", 4 * N, 2)] + ([] if os.environ.get("ONE_WORKER") == "off" else [("N, 1 worker", N, 1)])
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-scale-") as tmp:
+        tmp = Path(tmp)
+        for label, n, workers in runs:
+            t0 = time.perf_counter()
+            corpus, truth = corpus_of(tmp, n)
             built = time.perf_counter() - t0
             out = tmp / f"out-{n}-{workers}"
             r = run(corpus, out, workers) | score(out, truth)
@@ -254,17 +333,20 @@ def main() -> None:
                   f"driver {r['driver_rss_mb']:.0f} MB, workers {r['worker_rss_mb']:.0f} MB, manifest "
                   f"{r['manifest_bytes']:,} B, recall {r['recall']:.4f} (0.80-0.92: {r['recall_0.80_0.92']:.4f}), "
                   f"precision {r['precision']:.4f} [{r['planted']} planted, {r['removed']} removed; corpus built in "
-                  f"{built:.0f} s]", flush=True)
-            import shutil
-
+                  f"{built:.0f} s]; CPU s by stage (data tasks / dedup stages / profiles / merge / tokenizer / "
+                  f"pack): {cpu_line(r)}", flush=True)
             shutil.rmtree(out, ignore_errors=True)
-    one, four, single = rows["N"], rows["4N"], rows["N, 1 worker"]
+    one, four = rows["N"], rows["4N"]
     rss = max(four["driver_rss_mb"], four["worker_rss_mb"]) / max(one["driver_rss_mb"], one["worker_rss_mb"])
     ratio = {k: four[k] / one[k] for k in ("driver_rss_mb", "worker_rss_mb", "manifest_bytes", "wall_s", "cpu_s")}
     print(f"4N / N: largest process RSS {rss:.2f}x (target <= 1.25), driver {ratio['driver_rss_mb']:.2f}x, "
           f"workers {ratio['worker_rss_mb']:.2f}x; manifest {ratio['manifest_bytes']:.2f}x (<= 1.25); "
           f"time {ratio['wall_s']:.2f}x (<= 4.6), CPU {ratio['cpu_s']:.2f}x")
-    print(f"1 -> 2 workers at N: {single['wall_s'] / one['wall_s']:.2f}x speed-up end to end (target >= 1.7)")
+    print("4N / N CPU seconds by stage: " + ", ".join(
+        f"{k} {four['cpu_by_stage'][k] / max(one['cpu_by_stage'][k], 1e-9):.2f}x" for k in STAGE_NAMES))
+    if "N, 1 worker" in rows:
+        single = rows["N, 1 worker"]
+        print(f"1 -> 2 workers at N: {single['wall_s'] / one['wall_s']:.2f}x speed-up end to end (target >= 1.7)")
 
 
 if __name__ == "__main__":

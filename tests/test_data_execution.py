@@ -187,6 +187,23 @@ def test_stats_per_source_stage_and_step(tmp_path, sample_warc):
     assert all(v >= 0 for v in steps.values()) and steps["extract"] > 0
 
 
+def test_cpu_seconds_by_step_count_the_pool_workers(tmp_path, sample_warc):
+    import resource
+
+    def used():
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+    (me0, kids0) = used()
+    stats = run_data([str(sample_warc)], tmp_path / "docs", cfg(task_bytes=200_000), workers=2)
+    (me1, kids1) = used()
+    cpu = stats["timings_s"]["cpu"]
+    assert set(cpu) == {"process", "dedup_stages", "profiles", "merge"} and all(v >= 0 for v in cpu.values())
+    # the pools' workers ran the tasks: their CPU is in the steps' (which sum to less than the whole call's)
+    assert kids1 - kids0 > 0.2 and kids1 - kids0 <= sum(cpu.values()) <= (me1 - me0) + (kids1 - kids0) + 0.01
+    assert cpu["process"] >= 0.5 * (kids1 - kids0)
+
+
 def kiln_data(inputs: list[str], out: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "kiln", "data", *inputs, "--out", str(out), "data.min_chars=200",
                              "data.docs_per_part=40", *QUIET_GATES, *extra],

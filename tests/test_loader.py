@@ -20,6 +20,7 @@ Covered, on the session's `prepared` shards (real memmapped files) and small pac
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import time
@@ -35,7 +36,7 @@ from conftest import tiny_config
 from kiln.config import PackConfig
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import read_manifest
-from kiln.shards.format import ShardSet
+from kiln.shards.format import FILES_TABLE, ShardSet
 from kiln.shards.pack import pack
 from kiln.shards.remote import ShardCache
 from kiln.train.data import Mixture, draws_per_source, open_splits
@@ -347,12 +348,30 @@ def test_remote_manifest_without_a_listed_shards_checksum_is_a_clear_error(secon
     # was a bare KeyError from the files table
     fs, root = fsspec.core.url_to_fs(remote)
     manifest = json.loads(fs.cat_file(f"{root}/manifest.json"))
-    name = manifest["splits"]["train"]["files"][0]
-    del manifest["files"][name]
+    name = read_manifest(second_source)["splits"]["train"]["files"][0]
+    rows = [json.loads(line) for line in fs.cat_file(f"{root}/{FILES_TABLE}").decode().splitlines()]
+    for row in rows:  # the shard stays in the split's list, its size and sha256 go
+        if row["name"] == name:
+            del row["size"], row["sha256"]
+    table = "".join(json.dumps(row) + "\n" for row in rows).encode()
+    fs.pipe_file(f"{root}/{FILES_TABLE}", table)
+    manifest["files"][FILES_TABLE] = {"size": len(table), "sha256": hashlib.sha256(table).hexdigest()}
     fs.pipe_file(f"{root}/manifest.json", json.dumps(manifest).encode())
     with pytest.raises(
         IntegrityError, match=f"manifest.json: its 'files' table has no size and sha256 for {name}; re-upload"
     ):
+        ShardSet(remote, "train", cache=ShardCache(tmp_path / "cache", 10**9))
+
+
+def test_corrupted_remote_file_table_is_refused_naming_its_url(remote, tmp_path):
+    fs, root = fsspec.core.url_to_fs(remote)
+    raw = bytearray(fs.cat_file(f"{root}/{FILES_TABLE}"))
+    raw[len(raw) // 2] ^= 0x01
+    fs.pipe_file(f"{root}/{FILES_TABLE}", bytes(raw))
+    with pytest.raises(IntegrityError, match=f"{remote}/{FILES_TABLE}: .* sha256 .* changed after Kiln wrote it"):
+        ShardSet(remote, "train", cache=ShardCache(tmp_path / "cache", 10**9))
+    fs.rm(f"{root}/{FILES_TABLE}")
+    with pytest.raises(IntegrityError, match=f"{remote}/{FILES_TABLE}: listed in manifest.json but missing"):
         ShardSet(remote, "train", cache=ShardCache(tmp_path / "cache", 10**9))
 
 

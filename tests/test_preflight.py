@@ -11,6 +11,7 @@ import pytest
 from conftest import tiny_config
 from kiln.cli import main as kiln
 from kiln.errors import KilnError
+from kiln.manifest import sha256_file
 from kiln.ops.plan import make_plan
 from kiln.ops.preflight import preflight
 
@@ -60,6 +61,11 @@ def test_preflight_names_an_empty_validation_split(out):
     # pack.val_fraction: 0 leaves the val split without files; this was a bare IndexError
     manifest = json.loads((out / "shards" / "manifest.json").read_text())
     manifest["splits"]["val"] = {"files": [], "tokens": 0, "samples": 0}
+    table = out / "shards" / manifest["file_table"]["name"]  # and no row of the table goes in the val list
+    rows = [json.loads(line) for line in table.read_text().splitlines()]
+    table.write_text("".join(json.dumps({k: v for k, v in row.items() if not row["name"].startswith("val/")
+                                         or k != "in"}) + "\n" for row in rows))
+    manifest["files"][table.name] = {"size": table.stat().st_size, "sha256": sha256_file(table)}
     (out / "shards" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(KilnError, match="the val split has no samples.*raise pack.val_fraction"):
         preflight(tiny_config(out, preflight={"steps": 2}))

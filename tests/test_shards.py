@@ -9,6 +9,10 @@ Covered, on the session's `prepared` corpus (copied before anything is corrupted
   `read_header`/`read_index` and from `verify_shards` once the manifest is re-hashed
   (so the header check itself, not the sha256, is what fires);
 - `ShardSet` with another tokenizer's sha256 raises KilnError naming the tokenizer;
+- the file table (`files.jsonl`): manifest.json's bytes are the same at 1 and at 25+ shards a split
+  but for the table's row count, size and sha256; a flipped byte in it, a wrong row count or name, a
+  missing table are one-line IntegrityErrors; a manifest with its files inline (written before the
+  table) still reads; pack replaces its own folder with a damaged table but not one holding a foreign file;
 - train/val document ids are disjoint and follow `split_of`, which is stable when
   documents are added (synthetic ids, and a real re-pack of a superset);
 - manifest token counts equal the sum of shard headers; every sample has
@@ -53,7 +57,7 @@ from kiln.data.docs import read_docs
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import read_manifest
 from kiln.shards.format import (
-    IDX_ENTRY, IDX_HEADER, ShardSet, read_header, read_index, read_tokens, verify_shards,
+    FILES_TABLE, IDX_ENTRY, IDX_HEADER, ShardSet, read_header, read_index, read_tokens, verify_shards,
 )
 from kiln.shards.pack import pack, split_of
 from kiln.shards.provenance import documents as provenance_rows
@@ -68,12 +72,22 @@ def flip_byte(path: Path, pos: int) -> None:
     path.write_bytes(bytes(raw))
 
 
+def sized(data: bytes) -> dict:
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
 def rehash(folder: Path, name: str) -> None:
-    """Make the manifest vouch for the (altered) file again, so that only the header checks can catch it."""
+    """Make the manifest vouch for the (altered) file again, so that only the header checks can catch it:
+    its row in the file table, then the table's entry in manifest.json."""
+    table = folder / FILES_TABLE
+    rows = [json.loads(line) for line in table.read_text().splitlines()]
+    for row in rows:
+        if row["name"] == name:
+            row.update(sized((folder / name).read_bytes()))
+    table.write_text("".join(json.dumps(row) + "\n" for row in rows))
     mpath = folder / "manifest.json"
     m = json.loads(mpath.read_text())
-    data = (folder / name).read_bytes()
-    m["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    m["files"][FILES_TABLE] = sized(table.read_bytes())
     mpath.write_text(json.dumps(m))
 
 
@@ -132,7 +146,8 @@ def test_verify_shards_passes_on_prepared(shards, manifest):
     assert m == manifest
     names = set(m["files"])
     listed = {f for s in m["splits"].values() for f in s["files"]}
-    assert listed and names == listed | {f[:-4] + ".idx" for f in listed} | {f[:-4] + ".docs.jsonl.zst" for f in listed}
+    side = {f[:-4] + ".idx" for f in listed} | {f[:-4] + ".docs.jsonl.zst" for f in listed}
+    assert listed and names == listed | side | {FILES_TABLE}
     assert len(m["splits"]["train"]["files"]) >= 2  # the flip test below covers several shards
 
 
@@ -147,6 +162,115 @@ def test_manifest_size_does_not_grow_with_the_document_count(prepared, tmp_path)
         dropped = m["splits"]["train"]["dropped_tail_tokens"] + m["splits"]["val"]["dropped_tail_tokens"]
         assert n - dropped <= len(provenance_rows(tmp_path / str(n), m)) <= n  # a row for every document with tokens
     assert docs == {50: 50, 1000: 1000} and abs(sizes[1000] - sizes[50]) < 100, sizes
+
+
+def pack_synthetic(prepared, out: Path, samples_per_shard: int, n: int = 400) -> dict:
+    cfg = PackConfig(seq_len=63, val_fraction=0.2, samples_per_shard=samples_per_shard)
+    corpus = [{"id": f"d{i}", "text": f"kiln {i} fires " * 30, "source": "s.jsonl", "offset": i, "length": 9}
+              for i in range(n)]
+    return pack(corpus, prepared.out / "tokenizer", out, cfg)
+
+
+def test_manifest_bytes_do_not_depend_on_the_shard_count(prepared, tmp_path):
+    one, many = pack_synthetic(prepared, tmp_path / "one", 100_000), pack_synthetic(prepared, tmp_path / "many", 20)
+    assert [len(one["splits"][s]["files"]) for s in ("train", "val")] == [1, 1]
+    assert len(many["splits"]["train"]["files"]) >= 20 and len(many["splits"]["val"]["files"]) >= 4
+    raw = {k: (tmp_path / k / "manifest.json").read_bytes() for k in ("one", "many")}
+    parsed = {k: json.loads(v) for k, v in raw.items()}
+    table = {k: (m["file_table"]["files"], m["files"][FILES_TABLE]["size"]) for k, m in parsed.items()}
+    assert table["many"][0] == len(many["files"]) - 1 > table["one"][0] == len(one["files"]) - 1 == 6
+    # What differs is the file table's row count, size and sha256: the same bytes with those set alike
+    for m in parsed.values():
+        assert set(m["files"]) == {FILES_TABLE} and m["file_table"]["name"] == FILES_TABLE
+        assert all(info["files"] == [] for info in m["splits"].values())
+        m["file_table"]["files"] = m["files"][FILES_TABLE]["size"] = m["files"][FILES_TABLE]["sha256"] = 0
+    assert json.dumps(parsed["one"], indent=1) == json.dumps(parsed["many"], indent=1)
+    digits = sum(len(str(a)) - len(str(b)) for a, b in zip(table["many"], table["one"]))
+    assert len(raw["many"]) - len(raw["one"]) == digits <= 4, (len(raw["many"]), len(raw["one"]))
+    # and the same samples, every file listed and verified
+    assert verify_shards(tmp_path / "many") == read_manifest(tmp_path / "many") == many
+    for split in ("train", "val"):
+        a, b = ShardSet(tmp_path / "one", split), ShardSet(tmp_path / "many", split)
+        got, want = (np.zeros((len(a), a.sample_len), dtype=np.int64) for _ in range(2))
+        a.gather(np.arange(len(a)), want)
+        b.gather(np.arange(len(b)), got)
+        assert len(a) == len(b) > 0 and np.array_equal(got, want)
+
+
+def test_write_manifest_table_round_trips_nested_file_lists(tmp_path):
+    from kiln.manifest import FileList, write_manifest
+
+    for name in ("a/2.bin", "a/10.bin", "b/1.bin", "other.txt"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(name)
+    lists = {"a": {"files": FileList(["a/2.bin", "a/10.bin"]), "groups": [{"files": FileList(["a/10.bin"])}]},
+             "b": {"files": FileList(["b/1.bin"])}, "empty": {"files": FileList([])}}
+    written = write_manifest(tmp_path, table="t.jsonl", stage="x", splits=lists)
+    assert written == read_manifest(tmp_path) and "file_table" not in written
+    assert written["splits"] == {"a": {"files": ["a/2.bin", "a/10.bin"], "groups": [{"files": ["a/10.bin"]}]},
+                                 "b": {"files": ["b/1.bin"]}, "empty": {"files": []}}
+    assert list(written["files"]) == sorted(["a/2.bin", "a/10.bin", "b/1.bin", "other.txt", "t.jsonl"])
+    assert json.loads((tmp_path / "manifest.json").read_text())["files"].keys() == {"t.jsonl"}
+    with pytest.raises(ValueError, match="not in the order"):  # lists the rows cannot all give back
+        write_manifest(tmp_path, table="t.jsonl", x=FileList(["a/2.bin", "b/1.bin"]),
+                       y=FileList(["b/1.bin", "a/2.bin"]))
+    assert write_manifest(tmp_path, table="t.jsonl", stage="x", splits=lists) == written  # the table rewritten
+
+
+def test_a_flipped_byte_in_the_file_table_is_one_line_naming_it(copy, capsys):
+    flip_byte(copy / FILES_TABLE, 20)
+    for read in (lambda: ShardSet(copy, "train"), lambda: verify_shards(copy), lambda: read_manifest(copy)):
+        with pytest.raises(IntegrityError, match="sha256 .* the file table changed after Kiln wrote it") as info:
+            read()
+        assert str(copy / FILES_TABLE) in str(info.value) and "\n" not in str(info.value)
+    assert cli_main(["shards", "verify", str(copy)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kiln: verification failed: ") and str(copy / FILES_TABLE) in err and "\n" not in err
+
+
+def test_file_table_row_count_and_name_are_checked(copy):
+    mpath = copy / "manifest.json"
+    good = json.loads(mpath.read_text())
+    for change, message in ((lambda m: m["file_table"].update(files=m["file_table"]["files"] + 1), "rows"),
+                            (lambda m: m["file_table"].update(name="elsewhere.jsonl"), "does not name a file")):
+        m = json.loads(json.dumps(good))
+        change(m)
+        mpath.write_text(json.dumps(m))
+        with pytest.raises(IntegrityError, match=message):
+            ShardSet(copy, "train")
+    mpath.write_text(json.dumps(good))
+    (copy / FILES_TABLE).unlink()
+    with pytest.raises(IntegrityError, match=f"{copy / FILES_TABLE}: listed in manifest.json but missing"):
+        verify_shards(copy)
+
+
+def test_a_manifest_with_its_files_inline_still_reads(shards, manifest, copy):
+    """A folder packed before the file table: every file and the shard lists in manifest.json itself."""
+    from kiln.shards.inspect import sample_provenance
+
+    old = {**manifest, "files": {k: v for k, v in manifest["files"].items() if k != FILES_TABLE}}
+    (copy / FILES_TABLE).unlink()
+    (copy / "manifest.json").write_text(json.dumps(old, indent=1))
+    assert verify_shards(copy) == read_manifest(copy) == old
+    for split in ("train", "val"):
+        a, b = ShardSet(copy, split), ShardSet(shards, split)
+        assert a.names == b.names and len(a) == len(b) and np.array_equal(a.sample(len(a) - 1), b.sample(len(b) - 1))
+    at = len(ShardSet(shards, "train")) - 1
+    assert sample_provenance(copy, "train", at)["pieces"] == sample_provenance(shards, "train", at)["pieces"]
+
+
+def test_pack_replaces_its_own_folder_with_a_damaged_file_table_but_not_foreign_files(prepared, tmp_path):
+    out = tmp_path / "shards"
+    first = pack_synthetic(prepared, out, 20)
+    table = (out / FILES_TABLE).read_bytes()
+    at = table.index(b'"sha256": "') + len(b'"sha256": "')
+    (out / FILES_TABLE).write_bytes(table[:at] + (b"0" if table[at:at + 1] != b"0" else b"1") + table[at + 1:])
+    with pytest.raises(IntegrityError):
+        read_manifest(out)
+    assert pack_synthetic(prepared, out, 20) == first  # Kiln's own folder: replaced
+    (out / "train" / "notes.txt").write_text("mine")
+    with pytest.raises(KilnError, match="holds train/notes.txt, which Kiln did not write"):
+        pack_synthetic(prepared, out, 20)
 
 
 def test_training_path_never_reads_the_provenance(shards, copy, manifest):

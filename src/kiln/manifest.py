@@ -65,11 +65,14 @@ def fsync_tree(folder: Path, skip: Iterable[str] = ()) -> None:
                 os.fsync(f.fileno())
 
 
-def write_manifest(folder: Path, hashed: dict[str, dict] | None = None, **fields: Any) -> dict[str, Any]:
+def write_manifest(folder: Path, hashed: dict[str, dict] | None = None, table: str | None = None,
+                   **fields: Any) -> dict[str, Any]:
     """List every file under `folder` (size, sha256) plus `fields`; written last and atomically.
 
     `hashed`: {name: {"size", "sha256"}} of files their writers already fsynced and hashed (the ranks of a
-    sharded checkpoint, in parallel): taken as given instead of read again here."""
+    sharded checkpoint, in parallel): taken as given instead of read again here.
+    `table`: the name of a file table (see `FILE_TABLE`) that takes the files, and the `FileList`s among
+    `fields`, out of manifest.json; the result is then what `read_manifest` gives back."""
     folder = Path(folder)
     hashed = hashed or {}
     fsync_tree(folder, skip=hashed)
@@ -79,9 +82,126 @@ def write_manifest(folder: Path, hashed: dict[str, dict] | None = None, **fields
         if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")
         for name in [p.relative_to(folder).as_posix()]
     }
+    if table is not None:
+        return _write_with_table(folder, table, files, fields)
     manifest = {"kiln_version": __version__, **fields, "files": files}
     write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=False))
     return manifest
+
+
+# --- a file table beside the manifest ---------------------------------------------------------------
+
+FILE_TABLE = "file_table"  # manifest key: {"name": the table file, "files": its row count}
+
+
+class FileList(list):
+    """A list of file names in a manifest's fields that moves to the file table with the files
+    (write_manifest's `table`): manifest.json keeps an empty list in its place, read_manifest refills it."""
+
+
+def _write_with_table(folder: Path, table: str, files: dict[str, dict], fields: dict[str, Any]) -> dict[str, Any]:
+    """A folder of many files (shards) keeps manifest.json's size independent of their number: `table`
+    (JSON lines, one `{"name", "size", "sha256"}` row per file, and `"in": [path, ...]` naming the
+    FileLists that hold it) lists them, and manifest.json lists only `table`, whose sha256 therefore
+    vouches for every row, and records `file_table: {"name", "files"}`. Rows come in the FileLists'
+    order (then the other files by name), so appending each row's name to its lists rebuilds them."""
+    moved: list[tuple[list, list[str]]] = []  # (path inside the manifest, the names)
+
+    def strip(node: Any, path: list) -> Any:
+        if isinstance(node, FileList):
+            moved.append((path, list(node)))
+            return []
+        if isinstance(node, dict):
+            return {k: strip(v, path + [k]) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [strip(v, path + [i]) for i, v in enumerate(node)]
+        return node
+
+    fields = strip(fields, [])
+    files = {name: meta for name, meta in files.items() if name != table}  # an earlier table is rewritten
+    paths: dict[str, list[list]] = {}
+    for path, names in moved:
+        for name in names:
+            if name not in files:
+                raise ValueError(f"{folder}: {name} is in a manifest list but not in the folder")
+            paths.setdefault(name, []).append(path)
+    order = list(paths) + [name for name in files if name not in paths]
+    rows = [{"name": name, **files[name], **({"in": paths[name]} if name in paths else {})} for name in order]
+    data = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode()
+    manifest = {"kiln_version": __version__, **fields, FILE_TABLE: {"name": table, "files": len(rows)},
+                "files": {table: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}}
+    text = json.dumps(manifest, indent=1, sort_keys=False)
+    expanded = expand_file_table(json.loads(text), data, folder / table)
+    for path, names in moved:  # a list whose order the rows cannot give is the caller's bug: never commit it
+        if _at(expanded, path) != names:
+            raise ValueError(f"{folder}: the manifest list at {path} is not in the order of the other lists")
+    write_atomic(folder / table, data)
+    write_atomic(folder / MANIFEST, text)
+    return expanded
+
+
+def _at(node: Any, path: list) -> Any:
+    for key in path:
+        node = node[key]
+    return node
+
+
+def table_name(manifest: dict[str, Any], where: Path | str) -> str:
+    """The file table's name, checked to be a file manifest.json lists (`where`: the manifest, for errors)."""
+    meta = manifest.get(FILE_TABLE)
+    name = meta.get("name") if isinstance(meta, dict) else None
+    listed = manifest["files"].get(name) if isinstance(name, str) else None
+    if not (isinstance(listed, dict) and isinstance(listed.get("size"), int) and isinstance(listed.get("sha256"), str)
+            and isinstance(meta.get("files"), int)):
+        raise IntegrityError(f"{where}: its '{FILE_TABLE}' does not name a file it lists with size and sha256; the "
+                             f"folder is corrupt, re-run the stage")
+    return name
+
+
+def expand_file_table(manifest: dict[str, Any], data: bytes, where: Path | str) -> dict[str, Any]:
+    """`manifest` (parsed manifest.json) with its file table `data` (read from `where`) put back: every
+    row in `files` (sorted by name, the table's own entry among them), each name appended to the lists its
+    row names, `file_table` removed: the same dict as a manifest that held it all. Memory: the table."""
+    name = table_name(manifest, where)
+    listed, count = manifest["files"][name], manifest.pop(FILE_TABLE)["files"]
+    digest = hashlib.sha256(data).hexdigest()
+    if len(data) != listed["size"] or digest != listed["sha256"]:
+        raise IntegrityError(f"{where}: {len(data)} bytes with sha256 {digest[:16]}…, {MANIFEST} says "
+                             f"{listed['size']} bytes with {listed['sha256'][:16]}…; the file table changed after "
+                             f"Kiln wrote it, re-run the stage")
+    files: dict[str, Any] = {name: listed}
+    try:
+        lines = data.decode("utf-8").splitlines()
+        for line in lines:
+            row = json.loads(line)
+            entry = row.pop("name")
+            for path in row.pop("in", []):
+                _at(manifest, path).append(entry)
+            files[entry] = row
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise IntegrityError(f"{where}: not a Kiln file table ({exc!r}); the folder is corrupt, "
+                             f"re-run the stage") from None
+    if len(lines) != count:
+        raise IntegrityError(f"{where}: {len(lines)} rows, {MANIFEST} says {count}; re-run the stage")
+    manifest["files"] = dict(sorted(files.items()))
+    return manifest
+
+
+def _table_names(folder: Path, manifest: dict[str, Any]) -> set[str]:
+    """The names in a folder's file table, read without checking its hash: for telling Kiln's files from
+    others (check_replaceable), so that a damaged table does not stop Kiln replacing its own folder."""
+    meta = manifest.get(FILE_TABLE)
+    try:
+        lines = (folder / meta["name"]).read_bytes().decode("utf-8", "replace").splitlines()
+    except (OSError, TypeError, KeyError):
+        return set()
+    names = set()
+    for line in lines:
+        try:
+            names.add(json.loads(line)["name"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return names
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
@@ -96,6 +216,12 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         raise IntegrityError(f"{path}: not valid JSON ({exc}); the folder is corrupt, re-run the stage") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise IntegrityError(f"{path}: has no 'files' table; the folder is corrupt, re-run the stage")
+    if FILE_TABLE in manifest:  # the files are listed beside it (write_manifest's `table`)
+        name = table_name(manifest, path)
+        table = Path(folder) / name
+        if not table.is_file():
+            raise IntegrityError(f"{table}: listed in {MANIFEST} but missing; re-run the stage")
+        manifest = expand_file_table(manifest, table.read_bytes(), table)
     return manifest
 
 
@@ -242,9 +368,10 @@ def check_replaceable(folder: Path, stage: str | None, inputs: Iterable[Any] = (
     if stage is not None and manifest.get("stage") != stage:
         raise KilnError(f"{folder} holds a `{manifest.get('stage')}` output, so it is not {what}; choose another "
                         f"folder, or move this one away")
+    listed = set(manifest["files"]) | _table_names(folder, manifest)
     for p in sorted(folder.rglob("*")):
         name = p.relative_to(folder).as_posix()
-        if p.is_file() and name not in manifest["files"] and name not in (MANIFEST, SIGNATURE):
+        if p.is_file() and name not in listed and name not in (MANIFEST, SIGNATURE):
             raise KilnError(f"{folder} holds {name}, which Kiln did not write (manifest.json does not list it); "
                             f"move that file away, or choose another output folder")
 

@@ -18,6 +18,7 @@ import hashlib
 import io
 import json
 import re
+import resource
 import shutil
 import time
 from collections import Counter
@@ -237,7 +238,7 @@ def run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None 
     tasks = plan_tasks(files, cfg)
     work = out.parent / f".{out.name}-work-{work_key(fp, tasks)}"
     work.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
+    t0, cpu = time.perf_counter(), [cpu_seconds()]
     cfg = prepare_semantic(cfg, files, work)  # vectors trained on the corpus, when the semantic gate needs them
 
     todo = [t for t in tasks if not (work / f"{t.name}.done.json").exists()]
@@ -247,18 +248,24 @@ def run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None 
             for result in run_tasks(run_task, [(t, cfg) for t in todo], workers, cfg.executor, cfg.ray_address):
                 on_done(_commit(work, result))
         t_process = time.perf_counter() - t0
+        cpu.append(cpu_seconds())
         summaries = [json.loads((work / f"{t.name}.done.json").read_text()) for t in tasks]
         layout = dedup_layout(work, summaries, cfg.dedup, index_key(files, cfg))
         verdicts = run_stages(layout, workers, cfg.executor, cfg.ray_address)
         t_dedup = time.perf_counter() - t0 - t_process
+        cpu.append(cpu_seconds())
         profiles = source_profiles(work, summaries, layout, verdicts, cfg, workers)
     t_profiles = time.perf_counter() - t0 - t_process - t_dedup
+    cpu.append(cpu_seconds())
 
     with staging_dir(out) as tmp:
         stats = _merge(work, summaries, tmp, cfg, verdicts, layout.indexed, profiles)
         stats["timings_s"] |= {"process": round(t_process, 3), "dedup_stages": round(t_dedup, 3),
                                "profiles": round(t_profiles, 3),
                                "merge": round(time.perf_counter() - t0 - t_process - t_dedup - t_profiles, 3)}
+        cpu.append(cpu_seconds())
+        stats["timings_s"]["cpu"] = {k: round(b - a, 3) for k, a, b in
+                                     zip(("process", "dedup_stages", "profiles", "merge"), cpu, cpu[1:])}
         stats["tasks"] = len(tasks)
         stats["tasks_resumed"] = len(tasks) - len(todo)
         stats["dedup_tasks"] = verdicts.tasks  # how many key ranges: data.dedup.bucket_docs, not the output
@@ -271,6 +278,14 @@ def run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None 
         if re.fullmatch(rf"\.{re.escape(out.name)}-work-[0-9a-f]{{16}}", stale.name):  # work_key's name, ours
             shutil.rmtree(stale, ignore_errors=True)
     return stats
+
+
+def cpu_seconds() -> float:
+    """User + system seconds of this process and of its children that have ended: the local pool's workers
+    once their pool has closed (each stage's does), so the differences are each stage's CPU on this machine
+    (a Ray cluster's workers are not children: there this counts the driver alone)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def _progress_sink(progress, tasks: list[Task], todo: list[Task]):

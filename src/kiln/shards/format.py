@@ -9,6 +9,13 @@
 
 A reader checks the header against what it expects (dtype, vocabulary,
 tokenizer hash), which is the common silent failure of headerless formats.
+
+`files.jsonl` (`FILES_TABLE`): one row per file of the folder, `{"name", "size", "sha256"}`, a `.bin`'s
+with `"in"`: the manifest lists that hold it (`splits.<split>.files`, a shard group's `files`), in their
+order. manifest.json lists only this table (its sha256 vouches for every row) and records
+`file_table: {"name", "files"}`; its size therefore does not grow with the number of shards.
+`kiln.manifest.read_manifest` puts the rows back, so a reader sees `files` and the split lists as when
+they were inline (as in folders written before the table, which read as they are).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from kiln.shards.remote import RemoteFolder, ShardCache, is_url
 from kiln.shards.verify import SplitVerifier
 
 FORMAT_VERSION = 1
+FILES_TABLE = "files.jsonl"  # the folder's files and shard lists, beside manifest.json (module docstring)
 BIN_MAGIC, IDX_MAGIC = b"KILNTOK\0", b"KILNIDX\0"
 BIN_HEADER = struct.Struct("<8sIIIIQ32s")
 IDX_HEADER = struct.Struct("<8sIIQ")

@@ -5,7 +5,9 @@ documents, each followed by EOS, into samples of `seq_len + 1` tokens (inputs
 and shifted targets); the writer cuts the stream into shards of
 `samples_per_shard` samples. A concat tail shorter than one sample is dropped
 and counted. Each shard's document provenance goes into its side file
-(provenance.py), not the manifest.
+(provenance.py), not the manifest, and the files' sizes and hashes and each
+split's shard list into `files.jsonl` (format.py), so manifest.json's size
+depends on neither the number of documents nor that of shards.
 
 Memory: documents stream through (the docs parts are read one at a time); a split
 holds the packer's window, less than one sample of tokens, and the provenance rows
@@ -25,9 +27,9 @@ import xxhash
 
 from kiln.config import PackConfig
 from kiln.errors import KilnError
-from kiln.manifest import staging_dir, write_manifest, writes_folder
+from kiln.manifest import FileList, staging_dir, write_manifest, writes_folder
 from kiln.shards.encode import encode_documents
-from kiln.shards.format import FORMAT_VERSION, ShardHeader, token_dtype
+from kiln.shards.format import FILES_TABLE, FORMAT_VERSION, ShardHeader, token_dtype
 from kiln.shards.packing import make_packer
 from kiln.shards.provenance import SUFFIX as PROVENANCE
 from kiln.shards.writer import SplitWriter
@@ -136,6 +138,10 @@ def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, 
             if split == "train":
                 train_tokens[group] = train_tokens.get(group, 0) + len(ids)
         splits = groups.close(writers)
+        for info in splits.values():  # the shard lists go to the file table with the files (FILES_TABLE)
+            info["files"] = FileList(info["files"])
+            for shard_group in info.get("groups", ()):
+                shard_group["files"] = FileList(shard_group["files"])
         if splits["train"]["samples"] == 0:
             raise KilnError(
                 f"too few tokens to fill one training sample of {cfg.seq_len + 1}; lower pack.seq_len or add data"
@@ -147,7 +153,7 @@ def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, 
             data_weight=round(data_weight(train_tokens, source_weights), 6),
             split_documents=sum(s["split_documents"] for s in splits.values()),
             documents=sum(s["documents"] for s in splits.values()), provenance=f"{{split}}/NNNNN{PROVENANCE}",
-            tokens_by_lang=dict(tokens_by_lang.most_common()), text_bytes=text_bytes,
+            tokens_by_lang=dict(tokens_by_lang.most_common()), text_bytes=text_bytes, table=FILES_TABLE,
         )
     return manifest
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import IntegrityError, KilnError
-from kiln.manifest import MANIFEST
+from kiln.manifest import FILE_TABLE, MANIFEST, expand_file_table, table_name
 
 _CACHE_ENTRY = re.compile(r"[0-9a-f]{64}")
 
@@ -59,6 +59,16 @@ class RemoteFolder:
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
             raise IntegrityError(f"{where}: has no 'files' table; re-upload the shards folder")
         self.files = manifest["files"]
+        if FILE_TABLE in manifest:  # the files are listed beside it (format.FILES_TABLE), read like the manifest
+            name = table_name(manifest, where)
+            try:
+                with self.fs.open(f"{self.root}/{name}", "rb") as f:
+                    data = f.read()
+            except FileNotFoundError:
+                raise IntegrityError(f"{self.url}/{name}: listed in {MANIFEST} but missing; re-upload the shards "
+                                     f"folder") from None
+            manifest = expand_file_table(manifest, data, f"{self.url}/{name}")  # checked against its sha256
+            self.files = manifest["files"]
         return manifest
 
     def listed(self, name: str) -> dict[str, Any]:
