@@ -29,6 +29,13 @@ letters, repeated lines), exact and near-duplicate dedup run.
     N=50000 python -m benchmarks data_scale          # N >= 50,000 for the issue's figures; smaller to try it
     N=6250 ONE_WORKER=off python -m benchmarks data_scale   # N and 4N only: CPU by stage, quickly
     N=6250 PROFILE=on python -m benchmarks data_scale       # one worker under cProfile: own time 4N / N
+    N=50000 SIZES=N THREADS=workers python -m benchmarks data_scale  # N at 2 and 1 workers, tokenizers' threads
+                                                                     # pinned to the workers
+
+With `workers: 1`, pack encodes in the driver and the tokenizers library (Rust, rayon) trains and encodes on
+every core, so a "1 worker" run already uses the machine's 2 cores in those stages. THREADS=workers sets
+RAYON_NUM_THREADS to the run's worker count, so 1 worker is one core throughout and 1 -> 2 workers measures
+how the whole flow scales with the cores it is given. SIZES=N leaves out the 4N run.
 
 Each run also reports its CPU seconds by stage (stats.json `timings_s.cpu` for the data stage's four
 steps; the tokenizer and pack stages timed around `kiln.flow.STAGES`) and their 4N / N ratios: a stage
@@ -220,6 +227,8 @@ def write_config(corpus: Path, out: Path, workers: int) -> Path:
 def run(corpus: Path, out: Path, workers: int) -> dict:
     config = write_config(corpus, out, workers)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    if os.environ.get("THREADS") == "workers":  # see the docstring: rayon's pool sized like the process pools
+        env["RAYON_NUM_THREADS"] = str(workers)
     done = subprocess.run(
         [sys.executable, "-c", _CHILD, str(config)], capture_output=True, text=True, env=env, check=False, cwd=ROOT
     )
@@ -315,7 +324,8 @@ def main() -> None:
     if os.environ.get("PROFILE") == "on":
         return profile()
     rows = {}
-    runs = [("N", N, 2), ("4N", 4 * N, 2)] + ([] if os.environ.get("ONE_WORKER") == "off" else [("N, 1 worker", N, 1)])
+    runs = [("N", N, 2)] + ([] if os.environ.get("SIZES") == "N" else [("4N", 4 * N, 2)])
+    runs += [] if os.environ.get("ONE_WORKER") == "off" else [("N, 1 worker", N, 1)]
     with tempfile.TemporaryDirectory(prefix="kiln-bench-scale-") as tmp:
         tmp = Path(tmp)
         for label, n, workers in runs:
@@ -336,7 +346,9 @@ def main() -> None:
                   f"{built:.0f} s]; CPU s by stage (data tasks / dedup stages / profiles / merge / tokenizer / "
                   f"pack): {cpu_line(r)}", flush=True)
             shutil.rmtree(out, ignore_errors=True)
-    one, four = rows["N"], rows["4N"]
+    one, four = rows["N"], rows.get("4N")
+    if four is None:
+        return print(f"1 -> 2 workers at N: {rows['N, 1 worker']['wall_s'] / one['wall_s']:.2f}x speed-up end to end")
     rss = max(four["driver_rss_mb"], four["worker_rss_mb"]) / max(one["driver_rss_mb"], one["worker_rss_mb"])
     ratio = {k: four[k] / one[k] for k in ("driver_rss_mb", "worker_rss_mb", "manifest_bytes", "wall_s", "cpu_s")}
     print(f"4N / N: largest process RSS {rss:.2f}x (target <= 1.25), driver {ratio['driver_rss_mb']:.2f}x, "

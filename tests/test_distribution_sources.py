@@ -6,6 +6,7 @@ from a drifting source its weight's share less. Real JSONL, real tokenizer, real
 from __future__ import annotations
 
 import json
+import pickle
 import random
 from collections import Counter
 from pathlib import Path
@@ -253,3 +254,39 @@ def test_spilled_profiles_report_what_one_profile_of_everything_reports_keeping_
         assert got[src]["docs"] == w["docs"] and got[src]["z"] == pytest.approx(w["z"], abs=2e-4)
         assert got[src]["weight"] == pytest.approx(w["weight"], abs=2e-4)
     assert sorted(got, key=lambda src: got[src]["z"])[-2:] in (["s18", "s19"], ["s19", "s18"])  # the drifting two
+
+
+def test_spilled_profiles_rank_the_corpus_one_token_partition_at_a_time(tmp_path):
+    """The corpus's vocabulary is never held whole (it keeps growing with a real crawl): the sums of f are
+    spilled to PARTITIONS token partitions and ranked one partition at a time. The candidates are exactly the
+    ones one Counter of the whole vocabulary, summed in the same order, ranks first; no partition holds more
+    than ~1/PARTITIONS of the tokens; a second SpilledProfiles on the same folder (a resumed merge) starts over."""
+    from kiln.data.gates.distribution import SourceProfiles, SpilledProfiles
+
+    rng = random.Random(5)
+    vocab = [f"t{i}" for i in range(20_000)]
+    stale = {"docs": {"x": 1}, "sum_f": {"x": {"stale": 1e9}}, "sum_f2": {"x": {"stale": 1e18}}}
+    SpilledProfiles(tmp_path / "p", top_tokens=50, max_z=3.0).add(0, stale)  # a merge that stopped
+    spilled, whole = SpilledProfiles(tmp_path / "p", top_tokens=50, max_z=3.0), Counter()
+    for task in range(12):
+        part = SourceProfiles(top_tokens=50)
+        for src in (f"a{task % 3}", f"b{task % 5}"):
+            for _ in range(15):
+                part.add(src, " ".join(rng.choice(vocab[: rng.choice((300, 20_000))]) for _ in range(120)))
+        for src in part.docs:
+            whole.update(part.sum_f[src])
+        spilled.add(task, {"docs": part.docs, "sum_f": part.sum_f, "sum_f2": part.sum_f2})
+    ranked = sorted(whole.items(), key=lambda kv: (-kv[1], kv[0]))[:100]
+    assert spilled._candidates() == {t for t, _ in ranked}
+    sizes = []
+    for p in range(spilled.PARTITIONS):
+        tokens = set()
+        with open(spilled._partition(p), "rb") as f:
+            while True:
+                try:
+                    tokens.update(*pickle.load(f))
+                except EOFError:
+                    break
+        sizes.append(len(tokens))
+    assert sum(sizes) == len(whole) > 10_000 and max(sizes) < 2 * len(whole) / spilled.PARTITIONS
+    assert spilled.total().docs == sum((Counter({f"a{t % 3}": 15, f"b{t % 5}": 15}) for t in range(12)), Counter())

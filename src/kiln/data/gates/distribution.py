@@ -12,7 +12,8 @@ is mostly noise): 0 for a source that looks like the corpus, large when its comm
 not the corpus's. A source with z > max_z
 gets sampling weight max_z / z (recorded in the manifest; nothing is dropped). Accumulating
 per-source sums of f and f^2 keeps this one pass; the data stage adds them up from per-task parts with
-`SpilledProfiles`, whose memory is the corpus vocabulary plus sources x top_tokens, not sources x vocabulary.
+`SpilledProfiles`, whose memory is a 64th of the corpus vocabulary plus sources x top_tokens, not sources x
+vocabulary.
 
 What a source is, `data.distribution.source_key`: the input file (default), the URL's host, or a
 JSONL/Parquet record field (`field:NAME`). Each kept document carries its `source_group`; `kiln pack`
@@ -120,33 +121,73 @@ class SourceProfiles:
 
 class SpilledProfiles:
     """The corpus's profile summed from per-task parts, in task order, without holding every source's whole
-    vocabulary: each part is spilled to `folder` as it is added and only the corpus-wide sum of f is kept;
-    `total()` then re-reads the parts one at a time, keeping each source's sums for the tokens that can be
-    among the corpus's `top_tokens` (twice as many, so float rounding in the first ranking cannot move a
-    token across the cut). The report is the same as a SourceProfiles that held everything.
-    Memory: the corpus vocabulary's sum of f, then sources x 2 x top_tokens sums, and one part."""
+    vocabulary, nor the corpus's: each part is spilled to `folder` as it is added, and its sums of f are also
+    appended to one of `PARTITIONS` token partitions (by a hash of the token). `total()` sums one partition at
+    a time to rank the corpus's tokens (twice `top_tokens` are kept, so float rounding in the first ranking
+    cannot move a token across the cut), then re-reads the parts one at a time, keeping each source's sums for
+    those candidates only. The report is the same as a SourceProfiles that held everything (the same
+    additions in the same order, token by token).
+    Memory: one part while adding; then one partition's tokens (the corpus vocabulary / PARTITIONS, which
+    grows with the corpus, slowly: a real crawl's vocabulary keeps growing with its size), 2 x top_tokens
+    candidates, and sources x 2 x top_tokens sums."""
+
+    PARTITIONS = 64
 
     def __init__(self, folder: Path, top_tokens: int, max_z: float) -> None:
         self.folder, self.top_tokens, self.max_z = Path(folder), top_tokens, max_z
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.corpus_f1: Counter[str] = Counter()
+        for stale in self.folder.glob("tokens-*.pkl"):  # a resumed merge adds every part again
+            stale.unlink()
         self.order: list[int] = []
+
+    def _partition(self, p: int) -> Path:
+        return self.folder / f"tokens-{p:03d}.pkl"
 
     def add(self, index: int, part: dict) -> None:
         """Task `index`'s part ({"docs", "sum_f", "sum_f2"}), in task order."""
         import pickle
+        import zlib
 
         (self.folder / f"{index:05d}.pkl").write_bytes(pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL))
         self.order.append(index)
+        # Per partition, one fragment per source in the part's order: the additions stay in SourceProfiles's order.
+        fragments: list[list[dict[str, float]]] = [[] for _ in range(self.PARTITIONS)]
         for src in part["docs"]:
-            self.corpus_f1.update(part["sum_f"].get(src, {}))
+            split: dict[int, dict[str, float]] = defaultdict(dict)
+            for token, f in part["sum_f"].get(src, {}).items():
+                split[zlib.crc32(token.encode("utf-8", "surrogatepass")) % self.PARTITIONS][token] = f
+            for p, fragment in split.items():
+                fragments[p].append(fragment)
+        for p, frames in enumerate(fragments):
+            if frames:
+                with open(self._partition(p), "ab") as out:
+                    pickle.dump(frames, out, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def _candidates(self) -> set[str]:
+        """The corpus's 2 x top_tokens most frequent tokens, ranked (-f, token) as SourceProfiles ranks them."""
+        import heapq
+        import pickle
+
+        best: list[tuple[float, str]] = []
+        for p in range(self.PARTITIONS):
+            if not self._partition(p).exists():
+                continue
+            f1: Counter[str] = Counter()
+            with open(self._partition(p), "rb") as f:
+                while True:
+                    try:
+                        frames = pickle.load(f)
+                    except EOFError:
+                        break
+                    for fragment in frames:
+                        f1.update(fragment)
+            best = heapq.nsmallest(2 * self.top_tokens, best + [(-v, t) for t, v in f1.items()])
+        return {t for _, t in best}
 
     def total(self) -> SourceProfiles:
         import pickle
 
-        ranked = sorted(self.corpus_f1.items(), key=lambda kv: (-kv[1], kv[0]))[: 2 * self.top_tokens]
-        keep = {t for t, _ in ranked}
-        self.corpus_f1 = Counter()
+        keep = self._candidates()
         out = SourceProfiles(self.top_tokens, self.max_z)
         for index in self.order:
             part = pickle.loads((self.folder / f"{index:05d}.pkl").read_bytes())
