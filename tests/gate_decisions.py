@@ -65,6 +65,8 @@ def _record(doc) -> dict[str, Any]:
     rec = doc.kept_record() if doc.rejection is None else doc.reject_record()
     if rec.get("text") is not None:
         rec["text"] = _sha(rec["text"])
+    if rec.get("source"):  # the file's name: the checkout's path is not the gates' decision
+        rec["source"] = Path(rec["source"]).name
     return rec
 
 
