@@ -45,7 +45,7 @@ def torchrun(tmp_path: Path, out: Path, **sections) -> None:
 
 # --- sharding -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mesh", [None, [2, 1]], ids=["fsdp", "hsdp-2x1"])
+@pytest.mark.parametrize("mesh", [None, pytest.param([2, 1], marks=pytest.mark.slow)], ids=["fsdp", "hsdp-2x1"])
 def test_fsdp2_on_two_gloo_ranks_matches_one_process(workdir, tmp_path, mesh):
     sharded = tmp_path / "sharded"
     shutil.copytree(workdir, sharded)

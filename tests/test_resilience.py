@@ -144,7 +144,8 @@ def test_sigkill_during_a_save_resumes_bitwise(workdir, tmp_path):
     assert same_weights(final_weights(workdir), final_weights(reference))
 
 
-@pytest.mark.parametrize("kill_after_step", [4, pytest.param(9, marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~30 s each; the one-process SIGKILL tests (test_train, test_resilience) stay in the default suite
+@pytest.mark.parametrize("kill_after_step", [4, 9])
 def test_two_ranks_killed_and_restarted_continue_bitwise(workdir, tmp_path, kill_after_step):
     reference = clone(workdir, tmp_path / "ref")
     ref_cfg = write_config(tmp_path / "ref.yaml", reference, train={"max_steps": 12}, checkpoint={"every": 3})
@@ -323,6 +324,7 @@ def _rank_pid(root_pid: int, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.slow  # ~55 s; the watchdog and step-timeout unit tests stay in the default suite
 def test_a_stalled_rank_is_reported_and_the_group_restarts_and_resumes(workdir, tmp_path):
     cfg = write_config(tmp_path / "c.yaml", workdir, train={"max_steps": 60}, checkpoint={"every": 5},
                        watchdog={"heartbeat_s": 0.5, "stall_timeout_s": 4})
