@@ -296,7 +296,7 @@ def test_one_process_checkpoint_resumes_under_pp2(prepared, tmp_path_factory, tm
     _ranks_files(_last(two), 2)
 
 
-@pytest.mark.slow  # ~16 s; the expert boxes are also checked by test_ep2_over_four_ranks... and the ep x fsdp2 test
+@pytest.mark.slow  # ~16 s; like the other expert-parallel runs (four ranks, ep x fsdp2), in the slow suite
 def test_ep2_experts_are_boxes_of_the_whole_tensor_and_resume_on_one_process(prepared, tmp_path_factory, tmp_path):
     """Expert parallel on 2 ranks: rank r writes experts [2r, 2r+2) of each (4, hidden, dim) tensor and their
     moments; the dense weights (DDP replicas) are written once, spread over the ranks. One process continues
