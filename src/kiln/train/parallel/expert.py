@@ -175,18 +175,17 @@ class ExpertParallel:
     def full_states(self, model_sd: dict, optim_sd: dict, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         """This rank's state dicts (DDP's: whole dense weights, expert slices) with every expert tensor and its
         AdamW moments gathered whole over the expert group. Every rank of the group takes part."""
-        model_sd = {k: self._gather(v) if k in self.names else v for k, v in model_sd.items()}
-        state = dict(optim_sd["state"])
-        for i in self._expert_indices(optimizer):
-            if i in state:
-                state[i] = {k: self._gather(v) if k != "step" and v.ndim > 0 else v for k, v in state[i].items()}
-        return model_sd, {**optim_sd, "state": state}
+        return self._map_experts(self._gather, model_sd, optim_sd, optimizer)
 
     def local_states(self, model_sd: dict, optim_sd: dict, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         """Full state dicts -> this rank's: each expert tensor and its moments sliced to its experts."""
-        model_sd = {k: self._slice(v) if k in self.names else v for k, v in model_sd.items()}
+        return self._map_experts(self._slice, model_sd, optim_sd, optimizer)
+
+    def _map_experts(self, fn, model_sd: dict, optim_sd: dict, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """`fn` applied to every expert weight and to its moments (not the step counters), the rest as it is."""
+        model_sd = {k: fn(v) if k in self.names else v for k, v in model_sd.items()}
         state = dict(optim_sd["state"])
         for i in self._expert_indices(optimizer):
             if i in state:
-                state[i] = {k: self._slice(v) if k != "step" and v.ndim > 0 else v for k, v in state[i].items()}
+                state[i] = {k: fn(v) if k != "step" and v.ndim > 0 else v for k, v in state[i].items()}
         return model_sd, {**optim_sd, "state": state}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -197,7 +197,23 @@ def _load_broadcast(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd
     set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
 
 
-class ExpertParallelModel(DDPModel):
+class _ExpertHooks:
+    """What expert parallel adds to a data-parallel kind (DDP or FSDP2): `self.experts` (expert.ExpertParallel)
+    syncs the experts' gradients, adds their squares to the clipping norms and names their checkpoint boxes."""
+
+    experts: Any
+
+    def checkpoint_slices(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+        return self.experts.checkpoint_slices()
+
+    def after_backward(self) -> None:
+        self.experts.sync_gradients()
+
+    def grad_norms(self, groups: dict[str, list[nn.Parameter]]) -> dict[str, torch.Tensor]:
+        return self.experts.group_norms(groups)
+
+
+class ExpertParallelModel(_ExpertHooks, DDPModel):
     """Expert parallel (parallel.ep) over DDP replicas: each rank holds n_experts/ep of every MoE block's experts
     (expert.py). DDP skips the expert weights, whose gradients the ranks holding the same experts average after
     backward; the clipping norms add the experts' squares over the expert group; a sharded checkpoint (the
@@ -222,17 +238,8 @@ class ExpertParallelModel(DDPModel):
         self.model.load_state_dict(model_sd)
         optimizer.load_state_dict(optim_sd)
 
-    def checkpoint_slices(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
-        return self.experts.checkpoint_slices()
 
-    def after_backward(self) -> None:
-        self.experts.sync_gradients()
-
-    def grad_norms(self, groups: dict[str, list[nn.Parameter]]) -> dict[str, torch.Tensor]:
-        return self.experts.group_norms(groups)
-
-
-class ExpertFSDPModel(FSDPModel):
+class ExpertFSDPModel(_ExpertHooks, FSDPModel):
     """Expert parallel (parallel.ep) with FSDP2/HSDP: FSDP2 shards the dense weights over the data-parallel
     dimensions; the experts, n_experts/ep per rank (expert.py), stay out of it (`ignored_params`): each rank holds
     its share already, and FSDP2 would shard it again over ranks that hold other experts. As under DDP, their
@@ -274,15 +281,6 @@ class ExpertFSDPModel(FSDPModel):
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)  # every rank read it whole
         set_model_state_dict(self.model, model_sd, options=opts)
         set_optimizer_state_dict(self.model, optimizer, {**optim_sd, "state": state}, options=opts)
-
-    def checkpoint_slices(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
-        return self.experts.checkpoint_slices()
-
-    def after_backward(self) -> None:
-        self.experts.sync_gradients()
-
-    def grad_norms(self, groups: dict[str, list[nn.Parameter]]) -> dict[str, torch.Tensor]:
-        return self.experts.group_norms(groups)
 
 
 class PipelineModel(Parallelized):
