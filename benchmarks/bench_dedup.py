@@ -160,7 +160,7 @@ def kiln_once(folder: str, work: str, method: str) -> None:
         summaries.append({"index": t, "kept": len(signer.ids)})
     verdicts = run_stages(dedup_layout(work, summaries, cfg), workers=1)
     seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0
-    removed = sorted(ids[q] for q in verdicts.exact.keys() | verdicts.near.keys())
+    removed = sorted(ids[q] for q in verdicts.removed().tolist())
     print(json.dumps({"seconds": seconds, "cpu": cpu, "removed": removed}))
 
 

@@ -33,8 +33,13 @@ def test_task_steps_run_in_order_and_each_is_timed_under_its_name():
 
 
 class Verdicts:
-    def __init__(self, exact, near):
-        self.exact, self.near = exact, near
+    """What Dedup asks of kiln.data.dedup.stages.Verdicts: the rejections in document order."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def rejections(self):
+        return iter(self.rows)
 
 
 def test_merge_steps_cut_the_top_fraction_after_dedup_numbers_the_kept_documents():
@@ -42,7 +47,7 @@ def test_merge_steps_cut_the_top_fraction_after_dedup_numbers_the_kept_documents
     docs[0].reject("quality", "too_short")  # rejected on a worker: not numbered
     for d, score in zip(docs[1:], (0.01, 0.9, 0.95)):
         d.scores["quality_score"] = score
-    verdicts = Verdicts(exact={2: {"duplicate_of": "d2"}}, near={})  # kept document number 2 is d3
+    verdicts = Verdicts([(2, "exact_duplicate", {"duplicate_of": "d2"})])  # kept document number 2 is d3
     summaries = [{"keep_top_fraction": 0.5, "score_histogram": histogram([0.01, 0.9, 0.95])}]  # as a task sums
     steps = merge_steps(verdicts, 0, summaries)
     assert [type(s) for s in steps] == [Dedup, TopFraction] and [s.name for s in steps] == ["dedup", "top_fraction"]

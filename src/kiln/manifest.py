@@ -21,7 +21,7 @@ import shutil
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from kiln import __version__
 from kiln.errors import IntegrityError, KilnError
@@ -47,13 +47,25 @@ def fsync_dir(path: Path) -> None:
 
 def write_atomic(path: Path, data: bytes | str) -> None:
     """Write a file under a temporary name in the same folder, fsync, then rename over `path`."""
+    with writing_atomic(path) as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+
+
+@contextmanager
+def writing_atomic(path: Path) -> Iterator[BinaryIO]:
+    """A binary file that becomes `path` when the block ends (fsynced, renamed over it); an error in the
+    block leaves `path` as it was and removes the temporary file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 

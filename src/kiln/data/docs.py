@@ -108,23 +108,35 @@ def read_part(path: Path) -> Iterator[dict[str, Any]]:
 
 
 class PartWriter:
-    """Writes records as part-NNNNN.jsonl.zst files of at most `per_part` records each."""
+    """Writes records as part-NNNNN.jsonl.zst files of at most `per_part` records each, streamed through the
+    compressor (memory: one record and a compression window, whatever `per_part`). The folder is a staging
+    folder the caller commits whole; a folder with no record gets one empty part."""
 
     def __init__(self, folder: Path, per_part: int) -> None:
         self.folder, self.per_part = folder, per_part
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.parts, self.buffer = 0, []
+        self.parts, self.in_part = 0, 0
+        self._file: IO[bytes] | None = None
+        self._writer: Any = None
 
     def add(self, rec: dict[str, Any]) -> None:
-        self.buffer.append(json.dumps(rec, ensure_ascii=False))
-        if len(self.buffer) >= self.per_part:
+        if self._writer is None:
+            self._open()
+        self._writer.write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
+        self.in_part += 1
+        if self.in_part >= self.per_part:
             self.flush()
 
     def flush(self) -> None:
-        if self.buffer or self.parts == 0:
-            data = ("\n".join(self.buffer) + "\n" if self.buffer else "").encode()
-            (self.folder / f"part-{self.parts:05d}.jsonl.zst").write_bytes(
-                zstandard.ZstdCompressor(level=3).compress(data)
-            )
-            self.parts += 1
-            self.buffer = []
+        """End the part being written (or write the one empty part of an empty folder)."""
+        if self._writer is None and self.parts == 0:
+            self._open()
+        if self._writer is not None:
+            self._writer.close()
+            self._file.close()
+            self._writer = self._file = None
+            self.parts, self.in_part = self.parts + 1, 0
+
+    def _open(self) -> None:
+        self._file = open(self.folder / f"part-{self.parts:05d}.jsonl.zst", "wb")
+        self._writer = zstandard.ZstdCompressor(level=3).stream_writer(self._file, closefd=False)

@@ -353,7 +353,7 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
     review_w = PartWriter(out / "review", cfg.docs_per_part) if cfg.quality.semantic.action == "review" \
         and cfg.quality.semantic.keywords else None
     if cfg.dedup.method != "none":
-        write_ledger(out / LEDGER, verdicts.ledger)
+        write_ledger(out / LEDGER, verdicts.ledger())
     timer = StepTimer()
     docs = run_steps(timer.wrap("tasks", _documents(work, summaries)), merge_steps(verdicts, first, summaries), timer)
     composition = Composition()

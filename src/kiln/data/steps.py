@@ -141,15 +141,14 @@ class Dedup:
     name: ClassVar[str] = "dedup"
 
     def __call__(self, docs: Docs) -> Docs:
+        pending = self.verdicts.rejections()  # in document order, like the documents: one merge-join pass
+        nxt = next(pending, None)
         q = self.first
         for doc in docs:
             if doc.rejection is None:
-                if (hit := self.verdicts.exact.get(q)) is not None:
-                    doc.reject("dedup", "exact_duplicate", **hit)
-                elif (row := self.verdicts.near.get(q)) is not None:
-                    extra = {"duplicate_in": row["survivor_run"]} if "survivor_run" in row else {}
-                    doc.reject("dedup", "near_duplicate", duplicate_of=row["survivor"], similarity=row["similarity"],
-                               cluster=row["cluster"], **extra)
+                if nxt is not None and nxt[0] == q:
+                    doc.reject("dedup", nxt[1], **nxt[2])
+                    nxt = next(pending, None)
                 q += 1
             yield doc
 

@@ -13,16 +13,16 @@ document (A < B < C with pairs A-C and B-C: B links to C, C to A).
 
 from __future__ import annotations
 
-import io
 import json
-from collections import defaultdict, deque
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import zstandard
 
-from kiln.manifest import write_atomic
+from kiln.manifest import writing_atomic
 
 LEDGER = "dedup_ledger.jsonl.zst"
 
@@ -94,59 +94,106 @@ def link_buckets(buckets: Iterable[list[int]], uf: UnionFind, confirm: Callable[
     return len(checked)
 
 
-def cluster_links(pairs: Iterable[Pair]) -> tuple[UnionFind, dict[int, tuple[int, float]]]:
-    """Clusters of the confirmed pairs and, for each removed document, the link that reaches it from its survivor.
+PAIR = np.dtype([("j", "<u8"), ("i", "<u8"), ("sim", "<f8")])  # a confirmed pair as stored: j < i
 
-    Returns (union-find, {member: (linked_to, link_similarity)}). A pair confirmed twice (in two bands)
-    counts once; the result depends only on the set of pairs, not on their order.
+
+def pair_array(pairs: Iterable[Pair]) -> np.ndarray:
+    return np.array(list(pairs), dtype=PAIR)
+
+
+def unique_pairs(pairs: np.ndarray) -> np.ndarray:
+    """The pairs sorted by (j, i), each once (a pair confirmed in several bands is one pair; given with two
+    similarities, the higher counts, so the result never depends on the order)."""
+    pairs = pairs[np.lexsort((-pairs["sim"], pairs["i"], pairs["j"]))]
+    first = np.ones(len(pairs), dtype=bool)
+    first[1:] = (pairs["j"][1:] != pairs["j"][:-1]) | (pairs["i"][1:] != pairs["i"][:-1])
+    return pairs[first]
+
+
+@dataclass(frozen=True)
+class Clusters:
+    """The clusters of a set of confirmed pairs, one entry per removed document, sorted by document number.
+
+    Memory: five 8-byte numbers per removed document; while it is built, 48 bytes per confirmed pair (the
+    pairs and their adjacency) and 24 per document in a pair. Nothing for a document that is in no pair.
     """
-    uf = UnionFind()
-    adjacent: dict[int, dict[int, float]] = defaultdict(dict)
-    for j, i, sim in pairs:
-        uf.union(i, j)
-        adjacent[i][j] = adjacent[j][i] = sim
-    links: dict[int, tuple[int, float]] = {}
-    for root in uf.members():
-        if uf.find(root) != root:
-            continue
-        queue = deque([root])
-        seen = {root}
-        while queue:
-            node = queue.popleft()
-            for nxt in sorted(adjacent[node]):
-                if nxt not in seen:
-                    seen.add(nxt)
-                    links[nxt] = (node, adjacent[node][nxt])
-                    queue.append(nxt)
-    return uf, links
+    member: np.ndarray  # the removed document (uint64), ascending
+    survivor: np.ndarray  # its cluster's earliest document
+    linked_to: np.ndarray  # the document it was reached from, walking the cluster from its survivor
+    link_similarity: np.ndarray  # the confirmed similarity of (member, linked_to)
+    cluster: np.ndarray  # numbered in order of the clusters' first removed member
+
+    @classmethod
+    def of(cls, pairs: np.ndarray) -> Clusters:
+        """From confirmed pairs (a PAIR array, any order, repeats allowed): a breadth-first walk of each cluster
+        from its survivor, neighbours in document order, each member linked to the document it was reached
+        from. Walking documents in order, the first one not yet reached is its cluster's earliest: the survivor.
+        The result depends only on the set of pairs."""
+        pairs = unique_pairs(pairs)
+        nodes = np.unique(np.concatenate([pairs["j"], pairs["i"]]))
+        a, b = np.searchsorted(nodes, pairs["j"]), np.searchsorted(nodes, pairs["i"])
+        src, dst, sim = np.concatenate([a, b]), np.concatenate([b, a]), np.concatenate([pairs["sim"]] * 2)
+        order = np.lexsort((dst, src))  # each node's neighbours in document order
+        dst, sim = dst[order], sim[order]
+        bounds = np.searchsorted(src[order], np.arange(len(nodes) + 1)).tolist()
+        root = np.empty(len(nodes), dtype=np.int64)
+        parent = np.full(len(nodes), -1, dtype=np.int64)
+        link = np.zeros(len(nodes), dtype=np.float64)
+        seen = bytearray(len(nodes))
+        for start in range(len(nodes)):
+            if seen[start]:
+                continue
+            seen[start], root[start] = 1, start
+            queue = deque([start])
+            while queue:
+                node = queue.popleft()
+                lo, hi = bounds[node], bounds[node + 1]
+                for nxt, s in zip(dst[lo:hi].tolist(), sim[lo:hi].tolist()):
+                    if not seen[nxt]:
+                        seen[nxt], root[nxt], parent[nxt], link[nxt] = 1, start, node, s
+                        queue.append(nxt)
+        removed = parent >= 0
+        roots = root[removed]
+        _, first, inverse = np.unique(roots, return_index=True, return_inverse=True)
+        rank = np.empty(len(first), dtype=np.int64)
+        rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+        return cls(nodes[removed], nodes[roots], nodes[parent[removed]], link[removed], rank[inverse.ravel()])
+
+    def __len__(self) -> int:
+        return len(self.member)
+
+    def links(self) -> dict[int, tuple[int, float]]:
+        """{member: (linked_to, link_similarity)} (small sets: tests and the in-memory indexes)."""
+        return {m: (j, s) for m, j, s in zip(self.member.tolist(), self.linked_to.tolist(),
+                                             self.link_similarity.tolist())}
 
 
-def ledger_rows(uf: UnionFind, links: dict[int, tuple[int, float]],
-                similarity: Callable[[int, int], float]) -> list[dict[str, Any]]:
-    """One row per removed document, in document order: cluster number (in order of the clusters' first
-    removed member), survivor, member, similarity to the survivor, and the link (all as document numbers)."""
-    cluster_of: dict[int, int] = {}
-    rows = []
-    for i in uf.members():
-        root = uf.find(i)
-        if root == i:
-            continue
-        cluster = cluster_of.setdefault(root, len(cluster_of))
-        j, link_sim = links[i]
-        rows.append({"cluster": cluster, "survivor": root, "member": i, "similarity": round(similarity(root, i), 4),
-                     "linked_to": j, "link_similarity": round(link_sim, 4)})
-    return rows
+def ledger_rows(clusters: Clusters, similarity: Iterable[float]) -> Iterator[dict[str, Any]]:
+    """One row per removed document, in document order: cluster number, survivor, member, similarity to the
+    survivor (`similarity`: one per member, in member order), and the link (all as document numbers)."""
+    for c, r, i, sim, j, link in zip(clusters.cluster.tolist(), clusters.survivor.tolist(), clusters.member.tolist(),
+                                     similarity, clusters.linked_to.tolist(), clusters.link_similarity.tolist()):
+        yield {"cluster": c, "survivor": r, "member": i, "similarity": round(sim, 4), "linked_to": j,
+               "link_similarity": round(link, 4)}
 
 
-def name_rows(rows: list[dict[str, Any]], ids: Callable[[int], str]) -> list[dict[str, Any]]:
+def name_rows(rows: Iterable[dict[str, Any]], ids: Callable[[int], str]) -> Iterator[dict[str, Any]]:
     """The ledger as written: document numbers replaced by ids, the member's number kept as `position`."""
-    return [row | {"position": row["member"]} | {k: ids(row[k]) for k in ("survivor", "member", "linked_to")}
-            for row in rows]
+    for row in rows:
+        yield row | {"position": row["member"]} | {k: ids(row[k]) for k in ("survivor", "member", "linked_to")}
+
+
+def in_memory_ledger(pairs: list[Pair], similarity: Callable[[int, int], float],
+                     ids: Callable[[int], str]) -> list[dict[str, Any]]:
+    """The named ledger of a small in-memory index (MinHashDedup, SimHashDedup)."""
+    clusters = Clusters.of(pair_array(pairs))
+    sims = [similarity(r, i) for r, i in zip(clusters.survivor.tolist(), clusters.member.tolist())]
+    return list(name_rows(ledger_rows(clusters, sims), ids))
 
 
 def write_ledger(path: Path, rows: Iterable[dict[str, Any]]) -> None:
-    """The ledger as zstd JSON lines, written atomically (empty file when nothing was removed)."""
-    buf = io.BytesIO()
-    for row in rows:
-        buf.write((json.dumps(row, ensure_ascii=False) + "\n").encode())
-    write_atomic(Path(path), zstandard.ZstdCompressor(level=3).compress(buf.getvalue()))
+    """The ledger as zstd JSON lines, streamed to a file that replaces `path` when complete (memory: a
+    compression window; an empty file when nothing was removed)."""
+    with writing_atomic(path) as f, zstandard.ZstdCompressor(level=3).stream_writer(f, closefd=False) as zw:
+        for row in rows:
+            zw.write((json.dumps(row, ensure_ascii=False) + "\n").encode())

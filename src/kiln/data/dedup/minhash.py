@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kiln.data.dedup.clusters import Pair, cluster_links, confirm_band, ledger_rows, name_rows
+from kiln.data.dedup.clusters import Pair, confirm_band, in_memory_ledger
 from kiln.data.dedup.shingles import MULT, jaccard, shingle_hashes
 
 _CHUNK = 4096  # shingles per block of the (shingles x hash functions) matrix
@@ -102,9 +102,8 @@ class MinHashDedup:
         return pairs
 
     def ledger(self) -> list[dict[str, Any]]:
-        uf, links = cluster_links(self.run())
-        rows = ledger_rows(uf, links, lambda r, i: jaccard(self._shingles(r), self._shingles(i)))
-        return name_rows(rows, self.ids.__getitem__)
+        similarity = lambda r, i: jaccard(self._shingles(r), self._shingles(i))  # noqa: E731
+        return in_memory_ledger(self.run(), similarity, self.ids.__getitem__)
 
     def duplicates(self) -> dict[str, tuple[str, float]]:
         """{removed id: (survivor id, Jaccard similarity to the survivor)}."""

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kiln.data.dedup.clusters import Pair, cluster_links, confirm_band, ledger_rows, name_rows
+from kiln.data.dedup.clusters import Pair, confirm_band, in_memory_ledger
 from kiln.data.dedup.shingles import shingle_hashes
 
 _BITS = np.arange(64, dtype=np.uint64)
@@ -72,9 +72,7 @@ class SimHashDedup:
         return pairs
 
     def ledger(self) -> list[dict[str, Any]]:
-        uf, links = cluster_links(self.run())
-        rows = ledger_rows(uf, links, lambda r, i: 1 - self.distance(r, i) / 64)
-        return name_rows(rows, self.ids.__getitem__)
+        return in_memory_ledger(self.run(), lambda r, i: 1 - self.distance(r, i) / 64, self.ids.__getitem__)
 
     def duplicates(self) -> dict[str, tuple[str, float]]:
         return {row["member"]: (row["survivor"], row["similarity"]) for row in self.ledger()}

@@ -43,20 +43,13 @@ from typing import Any
 import numpy as np
 
 from kiln.config import DedupConfig
-from kiln.data.dedup.clusters import (
-    Pair,
-    cluster_links,
-    confirm_band,
-    ledger_rows,
-    name_rows,
-)
+from kiln.data.dedup.clusters import PAIR, Clusters, Pair, confirm_band, ledger_rows, name_rows, unique_pairs
 from kiln.data.dedup.exact import text_key
 from kiln.data.dedup.minhash import MinHasher
 from kiln.data.dedup.shingles import jaccard, shingle_hashes
 from kiln.data.dedup.simhash import block_keys, hamming_confirm, simhash
 
 KINDS = ("exact", "bands", "shingles", "spans", "prints")
-PAIR = np.dtype([("j", "<u8"), ("i", "<u8"), ("sim", "<f8")])
 STAGE_DIR = "dedup"  # in the work folder: layout.json, exact-RRRRR.npy, band-BBB-RRRRR.npy
 
 
@@ -153,6 +146,20 @@ class NpyFile:
         os.close(self.fd)
 
 
+@dataclass(frozen=True)
+class IdTable:
+    """Document ids by document number, packed: 16 bytes and the id's UTF-8 per document, no object each."""
+    qs: np.ndarray  # document numbers, ascending
+    packed: bytes  # the ids, end to end
+    ends: np.ndarray  # where each id ends in `packed`
+
+    def __getitem__(self, q: int) -> str:
+        n = int(np.searchsorted(self.qs, q))
+        if n == len(self.qs) or self.qs[n] != q:
+            raise KeyError(q)
+        return self.packed[int(self.ends[n - 1]) if n else 0:int(self.ends[n])].decode("utf-8", "surrogatepass")
+
+
 class Layout:
     """The parts in canonical order and each one's first document number; random access to a document's
     shingles, fingerprint and id. Memory: a bounded number of files held open at a time (`OPEN`); the key
@@ -233,20 +240,20 @@ class Layout:
         k, local = self.locate(q)
         return int(self.reader(k, "prints.npy").read(local, local + 1)[0])
 
-    def doc_ids(self, qs) -> dict[int, str]:
-        """{q: id} for the document numbers `qs`, reading each part's id list once, one at a time."""
-        by_part: dict[int, list[int]] = {}
-        for q in sorted(set(qs)):
-            by_part.setdefault(self.locate(q)[0], []).append(q)
-        out = {}
-        for k, members in by_part.items():
-            ids = json.loads(self.path(k, "ids.json").read_text())
-            start = int(self.starts[k])
-            out.update((q, ids[q - start]) for q in members)
-        return out
-
-    def doc_id(self, q: int) -> str:
-        return self.doc_ids([q])[q]
+    def ids_of(self, qs: np.ndarray) -> IdTable:
+        """The ids of the documents numbered `qs`, reading each part's id list once, one part at a time."""
+        qs = np.unique(np.asarray(qs, dtype=np.int64))
+        packed, ends = bytearray(), np.empty(len(qs), dtype=np.int64)
+        bounds = np.searchsorted(qs, self.starts).tolist()
+        for k in range(len(self.parts)):
+            a, b = bounds[k], bounds[k + 1]
+            if a == b:
+                continue
+            ids, start = json.loads(self.path(k, "ids.json").read_text()), int(self.starts[k])
+            for n, q in enumerate(qs[a:b].tolist(), a):
+                packed += ids[q - start].encode("utf-8", "surrogatepass")
+                ends[n] = len(packed)
+        return IdTable(qs, bytes(packed), ends)
 
     def run_of(self, q: int) -> str | None:
         return self.parts[self.locate(q)[0]].run
@@ -347,54 +354,81 @@ def missing(layout: Layout, jobs: list[tuple]) -> list[tuple]:
 
 @dataclass
 class Verdicts:
-    """Who goes, by document number: exact duplicates and near-duplicate ledger rows (memory: the duplicates)."""
-    exact: dict[int, dict[str, Any]]  # q -> {"duplicate_of": id, ...}
-    near: dict[int, dict[str, Any]]  # q -> ledger row (ids, position among this run's exact survivors)
-    ledger: list[dict[str, Any]]  # this run's rows, in member order
+    """Who goes, by document number, as arrays sorted by document number.
+
+    Memory: ~100 bytes per removed document (16 per exact duplicate; 48 per near duplicate; 16 and the id for
+    each document a verdict names), nothing per kept document. The ledger rows and the rejections are made
+    one at a time, in document order, from these arrays."""
+    exact: np.ndarray  # (2, m) uint64: each exact duplicate and its first copy, sorted by the duplicate
+    near: Clusters
+    similarity: np.ndarray  # each near duplicate's similarity to its survivor, in member order
+    ids: IdTable  # of every document the verdicts name
+    layout: Layout
     pairs_confirmed: int = 0
     seconds: float = 0.0
     tasks: int = 0
 
     def removed(self) -> np.ndarray:
         """Every removed document's number, sorted."""
-        return np.array(sorted(self.exact.keys() | self.near.keys()), dtype=np.uint64)
+        return np.union1d(self.exact[0], self.near.member).astype(np.uint64)
+
+    def _run(self, q: int) -> dict[str, str]:
+        """{"duplicate_in": run} for a document of data.dedup.index (they come first), else nothing."""
+        return {"duplicate_in": self.layout.run_of(q)} if q < self.layout.indexed else {}
+
+    def ledger(self) -> Iterator[dict[str, Any]]:
+        """This run's near-duplicate ledger rows, in member order, documents named by id, each member's
+        `position` its place among this run's exact-dedup survivors."""
+        rows = name_rows(ledger_rows(self.near, self.similarity.tolist()), self.ids.__getitem__)
+        dropped_before = self.exact[0]
+        for out, survivor in zip(rows, self.near.survivor.tolist()):
+            q = out["position"]
+            out["position"] = q - self.layout.indexed - int(np.searchsorted(dropped_before, q))
+            if survivor < self.layout.indexed:
+                out["survivor_run"] = self.layout.run_of(survivor)
+            yield out
+
+    def rejections(self) -> Iterator[tuple[int, str, dict[str, Any]]]:
+        """(document number, reason, signals) of every removed document, in document order."""
+        exact = zip(self.exact[0].tolist(), self.exact[1].tolist())
+        near = zip(self.near.member.tolist(), self.near.survivor.tolist(), self.near.cluster.tolist(),
+                   self.similarity.tolist())
+        e, n = next(exact, None), next(near, None)
+        while e is not None or n is not None:
+            if n is None or (e is not None and e[0] < n[0]):
+                yield e[0], "exact_duplicate", {"duplicate_of": self.ids[e[1]], **self._run(e[1])}
+                e = next(exact, None)
+            else:
+                q, survivor, cluster, sim = n
+                yield q, "near_duplicate", {"duplicate_of": self.ids[survivor], "similarity": round(sim, 4),
+                                            "cluster": cluster, **self._run(survivor)}
+                n = next(near, None)
 
     def stats(self) -> dict[str, Any]:
-        sizes = Counter(Counter(row["cluster"] for row in self.ledger).values())
-        return {"exact_removed": len(self.exact), "near_removed": len(self.near),
+        sizes = Counter(np.bincount(self.near.cluster).tolist()) if len(self.near) else Counter()
+        return {"exact_removed": int(self.exact.shape[1]), "near_removed": len(self.near),
                 "pairs_confirmed": self.pairs_confirmed,
                 "cluster_sizes": {str(k + 1): v for k, v in sorted(sizes.items())},
-                "removed_against_index": sum("duplicate_in" in v for v in self.exact.values())
-                + sum("survivor_run" in v for v in self.near.values())}
+                "removed_against_index": int(np.sum(self.exact[1] < self.layout.indexed)
+                                             + np.sum(self.near.survivor < self.layout.indexed))}
+
+
+def confirmed_pairs(folder: Path) -> np.ndarray:
+    """Every band task's confirmed pairs, each pair once (memory: the unique pairs and one task's)."""
+    pairs = np.empty(0, dtype=PAIR)
+    for path in sorted(folder.glob("band-*.npy")):
+        pairs = unique_pairs(np.concatenate([pairs, np.load(path)]))
+    return pairs
 
 
 def verdicts(layout: Layout) -> Verdicts:
-    folder = layout.work / STAGE_DIR
     removed = layout.exact_removed()
-
-    pairs: list[Pair] = []
-    for path in sorted(folder.glob("band-*.npy")):
-        pairs += [(int(p["j"]), int(p["i"]), float(p["sim"])) for p in np.load(path)]
-    uf, links = cluster_links(pairs)
+    pairs = confirmed_pairs(layout.work / STAGE_DIR)
+    near = Clusters.of(pairs)
     _, similarity = layout.confirm()
-    rows = ledger_rows(uf, links, similarity)
-    ids = layout.doc_ids(removed[1].tolist() + [row[k] for row in rows for k in ("survivor", "member", "linked_to")])
-
-    def named(q: int) -> dict[str, Any]:
-        run = layout.run_of(q)
-        return {"duplicate_of": ids[q], **({"duplicate_in": run} if run else {})}
-
-    exact = {int(d): named(int(s)) for d, s in zip(removed[0].tolist(), removed[1].tolist())}
-    dropped_before = removed[0]
-    ledger, near = [], {}
-    for row, out in zip(rows, name_rows(rows, ids.__getitem__)):
-        q = row["member"]
-        out["position"] = q - layout.indexed - int(np.searchsorted(dropped_before, q))
-        if (run := layout.run_of(row["survivor"])) is not None:
-            out["survivor_run"] = run
-        ledger.append(out)
-        near[q] = out
-    return Verdicts(exact, near, ledger, len({(j, i) for j, i, _ in pairs}))
+    sims = np.array([similarity(r, i) for r, i in zip(near.survivor.tolist(), near.member.tolist())], dtype=np.float64)
+    ids = layout.ids_of(np.concatenate([removed[1], near.survivor, near.member, near.linked_to]))
+    return Verdicts(removed, near, sims, ids, layout, len(pairs))
 
 
 # --- the driver -----------------------------------------------------------------------------------
