@@ -1,8 +1,8 @@
-"""What both near-duplicate methods share: union-find over confirmed pairs, survivors, the ledger.
+"""What both near-duplicate methods share: clusters of the confirmed pairs, survivors, the ledger.
 
 Documents are numbered in the stage's canonical order; the survivor of a cluster is its first
 document, so the choice never depends on worker count. Only documents named in a confirmed pair
-enter the union-find and the link graph, so both grow with the duplicates, not the corpus.
+enter the clusters and the link graph, so both grow with the duplicates, not the corpus.
 
 Each removed document's ledger row names the confirmed pair that joined it (`linked_to`): the
 cluster's link graph is walked breadth-first from the survivor, neighbours in document order,
