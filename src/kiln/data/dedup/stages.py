@@ -415,11 +415,15 @@ class Verdicts:
 
 
 def confirmed_pairs(folder: Path) -> np.ndarray:
-    """Every band task's confirmed pairs, each pair once (memory: the unique pairs and one task's)."""
-    pairs = np.empty(0, dtype=PAIR)
+    """Every band task's confirmed pairs, each pair once. Memory: at most about twice the unique pairs (the
+    same pair found in several bands is folded in whenever what was read since outgrows what is held)."""
+    pairs, pending, size = np.empty(0, dtype=PAIR), [], 0
     for path in sorted(folder.glob("band-*.npy")):
-        pairs = unique_pairs(np.concatenate([pairs, np.load(path)]))
-    return pairs
+        pending.append(np.load(path))
+        size += len(pending[-1])
+        if size > max(len(pairs), 4096):
+            pairs, pending, size = unique_pairs(np.concatenate([pairs, *pending])), [], 0
+    return unique_pairs(np.concatenate([pairs, *pending]))
 
 
 def verdicts(layout: Layout) -> Verdicts:
