@@ -514,14 +514,14 @@ def test_resume_redoes_only_unfinished_files(tmp_path, three_inputs, monkeypatch
     # a killed run: task 0 finished (output + done marker), tasks 1 and 2 never ran
     out = tmp_path / "resumed" / "docs"
     tasks = pipeline.plan_tasks(expand_inputs(three_inputs), config)
-    first = pipeline.run_task((tasks[0], config))
     key = pipeline.work_key(pipeline.fingerprint(expand_inputs(three_inputs), config), tasks)
     work = out.parent / f".{out.name}-work-{key}"
     work.mkdir(parents=True)
-    pipeline._commit(work, first)
+    pipeline._commit(work, pipeline.run_task((tasks[0], config, str(work))))
+    (work / "task-00001.jsonl.zst").write_bytes(b"a killed worker's file, with no marker: redone")
     assert sorted(p.name for p in work.iterdir()) == [  # the outcome and the dedup signatures, the marker last
         f"task-00000.{kind}" for kind in ("bands.npy", "done.json", "exact.npy", "ids.json", "jsonl.zst",
-                                          "shingles.npy", "spans.npy")]
+                                          "shingles.npy", "spans.npy")] + ["task-00001.jsonl.zst"]
 
     ran = []
     real = pipeline.run_task

@@ -1,10 +1,11 @@
 """Run independent tasks on a local process pool or on Ray, handing each result back as it finishes.
 
 A task function is pure: it takes its arguments and returns its result; the caller
-commits results (the driver owns the work folder), so a killed worker leaves nothing
-half-written. The data tasks need no shared filesystem on a Ray cluster; the dedup stage
-tasks read the work folder the driver wrote (kiln.data.dedup.stages).
-"""
+commits results (the driver owns the work folder's completion markers), so a killed worker
+leaves nothing that counts. A task that writes files of its own (the data tasks: their outcome and
+signatures, each atomically) writes them into the work folder before it returns; the dedup stage
+tasks read the work folder. On a Ray cluster of several machines the work folder is therefore on
+storage every node mounts."""
 
 from __future__ import annotations
 

@@ -130,19 +130,24 @@ def process_task(task: Task, cfg: DataConfig, report: ReadReport, timer: StepTim
 READ_ATTEMPTS = 3
 
 
-def run_task(args: tuple[Task, DataConfig]) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """One task, start to end, in a worker: (summary, {file suffix: bytes}): the zstd JSONL of every
-    document's outcome (`jsonl.zst`) and the kept documents' dedup signatures (`stages.Signer`).
+def run_task(args: tuple[Task, DataConfig, str]) -> dict[str, Any]:
+    """One task, start to end, in a worker; returns its summary. The worker writes the task's files into the
+    work folder (each atomically): the zstd JSONL of every document's outcome (`jsonl.zst`) and the kept
+    documents' dedup signatures (`stages.Signer`). The driver writes the completion marker when the summary
+    comes back (`_commit`), so files without a marker are a task to redo. The files do not pass through the
+    driver: its memory holds no task's outcome, and on Ray the work folder is on storage every node mounts,
+    as the dedup stages already need.
 
     A storage error (OSError: a dropped connection, a throttled bucket, a failing disk) is not damage in
     the data: recording it as a cut would commit a short task as finished and lose the rest of the file for
     good. The task is pure, so it is read again from the start; when every attempt fails, the run stops
     with an error that names the file, and nothing of the task is committed, so the next run resumes it.
     """
-    task, cfg = args
+    task, cfg, work = args
     for attempt in range(1, READ_ATTEMPTS + 1):
         try:
-            return _run_task_once(task, cfg)
+            summary, files = _run_task_once(task, cfg)
+            break
         except OSError as exc:
             if attempt == READ_ATTEMPTS:
                 where = f" (bytes {task.start}-{task.end or 'end'})" if task.start or task.end else ""
@@ -150,7 +155,9 @@ def run_task(args: tuple[Task, DataConfig]) -> tuple[dict[str, Any], dict[str, b
                                 f"finished so far are kept: fix the storage or network and run the same "
                                 f"command again to resume") from None
             time.sleep(0.5 * 2 ** attempt)
-    raise AssertionError("unreachable")
+    for suffix, data in files.items():
+        write_atomic(Path(work) / f"{task.name}.{suffix}", data)
+    return summary
 
 
 def _run_task_once(task: Task, cfg: DataConfig) -> tuple[dict[str, Any], dict[str, bytes]]:
@@ -191,13 +198,9 @@ def _run_task_once(task: Task, cfg: DataConfig) -> tuple[dict[str, Any], dict[st
     return summary, files
 
 
-def _commit(work: Path, result: tuple[dict[str, Any], dict[str, bytes]]) -> dict[str, Any]:
-    """Outcome and signatures first, marker last: a marker vouches for files that are complete."""
-    summary, files = result
-    name = f"task-{summary['index']:05d}"
-    for suffix, data in files.items():
-        write_atomic(work / f"{name}.{suffix}", data)
-    write_atomic(work / f"{name}.done.json", json.dumps(summary))
+def _commit(work: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """The marker, after the worker wrote the task's outcome and signatures: it vouches for complete files."""
+    write_atomic(work / f"task-{summary['index']:05d}.done.json", json.dumps(summary))
     return summary
 
 
@@ -245,8 +248,9 @@ def run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None 
     workers = workers or cfg.workers
     with engine(cfg.executor, workers, cfg.ray_address):
         with _progress_sink(progress, tasks, todo) as on_done:
-            for result in run_tasks(run_task, [(t, cfg) for t in todo], workers, cfg.executor, cfg.ray_address):
-                on_done(_commit(work, result))
+            for summary in run_tasks(run_task, [(t, cfg, str(work)) for t in todo], workers, cfg.executor,
+                                   cfg.ray_address):
+                on_done(_commit(work, summary))
         t_process = time.perf_counter() - t0
         cpu.append(cpu_seconds())
         summaries = [json.loads((work / f"{t.name}.done.json").read_text()) for t in tasks]
