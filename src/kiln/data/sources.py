@@ -129,7 +129,11 @@ def expand_inputs(patterns: list[str], storage_options: dict[str, Any] | None = 
         if not matches:
             raise KilnError(f"input {pattern!r} matches no file; check the path or glob")
         for m in matches:
-            if not Path(m.removeprefix("file://")).is_file():
+            local = Path(m.removeprefix("file://"))
+            if local.is_dir():
+                raise KilnError(f"input {m} is a folder; give its files or a glob, e.g. "
+                                f"'{(local / '*.warc.gz').as_posix()}' or '{(local / '*.jsonl').as_posix()}'")
+            if not local.is_file():
                 raise KilnError(f"input {m} does not exist or is not a file")
             files.append(m)
     if not files:
