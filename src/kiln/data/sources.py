@@ -254,6 +254,23 @@ def _record_doc(rec: Any, source: str, offset: int, length: int, where: str, fie
     return doc
 
 
+_MAGIC = {".gz": (b"\x1f\x8b", "gzip"), ".zst": (b"\x28\xb5\x2f\xfd", "zstd")}
+
+
+def _check_compression(source: str, head: bytes) -> None:
+    """A JSONL file whose first bytes say another compression than its name: a file error naming both, not a
+    file read as nothing (a .gz that is plain text) or as lines of binary (a gzip file named .jsonl)."""
+    named = next((s for s in _MAGIC if source.lower().endswith(s)), "")
+    found = next((s for s, (magic, _) in _MAGIC.items() if head.startswith(magic)), "")
+    if named == found:
+        return
+    name = Path(source).name
+    said = f"named {named}" if named else "not named .gz or .zst"
+    what = f"{_MAGIC[found][1]} data" if found else f"not {_MAGIC[named][1]} data (it starts with {head!r})"
+    raise KilnError(f"{source}: {said} but is {what}; rename it {name[:len(name) - len(named)]}{found} "
+                    "(Kiln picks the decompression by the name)")
+
+
 def read_jsonl(
     source: str,
     report: ReadReport,
@@ -264,6 +281,8 @@ def read_jsonl(
     if input_size(source, storage_options) == 0:
         raise KilnError(f"{source}: empty file (0 bytes), nothing to read; remove it from the inputs")
     with open_input(source, storage_options) as f:
+        _check_compression(source, f.read(4))
+        f.seek(0)
         offset = 0
         try:
             for number, (line, length) in enumerate(_lines(StorageWatch(f), source, max_record_bytes), 1):

@@ -1,0 +1,399 @@
+"""A careless or hostile user on the data -> tokenizer -> shards path, through the real `kiln` command:
+each case ends in one line naming the file, record or key and the fix (never a traceback), or works.
+
+Real JSONL files, a real docs folder, tokenizer and shards built once per module. Cases the data-stage
+lead is rewriting (the work folder's files, read by pipeline.py / stages.py / docs.py) are xfail with
+the reason "lead: ...": they fail today and say what the fix must do.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kiln.data.pipeline as pipeline
+from kiln.config import DataConfig
+from kiln.errors import ConfigError
+from kiln.manifest import read_manifest
+from test_data import assert_same_output, english
+
+
+def kiln(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kiln", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def error_line(r: subprocess.CompletedProcess) -> str:
+    """The one line the user reads: no traceback, and the last line of stderr is Kiln's."""
+    assert "Traceback" not in r.stderr, r.stderr
+    return r.stderr.strip().splitlines()[-1]
+
+
+def write_jsonl(path: Path, first: int, n: int, prefix: str = "d") -> Path:
+    path.write_text("".join(json.dumps({"id": f"{prefix}{first + i}", "text": english(first + i)}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+def flip(path: Path, at: int, n: int = 32) -> None:
+    data = bytearray(path.read_bytes())
+    data[at:at + n] = bytes(b ^ 0xFF for b in data[at:at + n])
+    path.write_bytes(bytes(data))
+
+
+QUIET = ["--", "data.workers=1"]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    """inputs/a.jsonl, b.jsonl -> docs/ -> tok/ -> shards/ with the real commands (about 10 s)."""
+    root = tmp_path_factory.mktemp("built")
+    (root / "inputs").mkdir()
+    write_jsonl(root / "inputs" / "a.jsonl", 0, 40)
+    write_jsonl(root / "inputs" / "b.jsonl", 40, 40)
+    r = kiln("data", str(root / "inputs" / "a.jsonl"), str(root / "inputs" / "b.jsonl"), "--out", str(root / "docs"),
+             "--", "data.workers=1", "data.docs_per_part=30")
+    assert r.returncode == 0, r.stderr
+    r = kiln("tokenizer", "train", str(root / "docs"), "--out", str(root / "tok"), "tokenizer.vocab_size=300")
+    assert r.returncode == 0, r.stderr
+    r = kiln("pack", str(root / "docs"), "--tokenizer", str(root / "tok"), "--out", str(root / "shards"),
+             "pack.seq_len=32", "pack.samples_per_shard=100", "pack.val_fraction=0.1")
+    assert r.returncode == 0, r.stderr
+    return root
+
+
+def copy_of(built: Path, name: str, tmp_path: Path) -> Path:
+    shutil.copytree(built / name, tmp_path / name)
+    return tmp_path / name
+
+
+# --- inputs ---------------------------------------------------------------------------------------
+
+def test_a_folder_given_as_an_input_says_to_give_its_files(tmp_path):
+    (tmp_path / "crawl").mkdir()
+    write_jsonl(tmp_path / "crawl" / "a.jsonl", 0, 3)
+    r = kiln("data", str(tmp_path / "crawl"), "--out", str(tmp_path / "docs"), *QUIET)
+    assert r.returncode == 2
+    assert error_line(r) == (f"kiln: error: input {tmp_path / 'crawl'} is a folder; give its files or a glob, e.g. "
+                             f"'{tmp_path / 'crawl' / '*.warc.gz'}' or '{tmp_path / 'crawl' / '*.jsonl'}'")
+    assert not (tmp_path / "docs").exists()
+
+
+@pytest.mark.parametrize("name, make, said", [
+    ("plain.jsonl.gz", lambda raw: raw, "named .gz but is not gzip data (it starts with b'{\"id'); "
+                                        "rename it plain.jsonl"),
+    ("packed.jsonl", gzip.compress, "not named .gz or .zst but is gzip data; rename it packed.jsonl.gz"),
+    ("packed.jsonl.zst", gzip.compress, "named .zst but is gzip data; rename it packed.jsonl.gz"),
+])
+def test_a_jsonl_whose_compression_is_not_its_name_is_a_file_error(tmp_path, name, make, said):
+    # before: a plain file named .gz read as nothing (exit 0, 0 documents, "truncated at 0"); a gzip named
+    # .jsonl read as lines of binary, each an invalid_json rejection
+    write_jsonl(tmp_path / "raw", 0, 5)
+    src = tmp_path / name
+    src.write_bytes(make((tmp_path / "raw").read_bytes()))
+    r = kiln("data", str(src), "--out", str(tmp_path / "docs"), *QUIET)
+    assert r.returncode == 1  # every input failed
+    assert error_line(r) == f"kiln: warning: {src}: {said} (Kiln picks the decompression by the name)"
+    stats = json.loads((tmp_path / "docs" / "stats.json").read_text())
+    assert stats["documents"]["read"] == 0 and stats["truncated"] == []
+    assert [e["source"] for e in stats["file_errors"]] == [str(src)]
+
+
+def test_a_good_gzip_and_zstd_jsonl_still_read(tmp_path):
+    import zstandard
+
+    raw = write_jsonl(tmp_path / "raw", 0, 4).read_bytes()
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(raw))
+    (tmp_path / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
+    r = kiln("data", str(tmp_path / "a.jsonl.gz"), str(tmp_path / "b.jsonl.zst"), "--out", str(tmp_path / "docs"),
+             *QUIET)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "docs" / "stats.json").read_text())["documents"]["read"] == 8
+
+
+def test_a_text_file_not_named_by_its_format_says_how_it_was_read(tmp_path):
+    src = write_jsonl(tmp_path / "docs.txt", 0, 3)
+    r = kiln("data", str(src), "--out", str(tmp_path / "docs"), *QUIET)
+    assert r.returncode == 1
+    assert error_line(r).endswith("check the path and format (a file not named .jsonl/.ndjson/.json[.gz|.zst] or "
+                                  ".parquet is read as WARC: name it by its format)")
+
+
+# --- data.dedup.index -----------------------------------------------------------------------------
+
+def test_an_index_that_is_a_file_is_refused_before_any_work(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", 0, 3)
+    r = kiln("data", str(src), "--out", str(tmp_path / "docs"), *QUIET, f"data.dedup.index={src}")
+    assert r.returncode == 2  # before: NotADirectoryError traceback
+    assert error_line(r) == (f"kiln: error: data.dedup.index: {src} is a file, not a folder; give a new or empty "
+                             "folder, or one an earlier run's data.dedup.index wrote")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl"]  # no work folder, no docs
+
+
+@pytest.mark.parametrize("where", ["docs/index", "docs"])
+def test_an_index_overlapping_the_docs_folder_is_refused_before_any_work(tmp_path, where):
+    # before: the whole run, then "docs already exists and is not an earlier `kiln data` output" at the commit,
+    # with the index written inside the docs folder (and the same refusal on every run after)
+    src = write_jsonl(tmp_path / "a.jsonl", 0, 3)
+    r = kiln("data", str(src), "--out", str(tmp_path / "docs"), *QUIET, f"data.dedup.index={tmp_path / where}")
+    assert r.returncode == 2
+    assert error_line(r) == (f"kiln: error: data.dedup.index: {tmp_path / where} and the docs folder "
+                             f"{tmp_path / 'docs'} overlap (the docs folder is replaced as a whole, and the index must "
+                             "outlive it): give an index folder outside it")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl"]
+
+
+def test_a_changed_input_rerun_into_the_same_docs_with_an_index_is_refused(tmp_path):
+    # before: the second run deduplicated against the first run's entry of the same docs folder and kept
+    # 0 of 31 documents (every one a "duplicate" of itself), exit 0
+    src = write_jsonl(tmp_path / "a.jsonl", 0, 30)
+    docs, index = tmp_path / "docs", tmp_path / "index"
+    r = kiln("data", str(src), "--out", str(docs), *QUIET, f"data.dedup.index={index}")
+    assert r.returncode == 0, r.stderr
+    before = read_manifest(docs)
+    with open(src, "a") as f:
+        f.write(json.dumps({"id": "late", "text": english(99)}) + "\n")
+    r = kiln("data", str(src), "--out", str(docs), *QUIET, f"data.dedup.index={index}")
+    assert r.returncode == 2
+    assert error_line(r) == (f"kiln: error: data.dedup.index: run-00000 of {index} was written into this same docs "
+                             f"folder {docs} from other inputs or settings; deduplicating against it would remove "
+                             "every document the two share: write this run to a new --out (one docs folder per "
+                             "dump), or start a new index folder")
+    assert read_manifest(docs) == before and not list(tmp_path.glob(".docs-work-*"))
+    # the same refusal for a caller of run_data (the check before the index is written), and the docs stay
+    with pytest.raises(ConfigError, match="run-00000 of .* was written into this same docs folder"):
+        pipeline.run_data([str(src)], docs, DataConfig(workers=1, dedup={"index": str(index)}))
+    assert read_manifest(docs) == before
+    assert len(json.loads((index / "index.json").read_text())["runs"]) == 1
+    # the next dump into a docs folder of its own is what the index is for
+    r = kiln("data", str(src), "--out", str(tmp_path / "next"), *QUIET, f"data.dedup.index={index}")
+    assert r.returncode == 0, r.stderr
+    stats = json.loads((tmp_path / "next" / "stats.json").read_text())
+    assert stats["dedup"]["removed_against_index"] == 30 and stats["documents"]["kept"] == 1
+
+
+@pytest.fixture(scope="module")
+def index_of_a(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("index")
+    write_jsonl(root / "a.jsonl", 0, 20)
+    r = kiln("data", str(root / "a.jsonl"), "--out", str(root / "docs"), *QUIET, f"data.dedup.index={root / 'index'}")
+    assert r.returncode == 0, r.stderr
+    return root / "index"
+
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda run: (run / "task-00000.bands.npy").write_bytes(b"\x93NUMPY cut"), "task-00000.bands.npy: size 10 != "),
+    (lambda run: flip(run / "task-00000.shingles.npy", 300), "task-00000.shingles.npy: sha256 "),
+    (lambda run: shutil.rmtree(run), "run-00000, listed in "),
+])
+def test_a_damaged_index_is_named_not_used(tmp_path, index_of_a, damage, said):
+    # before: a cut .npy was a numpy ValueError traceback; changed shingles were used silently (wrong dedup)
+    index = tmp_path / "index"
+    shutil.copytree(index_of_a, index)
+    damage(index / "run-00000")
+    src = write_jsonl(tmp_path / "b.jsonl", 10, 20)  # half of it copies of a.jsonl
+    r = kiln("data", str(src), "--out", str(tmp_path / "docs"), *QUIET, f"data.dedup.index={index}")
+    assert r.returncode == 1
+    line = error_line(r)
+    assert line.startswith(f"kiln: verification failed: data.dedup.index: {index / 'run-00000'}") and said in line
+    assert line.endswith("restore the index folder from a copy, or start a new one")
+    assert not (tmp_path / "docs").exists()
+
+
+def test_an_index_json_without_its_tables_is_named(tmp_path, index_of_a):
+    index = tmp_path / "index"
+    shutil.copytree(index_of_a, index)
+    (index / "index.json").write_text(json.dumps({"kind": "kiln-dedup-index"}))
+    r = kiln("data", str(write_jsonl(tmp_path / "b.jsonl", 0, 3)), "--out", str(tmp_path / "docs"), *QUIET,
+             f"data.dedup.index={index}")
+    assert r.returncode == 1  # before: KeyError 'settings'
+    assert error_line(r) == (f"kiln: verification failed: {index / 'index.json'}: has no settings or runs table Kiln "
+                             "can read; restore it or start a new index folder")
+
+
+# --- a docs folder changed after it was committed -------------------------------------------------
+
+def test_explain_names_a_changed_docs_part_instead_of_a_traceback(built, tmp_path):
+    docs = copy_of(built, "docs", tmp_path)
+    flip(docs / "part-00001.jsonl.zst", 200)
+    r = kiln("data", "explain", "d3", "--out", str(docs))
+    assert r.returncode == 1  # before: JSONDecodeError (or a zstd error) traceback
+    line = error_line(r)
+    assert line.startswith(f"kiln: verification failed: {docs / 'part-00001.jsonl.zst'}: sha256 ")
+    assert line.endswith("the docs folder changed after `kiln data` wrote it, run `kiln data` again")
+
+
+def test_explain_names_a_missing_part_instead_of_not_finding_the_document(built, tmp_path):
+    docs = copy_of(built, "docs", tmp_path)
+    (docs / "part-00000.jsonl.zst").unlink()
+    r = kiln("data", "explain", "d3", "--out", str(docs))
+    assert r.returncode == 1  # before: "no document with id ... 'd3'" (exit 2), the missing part unsaid
+    assert error_line(r) == (f"kiln: verification failed: {docs / 'part-00000.jsonl.zst'}: listed in manifest.json "
+                             "but missing; the docs folder changed after `kiln data` wrote it, run `kiln data` again")
+
+
+def test_explain_still_finds_kept_and_rejected_documents(built, tmp_path):
+    docs = built / "docs"
+    r = kiln("data", "explain", "d3", "--out", str(docs))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == "document d3" and "kept in part-00000.jsonl.zst" in r.stdout
+    (tmp_path / "c.jsonl").write_text(json.dumps({"id": "short", "text": "too short"}) + "\n")
+    assert kiln("data", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "docs"), *QUIET).returncode == 0
+    r = kiln("data", "explain", "short", "--out", str(tmp_path / "docs"))
+    assert r.returncode == 0, r.stderr
+    assert "dropped by quality: gopher_short_doc (in rejects/part-00000.jsonl.zst)" in r.stdout
+
+
+def test_tokenizer_train_names_a_changed_stats_json(built, tmp_path):
+    docs = copy_of(built, "docs", tmp_path)
+    (docs / "stats.json").write_text("{}")
+    r = kiln("tokenizer", "train", str(docs), "--out", str(tmp_path / "tok"), "tokenizer.vocab_size=300")
+    assert r.returncode == 1  # before: KeyError 'documents' traceback
+    line = error_line(r)
+    assert line.startswith(f"kiln: verification failed: {docs / 'stats.json'}: size 2 != ")
+    assert line.endswith("the docs folder changed after `kiln data` wrote it, run `kiln data` again")
+
+
+# --- shards inspect -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda s: flip(s / "train" / "00000.docs.jsonl.zst", 40), "train/00000.docs.jsonl.zst: sha256 "),
+    (lambda s: (s / "train" / "00000.docs.jsonl.zst").write_bytes(b"["), "train/00000.docs.jsonl.zst: size 1 != "),
+    (lambda s: (s / "train" / "00000.docs.jsonl.zst").unlink(), "train/00000.docs.jsonl.zst: listed in manifest.json "
+                                                                "but missing"),
+    (lambda s: flip(s / "train" / "00000.idx", 40), "train/00000.idx: sha256 "),
+])
+def test_inspect_names_a_changed_side_file_or_index(built, tmp_path, damage, said):
+    shards = copy_of(built, "shards", tmp_path)
+    damage(shards)
+    r = kiln("shards", "inspect", str(shards), "--at", "1", "--tokenizer", str(built / "tok"))
+    assert r.returncode == 1  # before: a zstd / JSON / KeyError traceback, or an overflow warning and garbage
+    line = error_line(r)
+    assert line.startswith(f"kiln: verification failed: {shards}/{said}"), line
+    assert line.endswith("the shards folder changed after `kiln pack` wrote it: re-run `kiln pack`")
+    assert "Warning" not in r.stderr
+
+
+def test_inspect_without_a_tokenizer_beside_the_shards_says_so(built, tmp_path):
+    shards = copy_of(built, "shards", tmp_path)
+    r = kiln("shards", "inspect", str(shards), "--at", "0")
+    assert r.returncode == 2  # before: "not the tokenizer these shards were encoded with" for a folder not there
+    sha = read_manifest(shards)["tokenizer_sha256"]
+    assert error_line(r) == (f"kiln: error: {tmp_path / 'tokenizer'}: no tokenizer there (the default: tokenizer/ "
+                             "beside the shards folder); pass the one these shards were encoded with "
+                             f"({sha[:12]}…) with --tokenizer DIR")
+    shutil.copytree(built / "tok", tmp_path / "tokenizer")
+    r = kiln("shards", "inspect", str(shards), "--at", "0")
+    assert r.returncode == 0 and "tokens 0-" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("at, said", [
+    ("-1", "the train split has {n} sequences; --at must be 0..{last}"),
+    ("100000", "the train split has {n} sequences; --at must be 0..{last}"),
+    ("abc", "argument --at: invalid int value: 'abc'"),
+])
+def test_inspect_at_out_of_range_or_not_a_number(built, at, said):
+    n = read_manifest(built / "shards")["splits"]["train"]["samples"]
+    r = kiln("shards", "inspect", str(built / "shards"), "--at", at, "--tokenizer", str(built / "tok"))
+    assert r.returncode == 2
+    assert error_line(r).endswith(said.format(n=n, last=n - 1))
+
+
+def test_a_reader_that_closes_the_pipe_is_no_traceback(built):
+    # `kiln shards inspect ... | head`: before, BrokenPipeError went up as a traceback
+    p = subprocess.Popen([sys.executable, "-m", "kiln", "shards", "inspect", str(built / "shards"), "--at", "0",
+                          "--json", "--tokenizer", str(built / "tok")], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # the reader is gone before kiln writes
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and "Traceback" not in err and "Exception ignored" not in err, err
+
+
+# --- the work folder of an interrupted run (the lead's files) -------------------------------------
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory) -> tuple[Path, Path]:
+    """In a folder of its own, with relative paths (so a copy of the folder resumes as the original would): a run
+    of a.jsonl and b.jsonl into docs/ stopped after its tasks and dedup stages, before the merge (its work folder
+    kept), and the same run uninterrupted into whole/."""
+    root = tmp_path_factory.mktemp("stopped")
+    write_jsonl(root / "a.jsonl", 0, 30)
+    write_jsonl(root / "b.jsonl", 30, 30)
+    cfg = DataConfig(workers=1, docs_per_part=20)
+
+    class Stopped(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stopped
+
+    merge, cwd = pipeline._merge, os.getcwd()
+    os.chdir(root)
+    try:
+        pipeline.run_data(["a.jsonl", "b.jsonl"], Path("whole"), cfg)
+        pipeline._merge = stop
+        with pytest.raises(Stopped):
+            pipeline.run_data(["a.jsonl", "b.jsonl"], Path("docs"), cfg)
+    finally:
+        pipeline._merge = merge
+        os.chdir(cwd)
+    (work,) = root.glob(".docs-work-*")
+    return root, work
+
+
+def rerun_after(stopped, tmp_path: Path, damage) -> tuple[subprocess.CompletedProcess, Path]:
+    """Copy the stopped run (inputs with their mtimes, the work folder), damage the copy, run `kiln data` again."""
+    root, work = stopped
+    for name in ("a.jsonl", "b.jsonl"):
+        shutil.copy2(root / name, tmp_path / name)
+    shutil.copytree(work, tmp_path / work.name)
+    damage(tmp_path / work.name)
+    r = kiln("data", "a.jsonl", "b.jsonl", "--out", "docs", "--", "data.workers=1", "data.docs_per_part=20",
+             cwd=tmp_path)
+    return r, tmp_path / "docs"
+
+
+def test_a_resumed_run_with_its_work_folder_intact_gives_the_uninterrupted_docs(stopped, tmp_path):
+    r, docs = rerun_after(stopped, tmp_path, lambda work: None)
+    assert r.returncode == 0, r.stderr
+    stats = json.loads((docs / "stats.json").read_text())
+    assert stats["tasks_resumed"] == stats["tasks"] == 2  # the copy resumed: no task was read again
+    assert_same_output(stopped[0] / "whole", docs)
+
+
+def _cut(path: Path, keep: int) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+@pytest.mark.xfail(reason="lead: a task outcome that is missing or does not match its done marker (sizes/hashes in "
+                          "task-NNNNN.done.json) must be redone, not read: today a deleted task-*.jsonl.zst is a "
+                          "FileNotFoundError traceback and a cut one silently drops its documents (exit 0)",
+                   strict=False)
+@pytest.mark.parametrize("damage", [
+    lambda work: (work / "task-00001.jsonl.zst").unlink(),
+    lambda work: _cut(work / "task-00001.jsonl.zst", 60),
+    lambda work: (work / "task-00000.done.json").write_text("garbage"),
+])
+def test_a_damaged_task_outcome_is_redone(stopped, tmp_path, damage):
+    r, docs = rerun_after(stopped, tmp_path, damage)
+    assert "Traceback" not in r.stderr and r.returncode == 0, r.stderr
+    assert_same_output(stopped[0] / "whole", docs)
+
+
+@pytest.mark.xfail(reason="lead: a dedup stage result or task signature file that does not load (stages.py "
+                          "np.load) must be recomputed or named in one line: today a cut band/exact result is a numpy "
+                          "ValueError traceback", strict=False)
+@pytest.mark.parametrize("damage", [
+    lambda work: _cut(next((work / "dedup").glob("band-000-*.npy")), 20),
+    lambda work: _cut(next((work / "dedup").glob("exact-*.npy")), 20),
+    lambda work: [(_cut(p, 20)) for p in [*(work / "dedup").glob("band-*.npy"), work / "task-00001.bands.npy"]],
+])
+def test_a_damaged_dedup_file_is_recomputed(stopped, tmp_path, damage):
+    r, docs = rerun_after(stopped, tmp_path, damage)
+    assert "Traceback" not in r.stderr and r.returncode == 0, r.stderr
+    assert_same_output(stopped[0] / "whole", docs)
