@@ -305,6 +305,20 @@ def test_inspect_at_out_of_range_or_not_a_number(built, at, said):
     assert error_line(r).endswith(said.format(n=n, last=n - 1))
 
 
+def test_inspect_of_an_empty_split_or_a_docs_folder_says_what_it_is(built, tmp_path):
+    r = kiln("pack", str(built / "docs"), "--tokenizer", str(built / "tok"), "--out", str(tmp_path / "shards"),
+             "pack.seq_len=32", "pack.val_fraction=0")
+    assert r.returncode == 0, r.stderr
+    r = kiln("shards", "inspect", str(tmp_path / "shards"), "--split", "val", "--at", "0")
+    assert r.returncode == 2  # before: "--at must be 0..-1"
+    assert error_line(r) == (f"kiln: error: {tmp_path / 'shards'}: the val split has no sequences (pack.val_fraction "
+                             "0, or too few tokens); nothing to inspect there")
+    r = kiln("shards", "inspect", str(built / "docs"), "--at", "0")
+    assert r.returncode == 2  # before: "no 'train' split in manifest.json; re-run `kiln pack`"
+    assert error_line(r) == (f"kiln: error: {built / 'docs'}: a `kiln data` output, not token shards; give the folder "
+                             "`kiln pack` wrote ({out_dir}/shards)")
+
+
 def test_a_reader_that_closes_the_pipe_is_no_traceback(built):
     # `kiln shards inspect ... | head`: before, BrokenPipeError went up as a traceback
     p = subprocess.Popen([sys.executable, "-m", "kiln", "shards", "inspect", str(built / "shards"), "--at", "0",

@@ -22,6 +22,9 @@ def sample_provenance(folder: Path, split: str, index: int) -> dict[str, Any]:
     `doc_tokens` the same tokens' [start, end) within the document (EOS counted).
     """
     ss = ShardSet(folder, split)
+    if len(ss) == 0:
+        raise KilnError(f"{folder}: the {split} split has no sequences (pack.val_fraction 0, or too few tokens); "
+                        "nothing to inspect there")
     if not 0 <= index < len(ss):
         raise KilnError(f"{folder}: the {split} split has {len(ss)} sequences; --at must be 0..{len(ss) - 1}")
     shard = int(np.searchsorted(ss.starts, index, side="right") - 1)
