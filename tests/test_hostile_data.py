@@ -330,15 +330,10 @@ def test_a_reader_that_closes_the_pipe_is_no_traceback(built):
 
 # --- the work folder of an interrupted run (the lead's files) -------------------------------------
 
-@pytest.fixture(scope="module")
-def stopped(tmp_path_factory) -> tuple[Path, Path]:
-    """In a folder of its own, with relative paths (so a copy of the folder resumes as the original would): a run
-    of a.jsonl and b.jsonl into docs/ stopped after its tasks and dedup stages, before the merge (its work folder
-    kept), and the same run uninterrupted into whole/."""
-    root = tmp_path_factory.mktemp("stopped")
-    write_jsonl(root / "a.jsonl", 0, 30)
-    write_jsonl(root / "b.jsonl", 30, 30)
-    cfg = DataConfig(workers=1, docs_per_part=20)
+def stop_before_merge(root: Path, cfg: DataConfig) -> Path:
+    """In `root`, with relative paths (so a copy of the folder resumes as the original would): a run of a.jsonl
+    and b.jsonl into docs/ stopped after its tasks and dedup stages, before the merge (its work folder kept),
+    and the same run uninterrupted into whole/. Returns the work folder."""
 
     class Stopped(Exception):
         pass
@@ -357,10 +352,18 @@ def stopped(tmp_path_factory) -> tuple[Path, Path]:
         pipeline._merge = merge
         os.chdir(cwd)
     (work,) = root.glob(".docs-work-*")
-    return root, work
+    return work
 
 
-def rerun_after(stopped, tmp_path: Path, damage) -> tuple[subprocess.CompletedProcess, Path]:
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("stopped")
+    write_jsonl(root / "a.jsonl", 0, 30)
+    write_jsonl(root / "b.jsonl", 30, 30)
+    return root, stop_before_merge(root, DataConfig(workers=1, docs_per_part=20))
+
+
+def rerun_after(stopped, tmp_path: Path, damage, *overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
     """Copy the stopped run (inputs with their mtimes, the work folder), damage the copy, run `kiln data` again."""
     root, work = stopped
     for name in ("a.jsonl", "b.jsonl"):
@@ -368,7 +371,7 @@ def rerun_after(stopped, tmp_path: Path, damage) -> tuple[subprocess.CompletedPr
     shutil.copytree(work, tmp_path / work.name)
     damage(tmp_path / work.name)
     r = kiln("data", "a.jsonl", "b.jsonl", "--out", "docs", "--", "data.workers=1", "data.docs_per_part=20",
-             cwd=tmp_path)
+             *overrides, cwd=tmp_path)
     return r, tmp_path / "docs"
 
 
@@ -411,3 +414,29 @@ def test_a_damaged_dedup_file_is_recomputed(stopped, tmp_path, damage):
     r, docs = rerun_after(stopped, tmp_path, damage)
     assert "Traceback" not in r.stderr and r.returncode == 0, r.stderr
     assert_same_output(stopped[0] / "whole", docs)
+
+
+@pytest.fixture(scope="module")
+def stopped_in_small_buckets(tmp_path_factory) -> tuple[Path, Path]:
+    """As `stopped`, with exact copies across the two files and data.dedup.bucket_docs=10 (7 key ranges)."""
+    root = tmp_path_factory.mktemp("buckets")
+    write_jsonl(root / "a.jsonl", 0, 35)
+    write_jsonl(root / "b.jsonl", 20, 35, prefix="copy")  # 15 copies of a.jsonl's last documents, 20 new
+    return root, stop_before_merge(root, DataConfig(workers=1, docs_per_part=20, dedup={"bucket_docs": 10}))
+
+
+@pytest.mark.xfail(reason="lead: dedup stage results must belong to one plan of key ranges (layout.ranges()); today "
+                          "exact_removed / verdicts glob every exact-*.npy / band-*.npy, so a run killed in the dedup "
+                          "stage and resumed with another data.dedup.bucket_docs (documented as never changing the "
+                          "output) reuses range 00000 of the old plan and silently keeps exact copies", strict=False)
+def test_a_resume_with_another_bucket_docs_gives_the_same_docs(stopped_in_small_buckets, tmp_path):
+    root = stopped_in_small_buckets[0]
+    assert json.loads((root / "whole" / "stats.json").read_text())["dedup"]["exact_removed"] == 15
+
+    def killed_in_the_stage(work: Path) -> None:  # the later key ranges' results not written yet
+        for path in [*(work / "dedup").glob("exact-0000[3-9].npy"), *(work / "dedup").glob("band-*-0000[3-9].npy")]:
+            path.unlink()
+
+    r, docs = rerun_after(stopped_in_small_buckets, tmp_path, killed_in_the_stage, "data.dedup.bucket_docs=2000000")
+    assert r.returncode == 0, r.stderr
+    assert_same_output(root / "whole", docs)
