@@ -440,3 +440,46 @@ def test_a_resume_with_another_bucket_docs_gives_the_same_docs(stopped_in_small_
     r, docs = rerun_after(stopped_in_small_buckets, tmp_path, killed_in_the_stage, "data.dedup.bucket_docs=2000000")
     assert r.returncode == 0, r.stderr
     assert_same_output(root / "whole", docs)
+
+
+# --- paths in a config file -------------------------------------------------------------------------
+
+def test_a_relative_dedup_index_in_a_config_file_is_relative_to_the_file(tmp_path):
+    # before: data.dedup.index was not a path key: run from another folder, the config made a new, empty index
+    # there each time (no document deduplicated against the last dump), the one beside the config never used
+    (tmp_path / "project").mkdir()
+    write_jsonl(tmp_path / "project" / "a.jsonl", 0, 5)
+    (tmp_path / "project" / "crawl.yaml").write_text("data: {workers: 1, dedup: {index: index}}\n")
+    (tmp_path / "elsewhere").mkdir()
+    r = kiln("data", "../project/a.jsonl", "--out", "docs", "--config", "../project/crawl.yaml",
+             cwd=tmp_path / "elsewhere")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "project" / "index" / "index.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == ["docs"]
+
+
+def test_a_home_relative_path_in_a_config_file_is_the_home_folder(tmp_path, monkeypatch):
+    # before: out_dir: ~/runs/x was kept as typed, and a run wrote into a folder named "~" in the working directory
+    from kiln.config import load_config
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "c.yaml").write_text("out_dir: ~/runs/x\ndata: {inputs: [~/crawl/*.warc.gz], dedup: {index: ~/idx}}\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    home = tmp_path / "home"
+    assert (str(cfg.out), cfg.data.inputs, cfg.data.dedup.index) == (
+        str(home / "runs" / "x"), [str(home / "crawl" / "*.warc.gz")], str(home / "idx"))
+
+
+@pytest.mark.xfail(reason="lead: pipeline.index_key (the name of a run's entry in data.dedup.index) includes the "
+                          "index's own path, so the same run after the index folder was moved (or spelt another way) "
+                          "does not find its entry and deduplicates against itself: every document removed, exit 0; "
+                          "leave data.dedup.index out of index_key", strict=False)
+def test_the_same_run_finds_its_entry_after_the_index_folder_moved(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", 0, 10)
+    r = kiln("data", str(src), "--out", str(tmp_path / "first"), *QUIET, f"data.dedup.index={tmp_path / 'index'}")
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "index").rename(tmp_path / "moved")
+    r = kiln("data", str(src), "--out", str(tmp_path / "again"), *QUIET, f"data.dedup.index={tmp_path / 'moved'}")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "again" / "stats.json").read_text())["documents"]["kept"] == 10
+    assert len(json.loads((tmp_path / "moved" / "index.json").read_text())["runs"]) == 1

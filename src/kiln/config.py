@@ -738,13 +738,17 @@ def build_config(data: dict[str, Any], overrides: list[str] | None = None) -> Co
 # (KEY=VALUE overrides) it is relative to the working directory, as a shell user expects.
 PATH_KEYS = ("out_dir", "data.inputs[]", "data.lang_model", "data.blocklist.file", "tokenizer.path",
              "loader.sources[].path", "loader.cache_dir", "checkpoint.signing_key", "checkpoint.public_key",
-             "eval.tasks[].path")
+             "eval.tasks[].path", "data.dedup.index")
 
 
 def _anchor(value: Any, base: Path) -> Any:
-    if not isinstance(value, str) or not value or "://" in value or Path(value).expanduser().is_absolute():
+    if not isinstance(value, str) or not value or "://" in value:
         return value
-    return os.path.normpath(base / Path(value).expanduser())
+    if value.startswith("~"):  # ~/crawl: the user's home (kept as typed, it was a folder named "~" here)
+        return str(Path(value).expanduser())
+    if Path(value).is_absolute():
+        return value
+    return os.path.normpath(base / value)
 
 
 def resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
