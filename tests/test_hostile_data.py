@@ -178,6 +178,30 @@ def test_a_changed_input_rerun_into_the_same_docs_with_an_index_is_refused(tmp_p
     assert stats["dedup"]["removed_against_index"] == 30 and stats["documents"]["kept"] == 1
 
 
+def test_kiln_run_refuses_a_changed_input_into_the_same_docs_with_an_index(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", 0, 25)
+    (tmp_path / "crawl.yaml").write_text("out_dir: out\ndata: {inputs: [a.jsonl], workers: 1, dedup: {index: index}}\n")
+    r = kiln("run", str(tmp_path / "crawl.yaml"), "--until", "data", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    before = read_manifest(tmp_path / "out" / "docs")
+    write_jsonl(tmp_path / "a.jsonl", 0, 26)  # one more document: another fingerprint, the same docs folder
+    r = kiln("run", str(tmp_path / "crawl.yaml"), "--until", "data", cwd=tmp_path)
+    assert r.returncode == 2  # before: 0 of 26 kept, exit 0
+    assert error_line(r).startswith(f"kiln: error: data.dedup.index: run-00000 of {tmp_path / 'index'} was written "
+                                    f"into this same docs folder {tmp_path / 'out' / 'docs'} from other inputs")
+    assert read_manifest(tmp_path / "out" / "docs") == before
+
+
+def test_an_index_at_a_url_is_refused(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", 0, 3)
+    r = kiln("data", str(src), "--out", str(tmp_path / "docs"), *QUIET, "data.dedup.index=s3://bucket/index",
+             cwd=tmp_path)
+    assert r.returncode == 2  # before: a local folder named "s3:" in the working directory
+    assert error_line(r) == ("kiln: error: bad value for config key 'data.dedup': Value error, data.dedup.index must "
+                             "be a local folder (on a cluster, one every node mounts), got the URL 's3://bucket/index'")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl"]
+
+
 @pytest.fixture(scope="module")
 def index_of_a(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("index")

@@ -240,6 +240,13 @@ class DedupConfig(Section):
     index: str | None = Field(None, description="a folder of earlier runs' signatures: this run is deduplicated "
                                                 "against them, then added (e.g. the next dump against the last)")
 
+    @model_validator(mode="after")
+    def _local_index(self) -> "DedupConfig":
+        if self.index and "://" in self.index:  # Path() would make s3://b/i a local folder named "s3:"
+            raise ValueError(f"data.dedup.index must be a local folder (on a cluster, one every node mounts), got "
+                             f"the URL {self.index!r}")
+        return self
+
 
 class DataConfig(Section):
     inputs: list[str] = Field(default_factory=list, description="WARC/JSONL/Parquet files, globs or URLs "
