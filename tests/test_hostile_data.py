@@ -280,6 +280,25 @@ def test_inspect_names_a_changed_side_file_or_index(built, tmp_path, damage, sai
     assert "Warning" not in r.stderr
 
 
+def test_inspect_of_shards_without_side_files_says_to_pack_again(built, tmp_path):
+    # a folder whose manifest lists no provenance side files (as before they existed): before, FileNotFoundError
+    import hashlib
+
+    shards = copy_of(built, "shards", tmp_path)
+    rows = [json.loads(line) for line in (shards / "files.jsonl").read_text().splitlines()]
+    table = "".join(json.dumps(r) + "\n" for r in rows if not r["name"].endswith(".docs.jsonl.zst")).encode()
+    (shards / "files.jsonl").write_bytes(table)
+    manifest = json.loads((shards / "manifest.json").read_text())
+    manifest["files"]["files.jsonl"] = {"size": len(table), "sha256": hashlib.sha256(table).hexdigest()}
+    manifest["file_table"]["files"] = table.count(b"\n")
+    (shards / "manifest.json").write_text(json.dumps(manifest))
+    r = kiln("shards", "inspect", str(shards), "--at", "0", "--tokenizer", str(built / "tok"))
+    assert r.returncode == 1
+    assert error_line(r) == (f"kiln: verification failed: {shards / 'train' / '00000.docs.jsonl.zst'}: not in "
+                             "manifest.json (a folder packed before shards carried their provenance beside them?): "
+                             "re-run `kiln pack`")
+
+
 def test_inspect_without_a_tokenizer_beside_the_shards_says_so(built, tmp_path):
     shards = copy_of(built, "shards", tmp_path)
     r = kiln("shards", "inspect", str(shards), "--at", "0")

@@ -29,9 +29,13 @@ def sample_provenance(folder: Path, split: str, index: int) -> dict[str, Any]:
         raise KilnError(f"{folder}: the {split} split has {len(ss)} sequences; --at must be 0..{len(ss) - 1}")
     shard = int(np.searchsorted(ss.starts, index, side="right") - 1)
     # what is read below, checked first (sha256; small files): a changed index or side file is named, not parsed
+    indexes = {Path(n).with_suffix(".idx").as_posix() for n in ss.names[:shard + 1]}
+    reads = indexes | {side_file(ss.names[shard]).as_posix()}
+    if unlisted := sorted(reads - set(ss.manifest["files"])):
+        raise IntegrityError(f"{Path(folder) / unlisted[0]}: not in manifest.json (a folder packed before shards "
+                             "carried their provenance beside them?): re-run `kiln pack`")
     try:
-        verify_folder(Path(folder), only={Path(n).with_suffix(".idx").as_posix() for n in ss.names[:shard + 1]}
-                      | {side_file(ss.names[shard]).as_posix()})
+        verify_folder(Path(folder), only=reads)
     except IntegrityError as exc:
         raise IntegrityError(f"{exc}; the shards folder changed after `kiln pack` wrote it: re-run `kiln pack`") \
             from None
