@@ -105,6 +105,18 @@ def test_a_jsonl_whose_compression_is_not_its_name_is_a_file_error(tmp_path, nam
     assert [e["source"] for e in stats["file_errors"]] == [str(src)]
 
 
+def test_a_jsonl_line_nested_deeper_than_the_stack_is_one_rejection(tmp_path):
+    # before: RecursionError from json.loads ended the whole run with a traceback, no docs folder
+    src = tmp_path / "deep.jsonl"
+    good = json.dumps({"id": "ok", "text": english(1)})
+    src.write_text("[" * 100_000 + "]" * 100_000 + "\n" + good + "\n" + '{"id": "x", "a": ' + "[" * 100_000 + "}\n")
+    r = kiln("data", str(src), "--out", str(tmp_path / "docs"), *QUIET)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    stats = json.loads((tmp_path / "docs" / "stats.json").read_text())
+    assert stats["documents"] == {"read": 3, "kept": 1, "rejected": 2}
+    assert stats["rejected_by_reason"] == {"read/invalid_json": 2}
+
+
 def test_a_text_file_not_named_by_its_format_says_how_it_was_read(tmp_path):
     src = write_jsonl(tmp_path / "docs.txt", 0, 3)
     r = kiln("data", str(src), "--out", str(tmp_path / "docs"), *QUIET)

@@ -297,7 +297,8 @@ def read_jsonl(
                     continue
                 try:
                     rec = json.loads(line)
-                except ValueError as exc:  # also invalid UTF-8
+                except (ValueError, RecursionError) as exc:  # also invalid UTF-8, and nesting deeper than Python's
+                    # stack (a line of 100,000 "[": one bad record, not the end of the run)
                     yield Document(
                         id=f"{Path(source).name}:{number}", source=source, offset=start, length=length
                     ).reject("read", "invalid_json", line=number, error=str(exc)[:200])
