@@ -192,6 +192,36 @@ def test_kiln_run_refuses_a_changed_input_into_the_same_docs_with_an_index(tmp_p
     assert read_manifest(tmp_path / "out" / "docs") == before
 
 
+def test_a_second_run_on_the_same_index_stops_at_once(tmp_path):
+    # before: two runs on one index ran side by side, neither deduplicated against the other, and the index
+    # listed one before the other (a later re-run of the second then deduplicated against the first)
+    import time
+
+    write_jsonl(tmp_path / "a.jsonl", 0, 300)
+    src = write_jsonl(tmp_path / "b.jsonl", 300, 5)
+    index = tmp_path / "index"
+    first = subprocess.Popen([sys.executable, "-m", "kiln", "data", str(tmp_path / "a.jsonl"), "--out",
+                              str(tmp_path / "first"), *QUIET, f"data.dedup.index={index}"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        lock = tmp_path / ".index.lock"
+        for _ in range(600):  # the first run takes the index's lock before its work
+            if lock.is_file() and lock.read_text():
+                break
+            time.sleep(0.05)
+        r = kiln("data", str(src), "--out", str(tmp_path / "second"), *QUIET, f"data.dedup.index={index}")
+        assert first.poll() is None, "the first run ended before the second started; make it longer"
+    finally:
+        _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    assert r.returncode == 2
+    line = error_line(r)
+    assert line.startswith(f"kiln: error: {index} is being written by a `kiln data` run using it as "
+                           f"data.dedup.index: pid {first.pid} on host ")
+    assert not (tmp_path / "second").exists()
+    assert len(json.loads((index / "index.json").read_text())["runs"]) == 1
+
+
 def test_an_index_at_a_url_is_refused(tmp_path):
     src = write_jsonl(tmp_path / "a.jsonl", 0, 3)
     r = kiln("data", str(src), "--out", str(tmp_path / "docs"), *QUIET, "data.dedup.index=s3://bucket/index",

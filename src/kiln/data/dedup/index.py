@@ -19,14 +19,15 @@ sha256 when the dedup layout is made), so a cut or changed index file stops the 
 silently deduplicating against damaged signatures. `check_use` refuses, before any work, an index inside
 the docs folder (or the docs folder inside the index) and an index whose earlier run wrote this same docs
 folder from other inputs or settings: deduplicating against it would remove every document the two share.
-Memory: one task's files at a time. One writer at a time.
+Memory: one task's files at a time. One writer at a time: `use_index` holds the index's lock for the run.
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -125,6 +126,22 @@ def _check_docs(cfg: DedupConfig, index: dict[str, Any] | None, docs: Path, key:
                 f"data.dedup.index: {run['name']} of {cfg.index} was written into this same docs folder {docs} "
                 "from other inputs or settings; deduplicating against it would remove every document the two "
                 "share: write this run to a new --out (one docs folder per dump), or start a new index folder")
+
+
+@contextmanager
+def use_index(cfg, inputs: list[str], docs: Path) -> Iterator[None]:
+    """Around a run of the data stage into `docs` (`cfg` is the DataConfig): with data.dedup.index, hold the
+    index's lock (`.NAME.lock` beside it) for the whole run, so a second run on the same index stops at once
+    naming the first (run side by side, neither would be deduplicated against the other, while the index
+    would list one before the other), then `check_use`. Without an index, nothing."""
+    if not cfg.dedup.index:
+        yield
+        return
+    from kiln.lock import OutputLock
+
+    with OutputLock(Path(cfg.dedup.index), "a `kiln data` run using it as data.dedup.index"):
+        check_use(cfg, inputs, docs)
+        yield
 
 
 def check_use(cfg, inputs: list[str], docs: Path) -> None:
