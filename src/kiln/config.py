@@ -751,7 +751,7 @@ PATH_KEYS = ("out_dir", "data.inputs[]", "data.lang_model", "data.blocklist.file
 def _anchor(value: Any, base: Path) -> Any:
     if not isinstance(value, str) or not value or "://" in value:
         return value
-    if value.startswith("~"):  # ~/crawl: the user's home (kept as typed, it was a folder named "~" here)
+    if value.startswith("~"):  # ~/crawl: the user's home (kept as typed, Path() makes it a folder named "~")
         return str(Path(value).expanduser())
     if Path(value).is_absolute():
         return value

@@ -262,6 +262,8 @@ def _check_compression(source: str, head: bytes) -> None:
     file read as nothing (a .gz that is plain text) or as lines of binary (a gzip file named .jsonl)."""
     named = next((s for s in _MAGIC if source.lower().endswith(s)), "")
     found = next((s for s, (magic, _) in _MAGIC.items() if head.startswith(magic)), "")
+    if head[1:4] == b"\x2a\x4d\x18" and head[:1] and head[0] & 0xF0 == 0x50:  # a zstd skippable frame first
+        found = ".zst"
     if named == found:
         return
     name = Path(source).name

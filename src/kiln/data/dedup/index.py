@@ -108,10 +108,6 @@ def index_parts(cfg: DedupConfig, key: str) -> list:
     return [Part(str(folder / run["name"]), p["name"], p["count"], run["name"]) for run in runs for p in run["parts"]]
 
 
-def _same_folder(a: Path, b: Path) -> bool:
-    return a.resolve() == b.resolve()
-
-
 def _check_docs(cfg: DedupConfig, index: dict[str, Any] | None, docs: Path, key: str) -> None:
     """The refusals of `check_use`, given the index as read."""
     folder, docs = Path(cfg.index).resolve(), Path(docs).resolve()
@@ -121,7 +117,7 @@ def _check_docs(cfg: DedupConfig, index: dict[str, Any] | None, docs: Path, key:
     runs = (index or {}).get("runs", [])
     own = next((k for k, run in enumerate(runs) if run["key"] == key), len(runs))
     for run in runs[:own]:
-        if run.get("docs") and _same_folder(Path(run["docs"]), docs):
+        if run.get("docs") and Path(run["docs"]).resolve() == docs:
             raise ConfigError(
                 f"data.dedup.index: {run['name']} of {cfg.index} was written into this same docs folder {docs} "
                 "from other inputs or settings; deduplicating against it would remove every document the two "
