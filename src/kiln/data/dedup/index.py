@@ -108,12 +108,17 @@ def index_parts(cfg: DedupConfig, key: str) -> list:
     return [Part(str(folder / run["name"]), p["name"], p["count"], run["name"]) for run in runs for p in run["parts"]]
 
 
-def _check_docs(cfg: DedupConfig, index: dict[str, Any] | None, docs: Path, key: str) -> None:
-    """The refusals of `check_use`, given the index as read."""
+def _check_overlap(cfg: DedupConfig, docs: Path) -> None:
     folder, docs = Path(cfg.index).resolve(), Path(docs).resolve()
     if folder == docs or docs in folder.parents or folder in docs.parents:
         raise ConfigError(f"data.dedup.index: {cfg.index} and the docs folder {docs} overlap (the docs folder is "
                           "replaced as a whole, and the index must outlive it): give an index folder outside it")
+
+
+def _check_docs(cfg: DedupConfig, index: dict[str, Any] | None, docs: Path, key: str) -> None:
+    """The refusals of `check_use`, given the index as read."""
+    _check_overlap(cfg, docs)
+    docs = Path(docs).resolve()
     runs = (index or {}).get("runs", [])
     own = next((k for k, run in enumerate(runs) if run["key"] == key), len(runs))
     for run in runs[:own]:
@@ -135,6 +140,8 @@ def use_index(cfg, inputs: list[str], docs: Path) -> Iterator[None]:
         return
     from kiln.lock import OutputLock
 
+    _check_overlap(cfg.dedup, docs)  # before a lock file is made beside the index: in the docs folder, or
+    read_index(cfg.dedup)  # beside a file given for the index
     with OutputLock(Path(cfg.dedup.index), "a `kiln data` run using it as data.dedup.index"):
         check_use(cfg, inputs, docs)
         yield
