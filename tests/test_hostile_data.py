@@ -292,6 +292,13 @@ def test_explain_names_a_missing_part_instead_of_not_finding_the_document(built,
                              "but missing; the docs folder changed after `kiln data` wrote it, run `kiln data` again")
 
 
+def test_explain_on_the_shards_folder_says_what_it_is(built):
+    r = kiln("data", "explain", "d3", "--out", str(built / "shards"))
+    assert r.returncode == 2  # before: "no document with id ... 'd3'"
+    assert error_line(r) == (f"kiln: error: {built / 'shards'}: a `kiln pack` output, not a docs folder; give the "
+                             "folder `kiln data` wrote ({out_dir}/docs) with --out")
+
+
 def test_tokenizer_train_names_a_changed_stats_json(built, tmp_path):
     docs = copy_of(built, "docs", tmp_path)
     (docs / "stats.json").write_text("{}")

@@ -25,7 +25,11 @@ _CHANGED = "the docs folder changed after `kiln data` wrote it, run `kiln data` 
 def _parts(docs_dir: Path) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """The manifest's files and (outcome, name) of every kept and rejects part it lists, each checked to be
     there with its size."""
-    files = read_manifest(docs_dir)["files"]  # a folder `kiln data` committed, or a clear error
+    manifest = read_manifest(docs_dir)  # a folder Kiln committed, or a clear error
+    if manifest.get("stage") not in (None, "data"):  # the shards or the tokenizer given for the docs
+        raise KilnError(f"{docs_dir}: a `kiln {manifest['stage']}` output, not a docs folder; give the folder "
+                        "`kiln data` wrote ({out_dir}/docs) with --out")
+    files = manifest["files"]
     names = [(outcome, name) for outcome, prefix in (("kept", ""), ("rejected", "rejects/"))
              for name in sorted(n for n in files if n.startswith(prefix) and PART.match(n[len(prefix):]))]
     try:
