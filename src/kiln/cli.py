@@ -86,7 +86,10 @@ def cmd_data(args) -> int:
         raise KilnError("kiln data: give at least one INPUT file or glob")
     if args.workers is not None and args.workers < 1:
         raise KilnError(f"kiln data: --workers must be at least 1, got {args.workers}")
-    stats = run_data(inputs, Path(args.out), cfg.data, workers=args.workers, progress=True)
+    from kiln.data.dedup.index import use_index
+
+    with use_index(cfg.data, inputs, Path(args.out)):  # one run at a time adds to data.dedup.index; checked first
+        stats = run_data(inputs, Path(args.out), cfg.data, workers=args.workers, progress=True)
     print(json.dumps(stats, indent=1, ensure_ascii=False))
     for err in stats["file_errors"]:  # also in stats.json; a line each, where the user looks
         print(f"kiln: warning: {err['error']}", file=sys.stderr)
@@ -120,12 +123,12 @@ def cmd_data_explain(keys: list[str], docs_dir: Path) -> int:
 def cmd_tokenizer_train(args) -> int:
     from kiln.config import load_config
     from kiln.data.docs import read_docs
-    from kiln.data.rejections import few_documents_message
+    from kiln.data.rejections import docs_stats, few_documents_message
     from kiln.tokenizer import train_tokenizer
 
     cfg = load_config(args.config, args.overrides)
     stats = Path(args.docs_dir) / "stats.json"
-    if stats.is_file() and (few := few_documents_message(json.loads(stats.read_text()), Path(args.docs_dir))):
+    if stats.is_file() and (few := few_documents_message(docs_stats(args.docs_dir), Path(args.docs_dir))):
         raise KilnError(few)
     tok = train_tokenizer(read_docs(Path(args.docs_dir)), Path(args.out), cfg.tokenizer, cfg.seed)
     print(json.dumps({"tokenizer": str(Path(args.out) / "tokenizer.json"), "vocab_size": tok.get_vocab_size()}))
@@ -535,6 +538,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kiln: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `kiln shards inspect ... | head`: the reader left; what is left to print goes nowhere
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush raises nothing
+        return 141  # what a tool that SIGPIPE ended returns
     except OSError as exc:
         from kiln.manifest import disk_full_message, is_disk_full
 

@@ -240,6 +240,13 @@ class DedupConfig(Section):
     index: str | None = Field(None, description="a folder of earlier runs' signatures: this run is deduplicated "
                                                 "against them, then added (e.g. the next dump against the last)")
 
+    @model_validator(mode="after")
+    def _local_index(self) -> "DedupConfig":
+        if self.index and "://" in self.index:  # Path() would make s3://b/i a local folder named "s3:"
+            raise ValueError(f"data.dedup.index must be a local folder (on a cluster, one every node mounts), got "
+                             f"the URL {self.index!r}")
+        return self
+
 
 class DataConfig(Section):
     inputs: list[str] = Field(default_factory=list, description="WARC/JSONL/Parquet files, globs or URLs "
@@ -738,13 +745,17 @@ def build_config(data: dict[str, Any], overrides: list[str] | None = None) -> Co
 # (KEY=VALUE overrides) it is relative to the working directory, as a shell user expects.
 PATH_KEYS = ("out_dir", "data.inputs[]", "data.lang_model", "data.blocklist.file", "tokenizer.path",
              "loader.sources[].path", "loader.cache_dir", "checkpoint.signing_key", "checkpoint.public_key",
-             "eval.tasks[].path")
+             "eval.tasks[].path", "data.dedup.index")
 
 
 def _anchor(value: Any, base: Path) -> Any:
-    if not isinstance(value, str) or not value or "://" in value or Path(value).expanduser().is_absolute():
+    if not isinstance(value, str) or not value or "://" in value:
         return value
-    return os.path.normpath(base / Path(value).expanduser())
+    if value.startswith("~"):  # ~/crawl: the user's home (kept as typed, Path() makes it a folder named "~")
+        return str(Path(value).expanduser())
+    if Path(value).is_absolute():
+        return value
+    return os.path.normpath(base / value)
 
 
 def resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:

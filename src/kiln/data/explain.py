@@ -2,25 +2,59 @@
 
 from __future__ import annotations
 
-import itertools
+import hashlib
+import io
 import json
 import re
 from pathlib import Path
 from typing import Any, Iterator
 
+import zstandard
+
 from kiln.data.document import SCORE_FIELDS
-from kiln.data.docs import read_part
-from kiln.errors import KilnError
-from kiln.manifest import read_manifest
+from kiln.data.docs import PART
+from kiln.errors import IntegrityError, KilnError
+from kiln.manifest import MANIFEST, read_manifest, verify_folder
 
 _PROVENANCE = ("source", "offset", "length", "record_id", "url", "date", "content_type")
 
 
-def _records(folder: Path, outcome: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    for part in sorted(folder.glob("part-*.jsonl.zst")):
-        name = part.relative_to(folder.parent if outcome == "rejected" else folder).as_posix()
-        for rec in read_part(part):
-            yield outcome, rec | {"part": name}
+_CHANGED = "the docs folder changed after `kiln data` wrote it, run `kiln data` again"
+
+
+def _parts(docs_dir: Path) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """The manifest's files and (outcome, name) of every kept and rejects part it lists, each checked to be
+    there with its size."""
+    manifest = read_manifest(docs_dir)  # a folder Kiln committed, or a clear error
+    if manifest.get("stage") not in (None, "data"):  # the shards or the tokenizer given for the docs
+        raise KilnError(f"{docs_dir}: a `kiln {manifest['stage']}` output, not a docs folder; give the folder "
+                        "`kiln data` wrote ({out_dir}/docs) with --out")
+    files = manifest["files"]
+    names = [(outcome, name) for outcome, prefix in (("kept", ""), ("rejected", "rejects/"))
+             for name in sorted(n for n in files if n.startswith(prefix) and PART.match(n[len(prefix):]))]
+    try:
+        verify_folder(docs_dir, deep=False, only={name for _, name in names})
+    except IntegrityError as exc:
+        raise IntegrityError(f"{exc}; {_CHANGED}") from None
+    return files, names
+
+
+def _records(docs_dir: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every kept and rejected record, each part checked against its sha256 in the manifest before it is parsed.
+    Memory: one part's compressed bytes."""
+    files, names = _parts(docs_dir)
+    for outcome, name in names:
+        path = docs_dir / name
+        data = path.read_bytes()
+        if (digest := hashlib.sha256(data).hexdigest()) != files[name]["sha256"]:
+            raise IntegrityError(f"{path}: sha256 {digest[:16]}… != {MANIFEST}; {_CHANGED}")
+        lines = io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)), encoding="utf-8")
+        try:
+            for line in lines:
+                if line.strip():
+                    yield outcome, json.loads(line) | {"part": name}
+        except (zstandard.ZstdError, ValueError) as exc:  # bytes the manifest vouches for that do not parse
+            raise IntegrityError(f"{path}: cannot be read ({str(exc)[:120]}); {_CHANGED}") from None
 
 
 _AT_LINE = re.compile(r"^(?P<path>.+):(?P<where>\d+|row\d+)$")
@@ -76,10 +110,9 @@ def find(key: str, docs_dir: Path) -> list[dict[str, Any]]:
     """Every outcome whose id, WARC-Record-ID or URL is `key` (a URL can have been crawled twice); a key
     of the form PATH:LINE (what a user copies from an editor) finds that line of that input file."""
     docs_dir = Path(docs_dir)
-    read_manifest(docs_dir)  # a folder `kiln data` committed, or a clear error
     at_line = _at_line(key)
     found = []
-    for outcome, rec in itertools.chain(_records(docs_dir, "kept"), _records(docs_dir / "rejects", "rejected")):
+    for outcome, rec in _records(docs_dir):
         if key in (rec.get("id"), rec.get("record_id"), rec.get("url")) or (at_line and at_line(rec)):
             found.append(rec | {"outcome": outcome})
     if not found:

@@ -287,7 +287,11 @@ def _read_members(f: IO[bytes], source: str, report: ReadReport, size: int, pos:
 
 
 def _not_a_warc(source: str, problem: object) -> KilnError:
-    return KilnError(f"{source}: not a readable WARC file ({problem or 'no WARC records'}); check the path and format")
+    name = source.lower().removesuffix(".gz")
+    hint = "" if name.endswith((".warc", ".arc")) else (
+        " (a file not named .jsonl/.ndjson/.json[.gz|.zst] or .parquet is read as WARC: name it by its format)")
+    return KilnError(f"{source}: not a readable WARC file ({problem or 'no WARC records'}); check the path and "
+                     f"format{hint}")
 
 
 def _response(rec, source: str) -> Document:

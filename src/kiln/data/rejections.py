@@ -72,6 +72,22 @@ def rejection_table(stats: dict[str, Any], top: int = 8) -> str:
     return "\n".join(lines)
 
 
+def docs_stats(docs_dir) -> dict[str, Any]:
+    """stats.json of a committed docs folder, checked against its manifest first (a changed one is named)."""
+    import json
+    from pathlib import Path
+
+    from kiln.errors import IntegrityError
+    from kiln.manifest import verify_folder
+
+    try:
+        verify_folder(Path(docs_dir), only={"stats.json"})
+    except IntegrityError as exc:
+        raise IntegrityError(f"{exc}; the docs folder changed after `kiln data` wrote it, run `kiln data` again") \
+            from None
+    return json.loads((Path(docs_dir) / "stats.json").read_text())
+
+
 def few_documents_message(stats: dict[str, Any], docs_dir) -> str | None:
     """The error to raise when fewer than FEW_DOCUMENTS documents survived; None when enough did."""
     docs = stats["documents"]

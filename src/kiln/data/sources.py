@@ -129,7 +129,11 @@ def expand_inputs(patterns: list[str], storage_options: dict[str, Any] | None = 
         if not matches:
             raise KilnError(f"input {pattern!r} matches no file; check the path or glob")
         for m in matches:
-            if not Path(m.removeprefix("file://")).is_file():
+            local = Path(m.removeprefix("file://"))
+            if local.is_dir():
+                raise KilnError(f"input {m} is a folder; give its files or a glob, e.g. "
+                                f"'{(local / '*.warc.gz').as_posix()}' or '{(local / '*.jsonl').as_posix()}'")
+            if not local.is_file():
                 raise KilnError(f"input {m} does not exist or is not a file")
             files.append(m)
     if not files:
@@ -250,6 +254,25 @@ def _record_doc(rec: Any, source: str, offset: int, length: int, where: str, fie
     return doc
 
 
+_MAGIC = {".gz": (b"\x1f\x8b", "gzip"), ".zst": (b"\x28\xb5\x2f\xfd", "zstd")}
+
+
+def _check_compression(source: str, head: bytes) -> None:
+    """A JSONL file whose first bytes say another compression than its name: a file error naming both, not a
+    file read as nothing (a .gz that is plain text) or as lines of binary (a gzip file named .jsonl)."""
+    named = next((s for s in _MAGIC if source.lower().endswith(s)), "")
+    found = next((s for s, (magic, _) in _MAGIC.items() if head.startswith(magic)), "")
+    if head[1:4] == b"\x2a\x4d\x18" and head[:1] and head[0] & 0xF0 == 0x50:  # a zstd skippable frame first
+        found = ".zst"
+    if named == found:
+        return
+    name = Path(source).name
+    said = f"named {named}" if named else "not named .gz or .zst"
+    what = f"{_MAGIC[found][1]} data" if found else f"not {_MAGIC[named][1]} data (it starts with {head!r})"
+    raise KilnError(f"{source}: {said} but is {what}; rename it {name[:len(name) - len(named)]}{found} "
+                    "(Kiln picks the decompression by the name)")
+
+
 def read_jsonl(
     source: str,
     report: ReadReport,
@@ -260,6 +283,8 @@ def read_jsonl(
     if input_size(source, storage_options) == 0:
         raise KilnError(f"{source}: empty file (0 bytes), nothing to read; remove it from the inputs")
     with open_input(source, storage_options) as f:
+        _check_compression(source, f.read(4))
+        f.seek(0)
         offset = 0
         try:
             for number, (line, length) in enumerate(_lines(StorageWatch(f), source, max_record_bytes), 1):
@@ -274,7 +299,8 @@ def read_jsonl(
                     continue
                 try:
                     rec = json.loads(line)
-                except ValueError as exc:  # also invalid UTF-8
+                except (ValueError, RecursionError) as exc:  # also invalid UTF-8, and nesting deeper than Python's
+                    # stack (a line of 100,000 "[": one bad record, not the end of the run)
                     yield Document(
                         id=f"{Path(source).name}:{number}", source=source, offset=start, length=length
                     ).reject("read", "invalid_json", line=number, error=str(exc)[:200])

@@ -190,6 +190,9 @@ class ShardSet:
         else:
             self.source = LocalFolder(Path(folder))
         self.manifest = self.source.read_manifest()
+        if "splits" not in self.manifest and self.manifest.get("stage") not in (None, "pack"):  # docs, say
+            raise KilnError(f"{folder}: a `kiln {self.manifest['stage']}` output, not token shards; give the folder "
+                            "`kiln pack` wrote ({out_dir}/shards)")
         if split not in self.manifest.get("splits", {}):
             raise KilnError(f"{folder}: no '{split}' split in manifest.json; re-run `kiln pack`")
         if tokenizer_sha256 and self.manifest["tokenizer_sha256"] != tokenizer_sha256:

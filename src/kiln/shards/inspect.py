@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from kiln.errors import KilnError
+from kiln.errors import IntegrityError, KilnError
+from kiln.manifest import verify_folder
 from kiln.shards.format import ShardSet, read_index
 from kiln.shards.provenance import read_rows, side_file
 from kiln.tokenizer import load_tokenizer, tokenizer_sha256
@@ -21,9 +22,23 @@ def sample_provenance(folder: Path, split: str, index: int) -> dict[str, Any]:
     `doc_tokens` the same tokens' [start, end) within the document (EOS counted).
     """
     ss = ShardSet(folder, split)
+    if len(ss) == 0:
+        raise KilnError(f"{folder}: the {split} split has no sequences (pack.val_fraction 0, or too few tokens); "
+                        "nothing to inspect there")
     if not 0 <= index < len(ss):
         raise KilnError(f"{folder}: the {split} split has {len(ss)} sequences; --at must be 0..{len(ss) - 1}")
     shard = int(np.searchsorted(ss.starts, index, side="right") - 1)
+    # what is read below, checked first (sha256; small files): a changed index or side file is named, not parsed
+    indexes = {Path(n).with_suffix(".idx").as_posix() for n in ss.names[:shard + 1]}
+    reads = indexes | {side_file(ss.names[shard]).as_posix()}
+    if unlisted := sorted(reads - set(ss.manifest["files"])):
+        raise IntegrityError(f"{Path(folder) / unlisted[0]}: not in manifest.json (a folder packed before shards "
+                             "carried their provenance beside them?): re-run `kiln pack`")
+    try:
+        verify_folder(Path(folder), only=reads)
+    except IntegrityError as exc:
+        raise IntegrityError(f"{exc}; the shards folder changed after `kiln pack` wrote it: re-run `kiln pack`") \
+            from None
     L = ss.sample_len
     start = (index - int(ss.starts[shard])) * L
     end = start + L
@@ -59,7 +74,11 @@ def inspect_sample(folder: Path, split: str, index: int, tokenizer: Path | None 
     info = sample_provenance(folder, split, index)
     tok_path = Path(tokenizer) if tokenizer else Path(folder).parent / "tokenizer"
     expected = info["tokenizer_sha256"]
-    if not tok_path.exists() or tokenizer_sha256(tok_path) != expected:
+    if not tok_path.exists():
+        where = "" if tokenizer else " (the default: tokenizer/ beside the shards folder)"
+        raise KilnError(f"{tok_path}: no tokenizer there{where}; pass the one these shards were encoded with "
+                        f"({expected[:12]}…) with --tokenizer DIR")
+    if tokenizer_sha256(tok_path) != expected:
         raise KilnError(f"{tok_path}: not the tokenizer these shards were encoded with ({expected[:12]}…); "
                         "pass the right one with --tokenizer")
     tok = load_tokenizer(tok_path)

@@ -14,20 +14,26 @@ one of them is removed naming it (`duplicate_of`, and `duplicate_in`: the run's 
 docs folder is committed, the run adds itself (its key is the data fingerprint without the index, so a
 re-run finds its entry and neither adds it twice nor deduplicates against itself). The signature
 settings (method, bands, rows, seed, ngram, tokens, hamming) must be those the index was built with.
-Memory: one task's files at a time. One writer at a time.
+Each run folder is checked against its manifest before it is used (sizes when the fingerprint is taken,
+sha256 when the dedup layout is made), so a cut or changed index file stops the run naming it instead of
+silently deduplicating against damaged signatures. `check_use` refuses, before any work, an index inside
+the docs folder (or the docs folder inside the index) and an index whose earlier run wrote this same docs
+folder from other inputs or settings: deduplicating against it would remove every document the two share.
+Memory: one task's files at a time. One writer at a time: `use_index` holds the index's lock for the run.
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from kiln.config import DedupConfig
 from kiln.errors import ConfigError, IntegrityError
-from kiln.manifest import staging_dir, write_atomic, write_manifest
+from kiln.manifest import HASH_THREADS, staging_dir, verify_folder, write_atomic, write_manifest
 
 INDEX = "index.json"
 SIGNATURE_KEYS = ("method", "bands", "rows", "seed", "ngram", "tokens", "hamming")
@@ -43,6 +49,9 @@ def read_index(cfg: DedupConfig) -> dict[str, Any] | None:
         return None
     folder = Path(cfg.index)
     path = folder / INDEX
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"data.dedup.index: {folder} is a file, not a folder; give a new or empty folder, or one "
+                          "an earlier run's data.dedup.index wrote")
     if not path.exists():
         if folder.exists() and any(folder.iterdir()):
             raise ConfigError(f"data.dedup.index: {folder} is not empty and has no {INDEX}; it is not a Kiln dedup "
@@ -52,8 +61,13 @@ def read_index(cfg: DedupConfig) -> dict[str, Any] | None:
         index = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise IntegrityError(f"{path}: unreadable ({exc}); restore it or start a new index folder") from None
-    if index.get("kind") != "kiln-dedup-index":
+    if not isinstance(index, dict) or index.get("kind") != "kiln-dedup-index":
         raise ConfigError(f"data.dedup.index: {path} is not a Kiln dedup index")
+    runs = index.get("runs")
+    if not (isinstance(index.get("settings"), dict) and isinstance(runs, list) and all(
+            isinstance(r, dict) and {"name", "key", "parts"} <= set(r) for r in runs)):
+        raise IntegrityError(f"{path}: has no settings or runs table Kiln can read; restore it or start a new index "
+                             "folder")
     if index["settings"] != _settings(cfg):
         raise ConfigError(f"data.dedup.index: {folder} was built with data.dedup {index['settings']}, this run has "
                           f"{_settings(cfg)}: use the same settings or another index folder")
@@ -67,15 +81,81 @@ def runs_before(cfg: DedupConfig, key: str) -> list[dict[str, Any]]:
         return []
     runs = index["runs"]
     own = next((k for k, run in enumerate(runs) if run["key"] == key), len(runs))
+    for run in runs[:own]:
+        _verify_run(Path(cfg.index) / run["name"], deep=False)  # a cut or missing file: before any work
     return runs[:own]
 
 
+def _verify_run(folder: Path, deep: bool) -> None:
+    if not folder.is_dir():
+        raise IntegrityError(f"data.dedup.index: {folder}, listed in {folder.parent / INDEX}, is missing: restore the "
+                             "index folder from a copy, or start a new one")
+    try:
+        verify_folder(folder, deep=deep, workers=HASH_THREADS)
+    except IntegrityError as exc:
+        raise IntegrityError(f"data.dedup.index: {exc}; the index's files changed after Kiln wrote them: restore the "
+                             "index folder from a copy, or start a new one") from None
+
+
 def index_parts(cfg: DedupConfig, key: str) -> list:
+    """The parts of the runs this run deduplicates against, each run folder verified (sha256) first."""
     from kiln.data.dedup.stages import Part
 
     folder = Path(cfg.index) if cfg.index else None
-    return [Part(str(folder / run["name"]), p["name"], p["count"], run["name"])
-            for run in runs_before(cfg, key) for p in run["parts"]]
+    runs = runs_before(cfg, key)
+    for run in runs:
+        _verify_run(folder / run["name"], deep=True)
+    return [Part(str(folder / run["name"]), p["name"], p["count"], run["name"]) for run in runs for p in run["parts"]]
+
+
+def _check_overlap(cfg: DedupConfig, docs: Path) -> None:
+    folder, docs = Path(cfg.index).resolve(), Path(docs).resolve()
+    if folder == docs or docs in folder.parents or folder in docs.parents:
+        raise ConfigError(f"data.dedup.index: {cfg.index} and the docs folder {docs} overlap (the docs folder is "
+                          "replaced as a whole, and the index must outlive it): give an index folder outside it")
+
+
+def _check_docs(cfg: DedupConfig, index: dict[str, Any] | None, docs: Path, key: str) -> None:
+    """The refusals of `check_use`, given the index as read."""
+    _check_overlap(cfg, docs)
+    docs = Path(docs).resolve()
+    runs = (index or {}).get("runs", [])
+    own = next((k for k, run in enumerate(runs) if run["key"] == key), len(runs))
+    for run in runs[:own]:
+        if run.get("docs") and Path(run["docs"]).resolve() == docs:
+            raise ConfigError(
+                f"data.dedup.index: {run['name']} of {cfg.index} was written into this same docs folder {docs} "
+                "from other inputs or settings; deduplicating against it would remove every document the two "
+                "share: write this run to a new --out (one docs folder per dump), or start a new index folder")
+
+
+@contextmanager
+def use_index(cfg, inputs: list[str], docs: Path) -> Iterator[None]:
+    """Around a run of the data stage into `docs` (`cfg` is the DataConfig): with data.dedup.index, hold the
+    index's lock (`.NAME.lock` beside it) for the whole run, so a second run on the same index stops at once
+    naming the first (run side by side, neither would be deduplicated against the other, while the index
+    would list one before the other), then `check_use`. Without an index, nothing."""
+    if not cfg.dedup.index:
+        yield
+        return
+    from kiln.lock import OutputLock
+
+    _check_overlap(cfg.dedup, docs)  # before a lock file is made beside the index: in the docs folder, or
+    read_index(cfg.dedup)  # beside a file given for the index
+    with OutputLock(Path(cfg.dedup.index), "a `kiln data` run using it as data.dedup.index"):
+        check_use(cfg, inputs, docs)
+        yield
+
+
+def check_use(cfg, inputs: list[str], docs: Path) -> None:
+    """Before any work: refuse an index that overlaps the docs folder `docs`, or whose earlier run wrote `docs`
+    from other inputs or settings (`cfg` is the DataConfig; the inputs as given, globs too)."""
+    if not cfg.dedup.index:
+        return
+    from kiln.data.pipeline import expand_inputs, index_key  # the pipeline imports this module
+
+    key = index_key(expand_inputs(inputs, cfg.storage_options), cfg)
+    _check_docs(cfg.dedup, read_index(cfg.dedup), docs, key)
 
 
 def add_run(cfg: DedupConfig, key: str, docs: str, layout, removed: np.ndarray) -> None:
@@ -83,6 +163,8 @@ def add_run(cfg: DedupConfig, key: str, docs: str, layout, removed: np.ndarray) 
     index = read_index(cfg) or {"kind": "kiln-dedup-index", "settings": _settings(cfg), "runs": []}
     if any(run["key"] == key for run in index["runs"]):
         return
+    _check_docs(cfg, index, Path(docs), key)  # check_use's refusals, for callers of run_data that skipped it
+    docs = str(Path(docs).resolve())  # a later run compares docs folders whatever its working directory
     folder = Path(cfg.index)
     name = f"run-{len(index['runs']):05d}"
     parts = []
