@@ -414,16 +414,21 @@ def test_a_rerun_of_the_stages_redoes_only_missing_results(tmp_path, corpus, mon
     cfg = DedupConfig(bucket_docs=60)
     first = staged(tmp_path, docs, cfg, tasks=2)
     work = tmp_path / "work-60-1-2"
-    results = sorted((work / "dedup").glob("*-*.npy"))
+    results = sorted((work / "dedup" / "ranges-00004").glob("*-*.npy"))
     assert len(results) == first.tasks == 4 * 21
     results[7].unlink()  # as if the run was killed before this result was written
-    (work / "dedup" / "exact-00002.npy").unlink()
+    (work / "dedup" / "ranges-00004" / "exact-00002.npy").unlink()
+    results[9].write_bytes(results[9].read_bytes()[:-8])  # cut: its results.jsonl line no longer vouches for it
+    changed = bytearray(results[11].read_bytes())
+    changed[-1] ^= 1  # the same size, one bit changed
+    results[11].write_bytes(bytes(changed))
     ran = []
     from kiln.data import executor
 
     monkeypatch.setattr(executor, "run_tasks", lambda fn, jobs, *a: ran.extend(jobs) or [fn(j) for j in jobs])
     again = stages.run_stages(stages.Layout.load(work), 1)
-    assert sorted(j[1:] for j in ran) == sorted([(2, 4), tuple(int(x) for x in results[7].stem.split("-")[1:]) + (4,)])
+    assert sorted(j[1:] for j in ran) == sorted([(2, 4)] + [tuple(int(x) for x in results[k].stem.split("-")[1:]) + (4,)
+                                                           for k in (7, 9, 11)])
     assert list(again.ledger()) == list(first.ledger()) and list(again.rejections()) == list(first.rejections())
 
 

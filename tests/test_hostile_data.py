@@ -1,9 +1,9 @@
 """A careless or hostile user on the data -> tokenizer -> shards path, through the real `kiln` command:
 each case ends in one line naming the file, record or key and the fix (never a traceback), or works.
 
-Real JSONL files, a real docs folder, tokenizer and shards built once per module. Cases the data-stage
-lead is rewriting (the work folder's files, read by pipeline.py / stages.py / docs.py) are xfail with
-the reason "lead: ...": they fail today and say what the fix must do.
+Real JSONL files, a real docs folder, tokenizer and shards built once per module. The work folder's
+cases (a deleted, cut or changed task outcome, signature or dedup result; a resume with another
+data.dedup.bucket_docs) must give the uninterrupted run's docs, byte for byte.
 """
 
 from __future__ import annotations
@@ -455,10 +455,6 @@ def _cut(path: Path, keep: int) -> None:
     path.write_bytes(path.read_bytes()[:keep])
 
 
-@pytest.mark.xfail(reason="lead: a task outcome that is missing or does not match its done marker (sizes/hashes in "
-                          "task-NNNNN.done.json) must be redone, not read: today a deleted task-*.jsonl.zst is a "
-                          "FileNotFoundError traceback and a cut one silently drops its documents (exit 0)",
-                   strict=False)
 @pytest.mark.parametrize("damage", [
     lambda work: (work / "task-00001.jsonl.zst").unlink(),
     lambda work: _cut(work / "task-00001.jsonl.zst", 60),
@@ -477,15 +473,10 @@ def _before_the_stages(work: Path, damage=lambda work: None) -> None:
     damage(work)
 
 
-@pytest.mark.xfail(reason="lead: a dedup stage result or task signature file that is missing, does not load or does "
-                          "not match what its task wrote (stages.py np.load; no size or hash in the done marker) must "
-                          "be recomputed or named in one line: today a cut one is a numpy ValueError traceback, a "
-                          "missing one FileNotFoundError, a short ids.json IndexError, and changed exact keys "
-                          "silently keep exact copies", strict=False)
 @pytest.mark.parametrize("damage", [
-    lambda work: _cut(next((work / "dedup").glob("band-000-*.npy")), 20),
-    lambda work: _cut(next((work / "dedup").glob("exact-*.npy")), 20),
-    lambda work: [(_cut(p, 20)) for p in [*(work / "dedup").glob("band-*.npy"), work / "task-00001.bands.npy"]],
+    lambda work: _cut(next((work / "dedup").glob("ranges-*/band-000-*.npy")), 20),
+    lambda work: _cut(next((work / "dedup").glob("ranges-*/exact-*.npy")), 20),
+    lambda work: [_cut(p, 20) for p in [*(work / "dedup").glob("ranges-*/band-*.npy"), work / "task-00001.bands.npy"]],
     lambda work: _before_the_stages(work, lambda w: _cut(w / "task-00001.exact.npy", 100)),
     lambda work: _before_the_stages(work, lambda w: (w / "task-00001.exact.npy").unlink()),
     lambda work: _before_the_stages(work, lambda w: (w / "task-00000.ids.json").write_text("[]")),
@@ -506,16 +497,13 @@ def stopped_in_small_buckets(tmp_path_factory) -> tuple[Path, Path]:
     return root, stop_before_merge(root, DataConfig(workers=1, docs_per_part=20, dedup={"bucket_docs": 10}))
 
 
-@pytest.mark.xfail(reason="lead: dedup stage results must belong to one plan of key ranges (layout.ranges()); today "
-                          "exact_removed / verdicts glob every exact-*.npy / band-*.npy, so a run killed in the dedup "
-                          "stage and resumed with another data.dedup.bucket_docs (documented as never changing the "
-                          "output) reuses range 00000 of the old plan and silently keeps exact copies", strict=False)
 def test_a_resume_with_another_bucket_docs_gives_the_same_docs(stopped_in_small_buckets, tmp_path):
     root = stopped_in_small_buckets[0]
     assert json.loads((root / "whole" / "stats.json").read_text())["dedup"]["exact_removed"] == 15
 
     def killed_in_the_stage(work: Path) -> None:  # the later key ranges' results not written yet
-        for path in [*(work / "dedup").glob("exact-0000[3-9].npy"), *(work / "dedup").glob("band-*-0000[3-9].npy")]:
+        for path in [*(work / "dedup").glob("ranges-*/exact-0000[3-9].npy"),
+                     *(work / "dedup").glob("ranges-*/band-*-0000[3-9].npy")]:
             path.unlink()
 
     r, docs = rerun_after(stopped_in_small_buckets, tmp_path, killed_in_the_stage, "data.dedup.bucket_docs=2000000")
@@ -551,10 +539,6 @@ def test_a_home_relative_path_in_a_config_file_is_the_home_folder(tmp_path, monk
         str(home / "runs" / "x"), [str(home / "crawl" / "*.warc.gz")], str(home / "idx"))
 
 
-@pytest.mark.xfail(reason="lead: pipeline.index_key (the name of a run's entry in data.dedup.index) includes the "
-                          "index's own path, so the same run after the index folder was moved (or spelt another way) "
-                          "does not find its entry and deduplicates against itself: every document removed, exit 0; "
-                          "leave data.dedup.index out of index_key", strict=False)
 def test_the_same_run_finds_its_entry_after_the_index_folder_moved(tmp_path):
     src = write_jsonl(tmp_path / "a.jsonl", 0, 10)
     r = kiln("data", str(src), "--out", str(tmp_path / "first"), *QUIET, f"data.dedup.index={tmp_path / 'index'}")

@@ -86,10 +86,7 @@ def cmd_data(args) -> int:
         raise KilnError("kiln data: give at least one INPUT file or glob")
     if args.workers is not None and args.workers < 1:
         raise KilnError(f"kiln data: --workers must be at least 1, got {args.workers}")
-    from kiln.data.dedup.index import use_index
-
-    with use_index(cfg.data, inputs, Path(args.out)):  # one run at a time adds to data.dedup.index; checked first
-        stats = run_data(inputs, Path(args.out), cfg.data, workers=args.workers, progress=True)
+    stats = run_data(inputs, Path(args.out), cfg.data, workers=args.workers, progress=True)
     print(json.dumps(stats, indent=1, ensure_ascii=False))
     for err in stats["file_errors"]:  # also in stats.json; a line each, where the user looks
         print(f"kiln: warning: {err['error']}", file=sys.stderr)

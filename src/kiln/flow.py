@@ -8,7 +8,6 @@ import time
 from typing import Any, Callable
 
 from kiln.config import Config
-from kiln.data.dedup.index import use_index
 from kiln.data.docs import read_docs
 from kiln.data.pipeline import expand_inputs, fingerprint as data_fingerprint, run_data
 from kiln.data.rejections import few_documents_message
@@ -34,8 +33,7 @@ def run_data_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
         log(f"data: skipping, {docs} is complete and up to date")
     else:
         log(f"data: reading {len(cfg.data.inputs)} input(s) -> {docs}")
-        with use_index(cfg.data, cfg.data.inputs, docs):  # one run at a time adds to data.dedup.index; checked first
-            run_data(cfg.data.inputs, docs, cfg.data, progress=stderr_is_terminal())
+        run_data(cfg.data.inputs, docs, cfg.data, progress=stderr_is_terminal())
     return json.loads((docs / "stats.json").read_text())
 
 

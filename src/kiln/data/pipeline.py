@@ -30,8 +30,8 @@ import zstandard
 
 from kiln.config import DataConfig
 from kiln.data.dedup import LEDGER, write_ledger
-from kiln.data.dedup.index import add_run, runs_before
-from kiln.data.dedup.stages import Signer, Verdicts, dedup_layout, run_stages
+from kiln.data.dedup.index import add_run, runs_before, use_index
+from kiln.data.dedup.stages import STAGE_DIR, Signer, Verdicts, dedup_layout, run_stages
 from kiln.data.docs import PartWriter, read_part
 from kiln.data.gates.distribution import Composition, SourceProfiles, SpilledProfiles, record_field, source_group
 from kiln.data.document import Document, ReadReport
@@ -42,6 +42,7 @@ from kiln.data.language import check_model
 from kiln.data.read import read_warc, splittable
 from kiln.data.shape import CorpusShape
 from kiln.data.steps import StepTimer, merge_steps, run_steps, task_steps
+from kiln.data.vouch import matches, record
 from kiln.data.sources import (
     expand_inputs as _expand,
     input_format,
@@ -55,7 +56,7 @@ from kiln.manifest import staging_dir, write_atomic, write_manifest, writes_fold
 
 # Settings that change how the work runs, never what it outputs (storage_options may hold secrets).
 EXECUTION_KEYS = {"inputs", "workers", "executor", "ray_address", "task_bytes", "storage_options"}
-WORK_LAYOUT = 2  # what a task writes to the work folder (2: its outcome and its dedup signatures)
+WORK_LAYOUT = 3  # what a task writes to the work folder (3: its outcome and dedup signatures, vouched by its marker)
 STEPS = ("read", "extract", "language", "gates")
 
 
@@ -73,7 +74,9 @@ def fingerprint(files: list[str], cfg: DataConfig) -> str:
 
 def index_key(files: list[str], cfg: DataConfig) -> str:
     """The fingerprint without the index: the name of this run's entry in data.dedup.index."""
-    settings = cfg.model_dump(mode="json", exclude={**dict.fromkeys(EXECUTION_KEYS, True), "dedup": {"bucket_docs"}})
+    # data.dedup.index is left out: the same run finds its own entry wherever the index folder has moved
+    settings = cfg.model_dump(mode="json", exclude={**dict.fromkeys(EXECUTION_KEYS, True),
+                                                    "dedup": {"bucket_docs", "index"}})
     ident = [input_identity(str(f), cfg.storage_options) for f in files]
     return hashlib.sha256(json.dumps([ident, settings], sort_keys=True).encode()).hexdigest()[:16]
 
@@ -157,7 +160,7 @@ def run_task(args: tuple[Task, DataConfig, str]) -> dict[str, Any]:
             time.sleep(0.5 * 2 ** attempt)
     for suffix, data in files.items():
         write_atomic(Path(work) / f"{task.name}.{suffix}", data)
-    return summary
+    return summary | {"files": {suffix: record(data) for suffix, data in files.items()}}
 
 
 def _run_task_once(task: Task, cfg: DataConfig) -> tuple[dict[str, Any], dict[str, bytes]]:
@@ -199,9 +202,21 @@ def _run_task_once(task: Task, cfg: DataConfig) -> tuple[dict[str, Any], dict[st
 
 
 def _commit(work: Path, summary: dict[str, Any]) -> dict[str, Any]:
-    """The marker, after the worker wrote the task's outcome and signatures: it vouches for complete files."""
+    """The marker, after the worker wrote the task's outcome and signatures: it vouches for them (`vouch`)."""
     write_atomic(work / f"task-{summary['index']:05d}.done.json", json.dumps(summary))
     return summary
+
+
+def finished(work: Path, task: Task) -> bool:
+    """The task's marker is there and every file it vouches for matches it: a task whose outcome or signatures
+    were deleted, cut or changed since (or whose marker is) is done again, not read."""
+    try:
+        summary = json.loads((work / f"{task.name}.done.json").read_text())
+    except (OSError, ValueError):
+        return False
+    files = summary.get("files") if isinstance(summary, dict) else None
+    return isinstance(files, dict) and bool(files) and all(
+        matches(work / f"{task.name}.{suffix}", rec) for suffix, rec in files.items())
 
 
 # --- the stage ------------------------------------------------------------------------------------
@@ -233,8 +248,15 @@ def run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None 
              progress: bool | Callable[[dict[str, Any]], None] = False) -> dict[str, Any]:
     """Process `inputs` into the docs folder `out` (committed atomically). Returns stats.
 
-    `progress`: True draws a rich progress bar on stderr; a callable gets each task's summary.
+    `progress`: True draws a rich progress bar on stderr; a callable gets each task's summary. With
+    data.dedup.index, the index is checked and held for the whole run (`index.use_index`).
     """
+    with use_index(cfg, inputs, out):
+        return _run_data(inputs, out, cfg, workers, progress)
+
+
+def _run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None,
+              progress: bool | Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     check_config(cfg)
     files = expand_inputs(inputs, cfg.storage_options)
     fp = fingerprint(files, cfg)
@@ -244,7 +266,7 @@ def run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None 
     t0, cpu = time.perf_counter(), [cpu_seconds()]
     cfg = prepare_semantic(cfg, files, work)  # vectors trained on the corpus, when the semantic gate needs them
 
-    todo = [t for t in tasks if not (work / f"{t.name}.done.json").exists()]
+    todo = [t for t in tasks if not finished(work, t)]
     workers = workers or cfg.workers
     with engine(cfg.executor, workers, cfg.ray_address):
         with _progress_sink(progress, tasks, todo) as on_done:
@@ -254,6 +276,8 @@ def run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None 
         t_process = time.perf_counter() - t0
         cpu.append(cpu_seconds())
         summaries = [json.loads((work / f"{t.name}.done.json").read_text()) for t in tasks]
+        if todo:  # dedup results of an earlier attempt were made from tasks' files that are written anew now
+            shutil.rmtree(work / STAGE_DIR, ignore_errors=True)
         layout = dedup_layout(work, summaries, cfg.dedup, index_key(files, cfg))
         verdicts = run_stages(layout, workers, cfg.executor, cfg.ray_address)
         t_dedup = time.perf_counter() - t0 - t_process

@@ -23,8 +23,9 @@ duplicates, never by the corpus.
 Documents are numbered by their place among the kept documents of all tasks in canonical order
 (`Layout`): documents of a `data.dedup.index` come first (so they always survive and are never
 re-emitted), then this run's. Every result is therefore the same for any number of workers and on
-either engine. The driver writes each stage task's result into the work folder, so a re-run redoes only
-what is missing. Stage tasks read the work folder (and the index): on a Ray cluster of several machines
+either engine. The driver writes each stage task's result into the work folder (`dedup/ranges-NNNNN/`, one
+folder per plan of key ranges) and a line vouching for it (`Results`), so a re-run redoes only what is
+missing, cut or changed. Stage tasks read the work folder (and the index): on a Ray cluster of several machines
 both must be on storage every node mounts.
 """
 
@@ -49,9 +50,10 @@ from kiln.data.dedup.exact import text_key
 from kiln.data.dedup.minhash import MinHasher
 from kiln.data.dedup.shingles import jaccard, shingle_hashes
 from kiln.data.dedup.simhash import block_keys, hamming_confirm, simhash
+from kiln.data.vouch import matches, record
 
 KINDS = ("exact", "bands", "shingles", "spans", "prints")
-STAGE_DIR = "dedup"  # in the work folder: layout.json, exact-RRRRR.npy, band-BBB-RRRRR.npy
+STAGE_DIR = "dedup"  # in the work folder: layout.json; ranges-NNNNN/: exact-RRRRR.npy, band-BBB-RRRRR.npy, ...
 
 
 def npy_bytes(array: np.ndarray) -> bytes:
@@ -286,9 +288,14 @@ class Layout:
     def ranges(self) -> int:
         return max(1, math.ceil(self.total / self.cfg.bucket_docs))
 
+    @property
+    def results(self) -> Path:
+        """The stage results of this plan of key ranges: another data.dedup.bucket_docs is another folder."""
+        return self.work / STAGE_DIR / f"ranges-{self.ranges():05d}"
+
     def exact_removed(self) -> np.ndarray:
         """(2, m): exact duplicates and their first copy, sorted by the duplicate."""
-        found = [np.load(p) for p in sorted((self.work / STAGE_DIR).glob("exact-*.npy"))]
+        found = [np.load(p) for p in sorted(self.results.glob("exact-*.npy"))]
         both = np.concatenate(found, axis=1) if found else np.empty((2, 0), dtype=np.uint64)
         return both[:, np.argsort(both[0], kind="stable")]
 
@@ -340,15 +347,44 @@ def stage_jobs(layout: Layout) -> tuple[list[tuple], list[tuple]]:
     return exact, bands
 
 
-def missing(layout: Layout, jobs: list[tuple]) -> list[tuple]:
-    """Jobs whose result is not in the work folder yet (results are written atomically: present = complete)."""
-    folder = layout.work / STAGE_DIR
-    out = []
-    for job in jobs:
-        name = f"exact-{job[1]:05d}.npy" if len(job) == 3 else f"band-{job[1]:03d}-{job[2]:05d}.npy"
-        if not (folder / name).exists():
-            out.append(job)
-    return out
+def result_name(job: tuple) -> str:
+    return f"exact-{job[1]:05d}.npy" if len(job) == 3 else f"band-{job[1]:03d}-{job[2]:05d}.npy"
+
+
+class Results:
+    """A plan's stage results (`Layout.results`) and `results.jsonl`, a line per result the driver wrote,
+    vouching for it (`kiln.data.vouch`). A result counts only when its line does and its file matches it."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.folder = layout.results
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.log = self.folder / "results.jsonl"
+
+    def keep_vouched(self) -> set[str]:
+        """The names of the results that count; every other .npy file here (ours: a killed run's, a cut or
+        changed one) is removed, so the stage tasks that read this folder see only results that count."""
+        records = {}
+        if self.log.exists():
+            for line in self.log.read_text(errors="replace").splitlines():
+                try:
+                    rec = json.loads(line)
+                    records[rec["name"]] = rec
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut by a kill: that result is done again
+        good = {name for name, rec in records.items() if matches(self.folder / name, rec)}
+        for path in self.folder.glob("*.npy"):
+            if path.name not in good:
+                path.unlink()
+        return good
+
+    def add(self, name: str, blob: bytes) -> None:
+        from kiln.manifest import write_atomic
+
+        write_atomic(self.folder / name, blob)
+        with open(self.log, "a") as f:
+            f.write(json.dumps({"name": name, **record(blob)}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
 
 # --- the verdicts ---------------------------------------------------------------------------------
@@ -428,7 +464,7 @@ def confirmed_pairs(folder: Path) -> np.ndarray:
 
 def verdicts(layout: Layout) -> Verdicts:
     removed = layout.exact_removed()
-    pairs = confirmed_pairs(layout.work / STAGE_DIR)
+    pairs = confirmed_pairs(layout.results)
     near = Clusters.of(pairs)
     _, similarity = layout.confirm()
     sims = np.array([similarity(r, i) for r, i in zip(near.survivor.tolist(), near.member.tolist())], dtype=np.float64)
@@ -450,16 +486,18 @@ def dedup_layout(work: Path, summaries: list[dict[str, Any]], cfg: DedupConfig, 
 
 
 def run_stages(layout: Layout, workers: int, executor: str = "local", ray_address: str | None = None) -> Verdicts:
-    """The exact stage, then the band stage, on the engine; results the driver has written are not redone."""
+    """The exact stage, then the band stage, on the engine; results the driver has written (and vouched for)
+    are not redone."""
     from kiln.data.executor import run_tasks
-    from kiln.manifest import write_atomic
 
     t0 = time.perf_counter()
-    folder = layout.work / STAGE_DIR
+    results = Results(layout)
+    done = results.keep_vouched()
     exact, bands = stage_jobs(layout)
     for fn, jobs in ((exact_partition, exact), (band_partition, bands)):
-        for name, blob in run_tasks(fn, missing(layout, jobs), workers, executor, ray_address):
-            write_atomic(folder / name, blob)
+        todo = [job for job in jobs if result_name(job) not in done]
+        for name, blob in run_tasks(fn, todo, workers, executor, ray_address):
+            results.add(name, blob)
     out = verdicts(layout)
     out.seconds, out.tasks = time.perf_counter() - t0, len(exact) + len(bands)
     return out

@@ -1,0 +1,34 @@
+"""The work folder's one rule: a file counts only when a record written after it vouches for it.
+
+A data task's files are vouched for by its `task-NNNNN.done.json` marker, a dedup stage's results by the
+lines of their plan's `results.jsonl`: each holds the file's size and xxh3-128 (`record`, made from the
+bytes as they are written). On resume, a file that is missing, cut or changed (`matches` is False) is
+redone, never read: the same command resumes onto its own work, or does it again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+CHUNK = 1 << 20
+
+
+def record(data: bytes) -> dict[str, Any]:
+    return {"size": len(data), "xxh3": xxhash.xxh3_128_hexdigest(data)}
+
+
+def matches(path: Path, rec: Any) -> bool:
+    """`path` is there with the size and hash of `rec` (memory: one chunk)."""
+    try:
+        if not isinstance(rec, dict) or path.stat().st_size != rec.get("size"):
+            return False
+        h = xxhash.xxh3_128()
+        with open(path, "rb") as f:
+            while block := f.read(CHUNK):
+                h.update(block)
+    except OSError:
+        return False
+    return h.hexdigest() == rec.get("xxh3")
