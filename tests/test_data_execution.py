@@ -68,8 +68,9 @@ def test_split_file_output_is_identical(tmp_path, sample_warc, whole, task_bytes
     assert_same_output(out0, out)
 
 
+@pytest.mark.slow  # 60 s; the default suite's Ray check is test_dedup_stages_identical_on_pool_and_ray_...
 def test_ray_executor_matches_local(tmp_path, sample_warc, whole, monkeypatch):
-    """A local 2-CPU Ray, started by the run and shut down after it."""
+    """A local 2-CPU Ray, started by the run and shut down after it, on split WARC tasks."""
     ray_tmp = tempfile.mkdtemp(prefix="kiln-ray-")  # short: Ray's socket paths must fit in 107 bytes
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.setenv("RAY_TMPDIR", ray_tmp)
@@ -82,7 +83,8 @@ def test_ray_executor_matches_local(tmp_path, sample_warc, whole, monkeypatch):
     assert_same_output(whole[1], out)
 
 
-@pytest.mark.parametrize("executor, workers", [("local", 1), ("local", 2), ("ray", 2)])
+@pytest.mark.parametrize("executor, workers", [("local", 1), ("local", 2),
+                                               pytest.param("ray", 2, marks=pytest.mark.slow)])  # Ray: 15 s
 def test_a_task_error_reaches_the_driver_as_its_own_message(tmp_path, monkeypatch, executor, workers):
     # under Ray it arrived wrapped in a RayTaskError whose text is the remote traceback. The task function is
     # one of Kiln's (workers import it by name): listing inputs, where a missing file is a KilnError.
