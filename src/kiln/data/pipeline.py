@@ -207,6 +207,19 @@ def _commit(work: Path, summary: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
+def unfinished(work: Path, tasks: list[Task], cfg: DataConfig, workers: int) -> list[Task]:
+    """The tasks to (re)do: those without a marker, and those whose files no longer match it (`finished`),
+    checked on the engine's workers, so a resume reads the finished tasks' files in parallel, not in the driver."""
+    marked = [(str(work), t) for t in tasks if (work / f"{t.name}.done.json").exists()]
+    good = {index for index, ok in run_tasks(check_task, marked, workers, cfg.executor, cfg.ray_address) if ok}
+    return [t for t in tasks if t.index not in good]
+
+
+def check_task(args: tuple[str, Task]) -> tuple[int, bool]:
+    work, task = args
+    return task.index, finished(Path(work), task)
+
+
 def finished(work: Path, task: Task) -> bool:
     """The task's marker is there and every file it vouches for matches it: a task whose outcome or signatures
     were deleted, cut or changed since (or whose marker is) is done again, not read."""
@@ -266,9 +279,9 @@ def _run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None
     t0, cpu = time.perf_counter(), [cpu_seconds()]
     cfg = prepare_semantic(cfg, files, work)  # vectors trained on the corpus, when the semantic gate needs them
 
-    todo = [t for t in tasks if not finished(work, t)]
     workers = workers or cfg.workers
     with engine(cfg.executor, workers, cfg.ray_address):
+        todo = unfinished(work, tasks, cfg, workers)
         with _progress_sink(progress, tasks, todo) as on_done:
             for summary in run_tasks(run_task, [(t, cfg, str(work)) for t in todo], workers, cfg.executor,
                                    cfg.ray_address):

@@ -6,7 +6,12 @@ to go on): `few_documents_message(stats, docs_dir)` is the error, with the table
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
+
+from kiln.errors import IntegrityError
+from kiln.manifest import verify_folder
 
 G, R = "data.quality.gopher_quality", "data.quality.gopher_repetition"
 # reason (without its stage) -> the config keys (or advice) that decide it.
@@ -74,12 +79,6 @@ def rejection_table(stats: dict[str, Any], top: int = 8) -> str:
 
 def docs_stats(docs_dir) -> dict[str, Any]:
     """stats.json of a committed docs folder, checked against its manifest first (a changed one is named)."""
-    import json
-    from pathlib import Path
-
-    from kiln.errors import IntegrityError
-    from kiln.manifest import verify_folder
-
     try:
         verify_folder(Path(docs_dir), only={"stats.json"})
     except IntegrityError as exc:

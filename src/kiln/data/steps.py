@@ -151,6 +151,8 @@ class Dedup:
                     nxt = next(pending, None)
                 q += 1
             yield doc
+        if nxt is not None:  # a verdict for a document the merge never numbered: the accounting broke
+            raise AssertionError(f"dedup: a verdict for document {nxt[0]}, but the merge numbered only up to {q}")
 
 
 @dataclass(frozen=True)
