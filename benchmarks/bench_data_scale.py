@@ -57,7 +57,10 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 N = int(os.environ.get("N", "50000"))
-FILE_DOCS = max(500, min(5000, N // 10))  # 5,000 documents a file (a task) from N = 50,000 on
+FILE_DOCS = int(os.environ.get("FILE_DOCS", max(500, min(5000, N // 10))))  # 5,000 a file (a task) from N = 50,000 on
+# HOST_DOCS=k: k documents a URL host and data.distribution.source_key=host, so the sources grow with the corpus
+# (as a crawl's hosts do); FILE_DOCS=k grows the files (source_key=file, the default) the same way.
+HOST_DOCS = int(os.environ.get("HOST_DOCS", "0"))
 TOKENIZER_DOCS = min(20_000, N // 2)  # the same sample size at N and 4N
 SHARD_SAMPLES = int(os.environ.get("SHARD_SAMPLES", "65536"))  # pack.samples_per_shard's default
 # Quality gates off unless GATES=on: what this measures grows with the corpus (dedup, manifest, pack), and on
@@ -105,7 +108,8 @@ def timed(name, stage):
         try:
             return stage(cfg, log)
         finally:
-            stages[name] = {"wall_s": time.perf_counter() - t, "cpu_s": cpu_seconds() - c}
+            hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
+            stages[name] = {"wall_s": time.perf_counter() - t, "cpu_s": cpu_seconds() - c, "peak_mb": hwm / 1024}
     return run
 kiln.flow.STAGES.update({name: timed(name, stage) for name, stage in kiln.flow.STAGES.items()})
 t0, load0 = time.perf_counter(), os.getloadavg()[0]
@@ -205,8 +209,9 @@ def build(folder: Path, n: int, seed: int = 0) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     for f in range(0, len(docs), FILE_DOCS):
         with open(folder / f"part-{f // FILE_DOCS:05d}.jsonl", "w") as out:
-            for _, doc_id, text in docs[f:f + FILE_DOCS]:
-                out.write(json.dumps({"id": doc_id, "text": text, "url": f"https://bench.example/{doc_id}"}) + "\n")
+            for k, (_, doc_id, text) in enumerate(docs[f:f + FILE_DOCS], start=f):
+                host = f"site-{k // HOST_DOCS}.example" if HOST_DOCS else "bench.example"
+                out.write(json.dumps({"id": doc_id, "text": text, "url": f"https://{host}/{doc_id}"}) + "\n")
     return {"go": go, "unplanned": unplanned}
 
 
@@ -218,7 +223,8 @@ def write_config(corpus: Path, out: Path, workers: int) -> Path:
     config = out.parent / f"{out.name}.yaml"
     config.write_text(json.dumps({  # JSON is YAML
         "out_dir": str(out), "seed": 1,
-        "data": {"inputs": [str(corpus / "*.jsonl")], "workers": workers, **GATES},
+        "data": {"inputs": [str(corpus / "*.jsonl")], "workers": workers, **GATES,
+                 **({"distribution": {**GATES.get("distribution", {}), "source_key": "host"}} if HOST_DOCS else {})},
         "tokenizer": {"vocab_size": 4096, "max_docs": TOKENIZER_DOCS},
         "pack": {"seq_len": 1024, "samples_per_shard": SHARD_SAMPLES, "workers": workers}}))
     return config
@@ -275,12 +281,12 @@ def score(out: Path, truth: dict) -> dict:
 
 def corpus_of(tmp: Path, n: int) -> tuple[Path, dict]:
     """The corpus of n documents under tmp (built once, in a process of its own: see _CHILD) and its truth."""
-    corpus = tmp / f"corpus-{n}"
+    corpus = tmp / f"corpus-{n}-{FILE_DOCS}-{HOST_DOCS}"
     if not corpus.exists():
         code = "import sys; from benchmarks.bench_data_scale import build_to; build_to(*sys.argv[1:])"
-        subprocess.run([sys.executable, "-c", code, str(corpus), str(n), str(tmp / f"truth-{n}.json")],
+        subprocess.run([sys.executable, "-c", code, str(corpus), str(n), str(corpus) + ".truth.json"],
                        check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    return corpus, json.loads((tmp / f"truth-{n}.json").read_text())
+    return corpus, json.loads(Path(str(corpus) + ".truth.json").read_text())
 
 
 _PROFILE_CHILD = r"""
@@ -340,7 +346,8 @@ def main() -> None:
                   f"{r['load'][0]:.1f}-{r['load'][1]:.1f} (data {t['process']:.1f} + dedup "
                   f"stages {t['dedup_stages']:.1f} + profiles {t['profiles']:.1f} + merge {t['merge']:.1f}, then "
                   f"tokenizer and pack {r['wall_s'] - r['data_s']:.1f}), "
-                  f"driver {r['driver_rss_mb']:.0f} MB, workers {r['worker_rss_mb']:.0f} MB, manifest "
+                  f"driver {r['driver_rss_mb']:.0f} MB (in the data stage {r['stages']['data']['peak_mb']:.0f}), "
+                  f"workers {r['worker_rss_mb']:.0f} MB, manifest "
                   f"{r['manifest_bytes']:,} B, recall {r['recall']:.4f} (0.80-0.92: {r['recall_0.80_0.92']:.4f}), "
                   f"precision {r['precision']:.4f} [{r['planted']} planted, {r['removed']} removed; corpus built in "
                   f"{built:.0f} s]; CPU s by stage (data tasks / dedup stages / profiles / merge / tokenizer / "
@@ -351,7 +358,9 @@ def main() -> None:
         return print(f"1 -> 2 workers at N: {rows['N, 1 worker']['wall_s'] / one['wall_s']:.2f}x speed-up end to end")
     rss = max(four["driver_rss_mb"], four["worker_rss_mb"]) / max(one["driver_rss_mb"], one["worker_rss_mb"])
     ratio = {k: four[k] / one[k] for k in ("driver_rss_mb", "worker_rss_mb", "manifest_bytes", "wall_s", "cpu_s")}
-    print(f"4N / N: largest process RSS {rss:.2f}x (target <= 1.25), driver {ratio['driver_rss_mb']:.2f}x, "
+    data_peak = four["stages"]["data"]["peak_mb"] / one["stages"]["data"]["peak_mb"]
+    print(f"4N / N: largest process RSS {rss:.2f}x (target <= 1.25), driver {ratio['driver_rss_mb']:.2f}x "
+          f"(in the data stage {data_peak:.2f}x), "
           f"workers {ratio['worker_rss_mb']:.2f}x; manifest {ratio['manifest_bytes']:.2f}x (<= 1.25); "
           f"time {ratio['wall_s']:.2f}x (<= 4.6), CPU {ratio['cpu_s']:.2f}x")
     print("4N / N CPU seconds by stage: " + ", ".join(

@@ -226,67 +226,107 @@ def test_a_grouped_source_with_a_given_weight_keeps_it_in_total(drifting_corpus)
             SourceConfig(path=shards, weight=3.0), SourceConfig(path=shards)]})}), manifest["tokenizer_sha256"])
 
 
-def test_spilled_profiles_report_what_one_profile_of_everything_reports_keeping_only_candidate_tokens(tmp_path):
+@pytest.mark.parametrize("at_once", [512, 3])
+def test_spilled_profiles_report_what_one_profile_of_everything_reports(tmp_path, at_once):
     """The data stage sums the per-task profile parts through SpilledProfiles, which keeps each source's sums
     only for the tokens that can be among the corpus's top_tokens (2 x top_tokens), not every source's whole
-    vocabulary: with 40 sources of 300 distinct words each, the report equals a SourceProfiles that held all."""
-    from kiln.data.gates.distribution import SourceProfiles, SpilledProfiles
+    vocabulary, and only SOURCES_AT_ONCE sources at a time (3: every source partition is read in slices):
+    with 20 sources of 600 distinct words each, the report equals a SourceProfiles that held all."""
+    from kiln.data.gates.distribution import SourceProfiles, SpilledProfiles, profile_part
 
     rng = random.Random(3)
     common = [f"w{i}" for i in range(30)]
     everything, spilled = SourceProfiles(top_tokens=10), SpilledProfiles(tmp_path / "p", top_tokens=10, max_z=3.0)
+    spilled.SOURCES_AT_ONCE = at_once
     for task in range(40):
-        part, src = SourceProfiles(top_tokens=10), f"s{task // 2}"  # two tasks a source, like a file in 2 tasks
+        part, src = [], f"s{task // 2}"  # two tasks a source, like a file in 2 tasks
         own = [f"s{task}x{i}" for i in range(300)]
         words = common[20:] if task >= 36 else common[:20]  # the last two sources use other common words
         for _ in range(20):
             text = " ".join(rng.choice(words) if rng.random() < 0.6 else rng.choice(own)
                             for _ in range(80))
-            part.add(src, text)
+            part.append((src, text))
             everything.add(src, text)
-        spilled.add(task, {"docs": part.docs, "sum_f": part.sum_f, "sum_f2": part.sum_f2})
-    total = spilled.total()
-    assert max(len(c) for c in total.sum_f.values()) <= 20 < min(len(c) for c in everything.sum_f.values())
+        spilled.add(task, profile_part(part))
+    if at_once == 3:
+        assert max(spilled.fragments) > 3  # some partition holds more than 3 sources' parts: it is sliced
     want = everything.report()
-    got = total.report()
+    got = spilled.report()
     assert list(got) == list(want) and len(got) == 20  # the sums of f differ only in float addition order
     for src, w in want.items():
         assert got[src]["docs"] == w["docs"] and got[src]["z"] == pytest.approx(w["z"], abs=2e-4)
         assert got[src]["weight"] == pytest.approx(w["weight"], abs=2e-4)
     assert sorted(got, key=lambda src: got[src]["z"])[-2:] in (["s18", "s19"], ["s19", "s18"])  # the drifting two
+    assert not list((tmp_path / "p").glob("sums-*"))  # the per-slice sums are its own, and gone
+
+
+def test_spilled_profiles_hold_a_slice_of_the_sources_not_all(tmp_path):
+    """A crawl keyed by host has a source per site: the report's memory, apart from its own row per source, does
+    not grow with the sources. tracemalloc's peak while reporting 300 and 1,200 sources of 100 words each from
+    200 (all candidates at top_tokens=100: the sums held for every source would be ~1,200 x 2 x 80 floats in
+    dicts, ~19 MB; 7 KB a source more, measured) grows by less than the report's rows and their sorting (1 KB a
+    source, measured; 1.5 allowed)."""
+    import tracemalloc
+
+    from kiln.data.gates.distribution import SpilledProfiles, profile_part
+
+    def peak(sources: int) -> int:
+        rng = random.Random(sources)
+        vocab = [f"t{i}" for i in range(200)]
+        spilled = SpilledProfiles(tmp_path / f"p{sources}", top_tokens=100, max_z=3.0)
+        spilled.SOURCES_AT_ONCE = 4  # ~5 and ~19 sources a partition: read in slices
+        for task in range(8):
+            spilled.add(task, profile_part([(f"site-{k}.example", " ".join(rng.choices(vocab, k=100)))
+                                            for k in range(task * sources // 8, (task + 1) * sources // 8)]))
+        tracemalloc.start()
+        try:
+            report = spilled.report()
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+            assert len(report) == sources
+
+    small, large = peak(300), peak(1200)
+    print(f"report peak: 300 sources {small / 1e6:.1f} MB, 1,200 sources {large / 1e6:.1f} MB")
+    assert large - small < 900 * 1536
 
 
 def test_spilled_profiles_rank_the_corpus_one_token_partition_at_a_time(tmp_path):
     """The corpus's vocabulary is never held whole (it keeps growing with a real crawl): the sums of f are
-    spilled to PARTITIONS token partitions and ranked one partition at a time. The candidates are exactly the
+    spilled to TOKEN_PARTITIONS token partitions and ranked one partition at a time. The candidates are exactly the
     ones one Counter of the whole vocabulary, summed in the same order, ranks first; no partition holds more
-    than ~1/PARTITIONS of the tokens; a second SpilledProfiles on the same folder (a resumed merge) starts over."""
-    from kiln.data.gates.distribution import SourceProfiles, SpilledProfiles
+    than ~1/TOKEN_PARTITIONS of the tokens; a second SpilledProfiles on the same folder (a resumed merge)
+    starts over."""
+    from kiln.data.gates.distribution import TOKEN_PARTITIONS, SpilledProfiles, profile_part
 
     rng = random.Random(5)
     vocab = [f"t{i}" for i in range(20_000)]
-    stale = {"docs": {"x": 1}, "sum_f": {"x": {"stale": 1e9}}, "sum_f2": {"x": {"stale": 1e18}}}
+    stale = profile_part([("x", "stale " * 1000)])
     SpilledProfiles(tmp_path / "p", top_tokens=50, max_z=3.0).add(0, stale)  # a merge that stopped
     spilled, whole = SpilledProfiles(tmp_path / "p", top_tokens=50, max_z=3.0), Counter()
     for task in range(12):
-        part = SourceProfiles(top_tokens=50)
+        part, task_sums = [], {}  # the task's sums of f, added document by document
         for src in (f"a{task % 3}", f"b{task % 5}"):
             for _ in range(15):
-                part.add(src, " ".join(rng.choice(vocab[: rng.choice((300, 20_000))]) for _ in range(120)))
-        for src in part.docs:
-            whole.update(part.sum_f[src])
-        spilled.add(task, {"docs": part.docs, "sum_f": part.sum_f, "sum_f2": part.sum_f2})
+                text = " ".join(rng.choice(vocab[: rng.choice((300, 20_000))]) for _ in range(120))
+                part.append((src, text))
+                counts = Counter(text.split())
+                for token, c in counts.items():
+                    task_sums[token] = task_sums.get(token, 0.0) + c / 120
+        whole.update(task_sums)
+        spilled.add(task, profile_part(part))
     ranked = sorted(whole.items(), key=lambda kv: (-kv[1], kv[0]))[:100]
     assert spilled._candidates() == {t for t, _ in ranked}
     sizes = []
-    for p in range(spilled.PARTITIONS):
+    for p in range(TOKEN_PARTITIONS):
         tokens = set()
         with open(spilled._partition(p), "rb") as f:
             while True:
                 try:
-                    tokens.update(*pickle.load(f))
+                    tokens.update(pickle.load(f)[0])
                 except EOFError:
                     break
         sizes.append(len(tokens))
-    assert sum(sizes) == len(whole) > 10_000 and max(sizes) < 2 * len(whole) / spilled.PARTITIONS
-    assert spilled.total().docs == sum((Counter({f"a{t % 3}": 15, f"b{t % 5}": 15}) for t in range(12)), Counter())
+    assert sum(sizes) == len(whole) > 10_000 and max(sizes) < 2 * len(whole) / TOKEN_PARTITIONS
+    docs = sum((Counter({f"a{t % 3}": 15, f"b{t % 5}": 15}) for t in range(12)), Counter())
+    assert {src: row["docs"] for src, row in spilled.report().items()} == dict(sorted(docs.items()))

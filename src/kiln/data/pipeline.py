@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import pickle
 import re
 import resource
 import shutil
@@ -33,7 +34,7 @@ from kiln.data.dedup import LEDGER, write_ledger
 from kiln.data.dedup.index import add_run, runs_before, use_index
 from kiln.data.dedup.stages import STAGE_DIR, Signer, Verdicts, dedup_layout, run_stages
 from kiln.data.docs import PartWriter, read_part
-from kiln.data.gates.distribution import Composition, SourceProfiles, SpilledProfiles, record_field, source_group
+from kiln.data.gates.distribution import Composition, SpilledProfiles, profile_part, record_field, source_group
 from kiln.data.document import Document, ReadReport
 from kiln.data.executor import engine, run_tasks
 from kiln.data.gates.semantic import REVIEW as SEMANTIC_REVIEW
@@ -295,12 +296,12 @@ def _run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None
         verdicts = run_stages(layout, workers, cfg.executor, cfg.ray_address)
         t_dedup = time.perf_counter() - t0 - t_process
         cpu.append(cpu_seconds())
-        profiles = source_profiles(work, summaries, layout, verdicts, cfg, workers)
+        source_weights = source_profiles(work, summaries, layout, verdicts, cfg, workers)
     t_profiles = time.perf_counter() - t0 - t_process - t_dedup
     cpu.append(cpu_seconds())
 
     with staging_dir(out) as tmp:
-        stats = _merge(work, summaries, tmp, cfg, verdicts, layout.indexed, profiles)
+        stats = _merge(work, summaries, tmp, cfg, verdicts, layout.indexed, source_weights)
         stats["timings_s"] |= {"process": round(t_process, 3), "dedup_stages": round(t_dedup, 3),
                                "profiles": round(t_profiles, 3),
                                "merge": round(time.perf_counter() - t0 - t_process - t_dedup - t_profiles, 3)}
@@ -343,26 +344,39 @@ def _progress_sink(progress, tasks: list[Task], todo: list[Task]):
 
 def profile_task(args: tuple[str, int, list[int], DataConfig]) -> tuple[int, dict[str, Any]]:
     """After dedup, on a worker: the distribution profile (per-source token frequency sums) of one data
-    task's kept documents, those dedup removed left out (`removed`: their numbers within the task)."""
+    task's kept documents, those dedup removed left out (`removed`: their numbers within the task). The worker
+    writes it into the work folder (`profiles/parts/NNNNN.pkl`, as the data tasks write their files) and
+    returns the file's record: a part is the sources' vocabularies, which never pass through the driver's pipe
+    nor wait there for their turn."""
     work, index, removed, cfg = args
-    profiles, gone, local = SourceProfiles(cfg.distribution.top_tokens, cfg.distribution.max_z), set(removed), 0
-    for rec in read_part(Path(work) / f"task-{index:05d}.jsonl.zst"):
-        if "reason" in rec:  # a rejection
-            continue
-        if local not in gone:
-            group = source_group(cfg.distribution.source_key, rec["source"], rec.get("url"), rec.get("source_group"))
-            profiles.add(group, rec.get("text") or "")
-        local += 1
-    return index, {"docs": profiles.docs, "sum_f": profiles.sum_f, "sum_f2": profiles.sum_f2}
+    gone = set(removed)
+
+    def kept() -> Iterator[tuple[str, str]]:
+        local = 0
+        for rec in read_part(Path(work) / f"task-{index:05d}.jsonl.zst"):
+            if "reason" in rec:  # a rejection
+                continue
+            if local not in gone:
+                yield (source_group(cfg.distribution.source_key, rec["source"], rec.get("url"),
+                                    rec.get("source_group")), rec.get("text") or "")
+            local += 1
+
+    data = pickle.dumps(profile_part(kept()), protocol=pickle.HIGHEST_PROTOCOL)
+    write_atomic(_profile_part(Path(work), index), data)
+    return index, record(data)
+
+
+def _profile_part(work: Path, index: int) -> Path:
+    return work / "profiles" / "parts" / f"{index:05d}.pkl"
 
 
 def source_profiles(work: Path, summaries: list[dict[str, Any]], layout, verdicts: Verdicts, cfg: DataConfig,
-                    workers: int) -> SourceProfiles:
-    """The corpus's distribution profile: one `profile_task` per data task on the engine, added up in task
-    order (so the sums are the same for any number of workers). Memory: the profile, and the parts that
-    arrived ahead of their turn, then SpilledProfiles's bound."""
+                    workers: int) -> dict[str, dict[str, float | int]]:
+    """The corpus's per-source weights (SourceProfiles.report): one `profile_task` per data task on the engine,
+    its part added in task order (so the sums are the same for any number of workers). Memory: the numbers of
+    the tasks whose parts wait for their turn (the parts wait on disk), then SpilledProfiles's bound."""
     if not cfg.distribution.enabled:  # data.distribution.enabled=false: no weights, no profile
-        return SourceProfiles(cfg.distribution.top_tokens, cfg.distribution.max_z)
+        return {}
     removed = verdicts.removed()
     jobs = []
     for k, part in enumerate(layout.parts):
@@ -374,12 +388,18 @@ def source_profiles(work: Path, summaries: list[dict[str, Any]], layout, verdict
     order = iter([s["index"] for s in summaries])
     turn = next(order, None)
     spilled = SpilledProfiles(work / "profiles", cfg.distribution.top_tokens, cfg.distribution.max_z)
-    for index, part in run_tasks(profile_task, jobs, workers, cfg.executor, cfg.ray_address):
-        waiting[index] = part
+    _profile_part(work, 0).parent.mkdir(exist_ok=True)
+    for index, rec in run_tasks(profile_task, jobs, workers, cfg.executor, cfg.ray_address):
+        waiting[index] = rec
         while turn is not None and turn in waiting:
-            spilled.add(turn, waiting.pop(turn))
+            path = _profile_part(work, turn)
+            if not matches(path, waiting.pop(turn)):
+                raise KilnError(f"{path}: the distribution profile a worker wrote is missing or changed; run the "
+                                f"same command again (the work folder must be on storage every worker sees)")
+            spilled.add(turn, pickle.loads(path.read_bytes()))
+            path.unlink()
             turn = next(order, None)
-    return spilled.total()
+    return spilled.report()
 
 
 def _documents(work: Path, summaries: list[dict[str, Any]]) -> Iterator[Document]:
@@ -389,7 +409,7 @@ def _documents(work: Path, summaries: list[dict[str, Any]]) -> Iterator[Document
 
 
 def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConfig, verdicts: Verdicts,
-           first: int, profiles: SourceProfiles) -> dict[str, Any]:
+           first: int, source_weights: dict[str, dict[str, float | int]]) -> dict[str, Any]:
     kept_w, rej_w = PartWriter(out, cfg.docs_per_part), PartWriter(out / "rejects", cfg.docs_per_part)
     review_w = PartWriter(out / "review", cfg.docs_per_part) if cfg.quality.semantic.action == "review" \
         and cfg.quality.semantic.keywords else None
@@ -460,7 +480,7 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
         **shape.report(),
         "edits": dict(sorted(edits.items())),
         # per-source sampling weights: a source whose top tokens drift is down-weighted, never dropped
-        "source_weights": profiles.report(),
+        "source_weights": source_weights,
         "composition": composition.report(),  # kept documents and chars by source_group and by language
         "parts": kept_w.parts,
         "dedup": verdicts.stats(),

@@ -12,8 +12,8 @@ is mostly noise): 0 for a source that looks like the corpus, large when its comm
 not the corpus's. A source with z > max_z
 gets sampling weight max_z / z (recorded in the manifest; nothing is dropped). Accumulating
 per-source sums of f and f^2 keeps this one pass; the data stage adds them up from per-task parts with
-`SpilledProfiles`, whose memory is a 64th of the corpus vocabulary plus sources x top_tokens, not sources x
-vocabulary.
+`SpilledProfiles`, whose memory is a 64th of the corpus vocabulary and a bounded slice of the sources (x 2
+top_tokens), not sources x vocabulary.
 
 What a source is, `data.distribution.source_key`: the input file (default), the URL's host, or a
 JSONL/Parquet record field (`field:NAME`). Each kept document carries its `source_group`; `kiln pack`
@@ -22,11 +22,17 @@ packs every down-weighted source into its own shard group, which the loader samp
 
 from __future__ import annotations
 
+import functools
+import heapq
 import math
+import pickle
+import zlib
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 from urllib.parse import urlsplit
+
+import numpy as np
 
 from kiln.data.gates.text import words
 
@@ -119,83 +125,184 @@ class SourceProfiles:
         return out
 
 
-class SpilledProfiles:
-    """The corpus's profile summed from per-task parts, in task order, without holding every source's whole
-    vocabulary, nor the corpus's: each part is spilled to `folder` as it is added, and its sums of f are also
-    appended to one of `PARTITIONS` token partitions (by a hash of the token). `total()` sums one partition at
-    a time to rank the corpus's tokens (twice `top_tokens` are kept, so float rounding in the first ranking
-    cannot move a token across the cut), then re-reads the parts one at a time, keeping each source's sums for
-    those candidates only. The report is the same as a SourceProfiles that held everything (the same
-    additions in the same order, token by token).
-    Memory: one part while adding; then one partition's tokens (the corpus vocabulary / PARTITIONS, which
-    grows with the corpus, slowly: a real crawl's vocabulary keeps growing with its size), 2 x top_tokens
-    candidates, and sources x 2 x top_tokens sums."""
+TOKEN_PARTITIONS = 64  # SpilledProfiles: the corpus's tokens, by a hash of the token
+SOURCE_PARTITIONS = 64  # and its sources, by a hash of the source
 
-    PARTITIONS = 64
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode("utf-8", "surrogatepass"))
+
+
+def profile_part(documents: Iterable[tuple[str, str]]) -> dict:
+    """One task's profile over its (source, text) `documents`, in their order, made on the worker and split there
+    as SpilledProfiles spills it: {"docs": {source: documents}, "tokens": {partition: pickle of (tokens, sums
+    of f over the task)}, "sources": {partition: pickle of [(source, documents, tokens, sums of f, of f^2)]},
+    "fragments": {partition: sources}}. Every sum adds its documents' f in their order, as SourceProfiles.add
+    does (np.bincount adds its weights one after another), so a source's sums are SourceProfiles's to the bit.
+    Memory: the task's words."""
+    vocab: dict[str, int] = {}
+    docs: Counter[str] = Counter()
+    ids: dict[str, list[int]] = defaultdict(list)  # per source, every document's tokens, in document order
+    fs: dict[str, list[float]] = defaultdict(list)
+    all_ids: list[int] = []  # the task's, in document order
+    all_fs: list[float] = []
+    for source, text in documents:
+        counts = Counter(map(str.lower, words(text)))
+        n = sum(counts.values())
+        docs[source] += 1
+        if not n:
+            continue
+        doc_ids = [vocab.setdefault(t, len(vocab)) for t in counts]
+        doc_fs = [c / n for c in counts.values()]
+        ids[source] += doc_ids
+        fs[source] += doc_fs
+        all_ids += doc_ids
+        all_fs += doc_fs
+    tokens = np.asarray(list(vocab), dtype=object)
+    totals = np.bincount(np.asarray(all_ids, dtype=np.int64), weights=all_fs, minlength=len(tokens))
+    by_token: dict[int, list[int]] = defaultdict(list)
+    for i, token in enumerate(tokens.tolist()):
+        by_token[_crc(token) % TOKEN_PARTITIONS].append(i)
+    by_source: dict[int, list[tuple]] = defaultdict(list)
+    for source, n in docs.items():
+        src_ids, src_fs = np.asarray(ids.get(source, []), dtype=np.int64), np.asarray(fs.get(source, []))
+        own, at = np.unique(src_ids, return_inverse=True)
+        by_source[_crc(source) % SOURCE_PARTITIONS].append(
+            (source, n, tokens[own].tolist(), np.bincount(at, weights=src_fs, minlength=len(own)),
+             np.bincount(at, weights=src_fs * src_fs, minlength=len(own))))
+    dump = functools.partial(pickle.dumps, protocol=pickle.HIGHEST_PROTOCOL)
+    return {"docs": dict(docs),
+            "tokens": {p: dump((tokens[i].tolist(), totals[i])) for p, i in sorted(by_token.items())},
+            "sources": {q: dump(frames) for q, frames in sorted(by_source.items())},
+            "fragments": {q: len(frames) for q, frames in by_source.items()}}
+
+
+class SpilledProfiles:
+    """The corpus's source report (SourceProfiles.report) summed from per-task parts (`profile_part`), in task
+    order, with memory bounded neither by the corpus's vocabulary nor by its number of sources (a crawl keyed by
+    data.distribution.source_key=host has a source per site, by file one per input file). A part comes split
+    by token into TOKEN_PARTITIONS and by source into SOURCE_PARTITIONS; `add` appends each piece to its
+    partition's file. `report()` then
+    1. ranks the corpus's tokens one token partition at a time, keeping 2 x top_tokens candidates (so float
+       rounding in this first ranking cannot move a token across the cut);
+    2. sums each source's f and f^2 over the candidates one source partition at a time, at most SOURCES_AT_ONCE
+       sources in memory (a larger partition is read once per slice of its sources), into arrays spilled beside
+       the partition, and adds them into the corpus's sums;
+    3. takes the corpus's top_tokens, their means and deviations, and scores the sources from the spilled arrays.
+    Each source's sums are the additions a SourceProfiles holding everything makes, in the same order; the
+    corpus's sums add the sources in another order, so a z agrees with it to float rounding.
+    Memory: one part while adding; then one token partition's tokens (the corpus vocabulary / TOKEN_PARTITIONS,
+    which a real crawl's vocabulary keeps growing, slowly), SOURCES_AT_ONCE x 2 x 2 top_tokens floats (16 MB at
+    the default top_tokens=1000), and the report itself, one row per source."""
+
+    SOURCES_AT_ONCE = 512
 
     def __init__(self, folder: Path, top_tokens: int, max_z: float) -> None:
         self.folder, self.top_tokens, self.max_z = Path(folder), top_tokens, max_z
         self.folder.mkdir(parents=True, exist_ok=True)
-        for stale in self.folder.glob("tokens-*.pkl"):  # a resumed merge adds every part again
-            stale.unlink()
-        self.order: list[int] = []
+        for pattern in ("tokens-*.pkl", "sources-*.pkl", "sums-*.pkl"):  # a resumed merge adds every part again
+            for stale in self.folder.glob(pattern):
+                stale.unlink()
+        self.fragments = [0] * SOURCE_PARTITIONS  # per source partition: an upper bound of its sources
 
     def _partition(self, p: int) -> Path:
         return self.folder / f"tokens-{p:03d}.pkl"
 
-    def add(self, index: int, part: dict) -> None:
-        """Task `index`'s part ({"docs", "sum_f", "sum_f2"}), in task order."""
-        import pickle
-        import zlib
+    def _sources(self, q: int) -> Path:
+        return self.folder / f"sources-{q:03d}.pkl"
 
-        (self.folder / f"{index:05d}.pkl").write_bytes(pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL))
-        self.order.append(index)
-        # Per partition, one fragment per source in the part's order: the additions stay in SourceProfiles's order.
-        fragments: list[list[dict[str, float]]] = [[] for _ in range(self.PARTITIONS)]
-        for src in part["docs"]:
-            split: dict[int, dict[str, float]] = defaultdict(dict)
-            for token, f in part["sum_f"].get(src, {}).items():
-                split[zlib.crc32(token.encode("utf-8", "surrogatepass")) % self.PARTITIONS][token] = f
-            for p, fragment in split.items():
-                fragments[p].append(fragment)
-        for p, frames in enumerate(fragments):
-            if frames:
-                with open(self._partition(p), "ab") as out:
-                    pickle.dump(frames, out, protocol=pickle.HIGHEST_PROTOCOL)
+    def add(self, index: int, part: dict) -> None:
+        """Task `index`'s part (`profile_part`), in task order."""
+        for path, piece in [*((self._partition(p), b) for p, b in part["tokens"].items()),
+                            *((self._sources(q), b) for q, b in part["sources"].items())]:
+            with open(path, "ab") as out:
+                out.write(piece)
+        for q, n in part["fragments"].items():
+            self.fragments[q] += n
+
+    @staticmethod
+    def _frames(path: Path) -> Iterator:
+        """The pieces `add` appended to `path`, in order."""
+        if not path.exists():
+            return
+        with open(path, "rb") as f:
+            while True:
+                try:
+                    yield pickle.load(f)
+                except EOFError:
+                    return
 
     def _candidates(self) -> set[str]:
         """The corpus's 2 x top_tokens most frequent tokens, ranked (-f, token) as SourceProfiles ranks them."""
-        import heapq
-        import pickle
-
         best: list[tuple[float, str]] = []
-        for p in range(self.PARTITIONS):
-            if not self._partition(p).exists():
-                continue
-            f1: Counter[str] = Counter()
-            with open(self._partition(p), "rb") as f:
-                while True:
-                    try:
-                        frames = pickle.load(f)
-                    except EOFError:
-                        break
-                    for fragment in frames:
-                        f1.update(fragment)
-            best = heapq.nsmallest(2 * self.top_tokens, best + [(-v, t) for t, v in f1.items()])
+        for p in range(TOKEN_PARTITIONS):
+            number: dict[str, int] = {}
+            sums = np.zeros(1024)
+            for tokens, values in self._frames(self._partition(p)):
+                at = np.fromiter((number.setdefault(t, len(number)) for t in tokens), np.int64, len(tokens))
+                if len(number) > len(sums):
+                    sums = np.concatenate([sums, np.zeros(max(len(number), 2 * len(sums)) - len(sums))])
+                sums[at] += values  # a token is once in a piece
+            best = heapq.nsmallest(2 * self.top_tokens, best + list(zip((-sums[: len(number)]).tolist(), number)))
         return {t for _, t in best}
 
-    def total(self) -> SourceProfiles:
-        import pickle
+    def _source_sums(self, column: dict[str, int]) -> Iterator[tuple[list[str], np.ndarray, np.ndarray, np.ndarray]]:
+        """(sources, their documents, sums of f, sums of f^2 over the candidates `column` numbers), at most
+        about SOURCES_AT_ONCE sources at a time, each source whole (all its parts, added in task order)."""
+        for q in range(SOURCE_PARTITIONS):
+            slices = -(-self.fragments[q] // self.SOURCES_AT_ONCE)
+            for k in range(slices):
+                rows: dict[str, int] = {}
+                docs: list[int] = []
+                s1 = np.zeros((min(self.fragments[q], self.SOURCES_AT_ONCE), len(column)))
+                s2 = np.zeros_like(s1)
+                for frames in self._frames(self._sources(q)):
+                    for src, n, tokens, sum_f, sum_f2 in frames:
+                        if slices > 1 and _crc(src) // SOURCE_PARTITIONS % slices != k:
+                            continue
+                        row = rows.setdefault(src, len(rows))
+                        if row == len(docs):
+                            docs.append(0)
+                            if row == len(s1):  # more sources than the hash's share: grow
+                                s1, s2 = (np.concatenate([a, np.zeros_like(a)]) for a in (s1, s2))
+                        docs[row] += n
+                        at = np.fromiter((column.get(t, -1) for t in tokens), np.int64, len(tokens))
+                        kept = at >= 0
+                        s1[row, at[kept]] += sum_f[kept]  # a token is once in a source's piece
+                        s2[row, at[kept]] += sum_f2[kept]
+                if rows:
+                    yield list(rows), np.asarray(docs, dtype=np.int64), s1[:len(rows)], s2[:len(rows)]
 
-        keep = self._candidates()
-        out = SourceProfiles(self.top_tokens, self.max_z)
-        for index in self.order:
-            part = pickle.loads((self.folder / f"{index:05d}.pkl").read_bytes())
-            out.docs.update(part["docs"])
-            for src in part["docs"]:
-                for sums, into in ((part["sum_f"], out.sum_f), (part["sum_f2"], out.sum_f2)):
-                    into[src].update({t: v for t, v in sums.get(src, {}).items() if t in keep})
-        return out
+    def report(self) -> dict[str, dict[str, float | int]]:
+        """{source: {"docs", "z", "weight"}}, sources sorted by name: SourceProfiles.report of all the parts."""
+        candidates = sorted(self._candidates())
+        column = {t: j for j, t in enumerate(candidates)}
+        corpus_f1, corpus_f2, total_docs, spilled = np.zeros(len(column)), np.zeros(len(column)), 0, []
+        for i, (names, docs, s1, s2) in enumerate(self._source_sums(column)):
+            corpus_f1 += s1.sum(axis=0)
+            corpus_f2 += s2.sum(axis=0)
+            total_docs += int(docs.sum())
+            spilled.append(self.folder / f"sums-{i:05d}.pkl")
+            spilled[-1].write_bytes(pickle.dumps((names, docs, s1), protocol=pickle.HIGHEST_PROTOCOL))
+        if not total_docs:
+            return {}
+        top = sorted(range(len(candidates)), key=lambda j: (-corpus_f1[j], candidates[j]))[: self.top_tokens]
+        mean = corpus_f1[top] / total_docs
+        std = np.sqrt(np.maximum(corpus_f2[top] / total_docs - mean ** 2, 0.0))
+        used = std > 0
+        top, mean, std = np.asarray(top, dtype=np.int64)[used], mean[used], std[used]
+        out: dict[str, dict[str, float | int]] = {}
+        for path in spilled:
+            names, docs, s1 = pickle.loads(path.read_bytes())
+            path.unlink()
+            if len(top):
+                dev = (s1[:, top] / docs[:, None] - mean) / std
+                zs = np.sqrt((dev * dev) @ mean / mean.sum())
+            else:
+                zs = np.zeros(len(names))
+            for src, n, z in zip(names, docs.tolist(), zs.tolist()):
+                out[src] = {"docs": n, "z": round(z, 4), "weight": round(min(1.0, self.max_z / z) if z else 1.0, 4)}
+        return dict(sorted(out.items()))
 
 
 def source_weights(pairs: Iterable[tuple[str, str]], top_tokens: int = 1000, max_z: float = 3.0) -> dict[str, dict]:
