@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import tiny_config
 
 from kiln.config import DataConfig, SourceConfig, build_config
@@ -247,7 +249,7 @@ def test_spilled_profiles_report_what_one_profile_of_everything_reports(tmp_path
                             for _ in range(80))
             part.append((src, text))
             everything.add(src, text)
-        spilled.add(task, profile_part(part))
+        spilled.add(profile_part(part))
     if at_once == 3:
         assert max(spilled.fragments) > 3  # some partition holds more than 3 sources' parts: it is sliced
     want = everything.report()
@@ -258,6 +260,33 @@ def test_spilled_profiles_report_what_one_profile_of_everything_reports(tmp_path
         assert got[src]["weight"] == pytest.approx(w["weight"], abs=2e-4)
     assert sorted(got, key=lambda src: got[src]["z"])[-2:] in (["s18", "s19"], ["s19", "s18"])  # the drifting two
     assert not list((tmp_path / "p").glob("sums-*"))  # the per-slice sums are its own, and gone
+
+
+_TEXT = st.lists(st.sampled_from(["the", "The", "cat", "sat", "mat", "İstanbul", "猫", "日本語", "ﬁ", "x", " ", "\n"]),
+                 max_size=30).map(" ".join)
+
+
+@settings(max_examples=40, deadline=None)
+@given(tasks=st.lists(st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d", "e"]), _TEXT), max_size=8),
+                      min_size=1, max_size=5), at_once=st.sampled_from([1, 2, 512]), top=st.sampled_from([1, 3, 50]))
+def test_spilled_profiles_of_any_parts_report_what_one_profile_of_everything_reports(tmp_path_factory, tasks,
+                                                                                    at_once, top):
+    """Any documents (empty ones, CJK, case, sources in several tasks), any slicing, any top_tokens: the same
+    sources, documents and weights as SourceProfiles over all of them, z to float rounding."""
+    from kiln.data.gates.distribution import SourceProfiles, SpilledProfiles, profile_part
+
+    everything = SourceProfiles(top_tokens=top)
+    spilled = SpilledProfiles(tmp_path_factory.mktemp("p"), top_tokens=top, max_z=3.0)
+    spilled.SOURCES_AT_ONCE = at_once
+    for docs in tasks:
+        for src, text in docs:
+            everything.add(src, text)
+        spilled.add(profile_part(docs))
+    want, got = everything.report(), spilled.report()
+    assert list(got) == list(want)
+    for src, w in want.items():
+        assert got[src]["docs"] == w["docs"] and got[src]["z"] == pytest.approx(w["z"], abs=2e-4)
+        assert got[src]["weight"] == pytest.approx(w["weight"], abs=2e-4)
 
 
 def test_spilled_profiles_hold_a_slice_of_the_sources_not_all(tmp_path):
@@ -276,8 +305,8 @@ def test_spilled_profiles_hold_a_slice_of_the_sources_not_all(tmp_path):
         spilled = SpilledProfiles(tmp_path / f"p{sources}", top_tokens=100, max_z=3.0)
         spilled.SOURCES_AT_ONCE = 4  # ~5 and ~19 sources a partition: read in slices
         for task in range(8):
-            spilled.add(task, profile_part([(f"site-{k}.example", " ".join(rng.choices(vocab, k=100)))
-                                            for k in range(task * sources // 8, (task + 1) * sources // 8)]))
+            spilled.add(profile_part([(f"site-{k}.example", " ".join(rng.choices(vocab, k=100)))
+                                      for k in range(task * sources // 8, (task + 1) * sources // 8)]))
         tracemalloc.start()
         try:
             report = spilled.report()
@@ -297,12 +326,12 @@ def test_spilled_profiles_rank_the_corpus_one_token_partition_at_a_time(tmp_path
     ones one Counter of the whole vocabulary, summed in the same order, ranks first; no partition holds more
     than ~1/TOKEN_PARTITIONS of the tokens; a second SpilledProfiles on the same folder (a resumed merge)
     starts over."""
-    from kiln.data.gates.distribution import TOKEN_PARTITIONS, SpilledProfiles, profile_part
+    from kiln.data.gates.distribution import TOKEN_PARTITIONS, SpilledProfiles, profile_part, rank_key
 
     rng = random.Random(5)
     vocab = [f"t{i}" for i in range(20_000)]
     stale = profile_part([("x", "stale " * 1000)])
-    SpilledProfiles(tmp_path / "p", top_tokens=50, max_z=3.0).add(0, stale)  # a merge that stopped
+    SpilledProfiles(tmp_path / "p", top_tokens=50, max_z=3.0).add(stale)  # a merge that stopped
     spilled, whole = SpilledProfiles(tmp_path / "p", top_tokens=50, max_z=3.0), Counter()
     for task in range(12):
         part, task_sums = [], {}  # the task's sums of f, added document by document
@@ -314,8 +343,8 @@ def test_spilled_profiles_rank_the_corpus_one_token_partition_at_a_time(tmp_path
                 for token, c in counts.items():
                     task_sums[token] = task_sums.get(token, 0.0) + c / 120
         whole.update(task_sums)
-        spilled.add(task, profile_part(part))
-    ranked = sorted(whole.items(), key=lambda kv: (-kv[1], kv[0]))[:100]
+        spilled.add(profile_part(part))
+    ranked = sorted(whole.items(), key=lambda kv: rank_key(kv[1], kv[0]))[:100]
     assert spilled._candidates() == {t for t, _ in ranked}
     sizes = []
     for p in range(TOKEN_PARTITIONS):

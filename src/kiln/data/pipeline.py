@@ -396,7 +396,7 @@ def source_profiles(work: Path, summaries: list[dict[str, Any]], layout, verdict
             if not matches(path, waiting.pop(turn)):
                 raise KilnError(f"{path}: the distribution profile a worker wrote is missing or changed; run the "
                                 f"same command again (the work folder must be on storage every worker sees)")
-            spilled.add(turn, pickle.loads(path.read_bytes()))
+            spilled.add(pickle.loads(path.read_bytes()))
             path.unlink()
             turn = next(order, None)
     return spilled.report()

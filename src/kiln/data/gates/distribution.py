@@ -79,6 +79,19 @@ class Composition:
         return out
 
 
+def rank_key(value: float, token: str) -> tuple[float, str]:
+    """How the corpus's tokens rank: most frequent first, ties by name. The sum is rounded to float32 first, so
+    that the same terms added in another order (the spilled profile adds the sources in another order) rank
+    alike."""
+    return -float(np.float32(value)), token
+
+
+def varies(std, mean):
+    """Whether a token's frequency varies over the documents (it scores the sources only then): a deviation
+    within float rounding of 0 (every document has the same frequency) would divide by noise."""
+    return std > 1e-6 * mean
+
+
 class SourceProfiles:
     def __init__(self, top_tokens: int = 1000, max_z: float = 3.0) -> None:
         self.top_tokens, self.max_z = top_tokens, max_z
@@ -108,13 +121,13 @@ class SourceProfiles:
         for src in self.sum_f:
             corpus_f1.update(self.sum_f[src])
             corpus_f2.update(self.sum_f2[src])
-        top = [t for t, _ in sorted(corpus_f1.items(), key=lambda kv: (-kv[1], kv[0]))[: self.top_tokens]]
+        top = sorted(corpus_f1, key=lambda t: rank_key(corpus_f1[t], t))[: self.top_tokens]
         mean = {t: corpus_f1[t] / total_docs for t in top}
         std = {t: math.sqrt(max(corpus_f2[t] / total_docs - mean[t] ** 2, 0.0)) for t in top}
         out = {}
         for src in sorted(self.docs):
             n = self.docs[src]
-            used = [t for t in top if std[t] > 0]
+            used = [t for t in top if varies(std[t], mean[t])]
             weight = sum(mean[t] for t in used)
             z = (
                 math.sqrt(sum(mean[t] * ((self.sum_f[src][t] / n - mean[t]) / std[t]) ** 2 for t in used) / weight)
@@ -135,10 +148,10 @@ def _crc(text: str) -> int:
 
 def profile_part(documents: Iterable[tuple[str, str]]) -> dict:
     """One task's profile over its (source, text) `documents`, in their order, made on the worker and split there
-    as SpilledProfiles spills it: {"docs": {source: documents}, "tokens": {partition: pickle of (tokens, sums
-    of f over the task)}, "sources": {partition: pickle of [(source, documents, tokens, sums of f, of f^2)]},
-    "fragments": {partition: sources}}. Every sum adds its documents' f in their order, as SourceProfiles.add
-    does (np.bincount adds its weights one after another), so a source's sums are SourceProfiles's to the bit.
+    as SpilledProfiles spills it: {"tokens": {partition: pickle of (tokens, sums of f over the task)},
+    "sources": {partition: pickle of [(source, documents, tokens, sums of f, sums of f^2)]}, "fragments":
+    {partition: sources}}. Every sum adds its documents' f in their order, as SourceProfiles.add does
+    (np.bincount adds its weights one after another), so a source's sums are SourceProfiles's to the bit.
     Memory: the task's words."""
     vocab: dict[str, int] = {}
     docs: Counter[str] = Counter()
@@ -171,8 +184,7 @@ def profile_part(documents: Iterable[tuple[str, str]]) -> dict:
             (source, n, tokens[own].tolist(), np.bincount(at, weights=src_fs, minlength=len(own)),
              np.bincount(at, weights=src_fs * src_fs, minlength=len(own))))
     dump = functools.partial(pickle.dumps, protocol=pickle.HIGHEST_PROTOCOL)
-    return {"docs": dict(docs),
-            "tokens": {p: dump((tokens[i].tolist(), totals[i])) for p, i in sorted(by_token.items())},
+    return {"tokens": {p: dump((tokens[i].tolist(), totals[i])) for p, i in sorted(by_token.items())},
             "sources": {q: dump(frames) for q, frames in sorted(by_source.items())},
             "fragments": {q: len(frames) for q, frames in by_source.items()}}
 
@@ -211,8 +223,8 @@ class SpilledProfiles:
     def _sources(self, q: int) -> Path:
         return self.folder / f"sources-{q:03d}.pkl"
 
-    def add(self, index: int, part: dict) -> None:
-        """Task `index`'s part (`profile_part`), in task order."""
+    def add(self, part: dict) -> None:
+        """A task's part (`profile_part`): the caller adds them in task order."""
         for path, piece in [*((self._partition(p), b) for p, b in part["tokens"].items()),
                             *((self._sources(q), b) for q, b in part["sources"].items())]:
             with open(path, "ab") as out:
@@ -233,7 +245,7 @@ class SpilledProfiles:
                     return
 
     def _candidates(self) -> set[str]:
-        """The corpus's 2 x top_tokens most frequent tokens, ranked (-f, token) as SourceProfiles ranks them."""
+        """The corpus's 2 x top_tokens most frequent tokens, ranked by `rank_key` as SourceProfiles ranks them."""
         best: list[tuple[float, str]] = []
         for p in range(TOKEN_PARTITIONS):
             number: dict[str, int] = {}
@@ -243,7 +255,8 @@ class SpilledProfiles:
                 if len(number) > len(sums):
                     sums = np.concatenate([sums, np.zeros(max(len(number), 2 * len(sums)) - len(sums))])
                 sums[at] += values  # a token is once in a piece
-            best = heapq.nsmallest(2 * self.top_tokens, best + list(zip((-sums[: len(number)]).tolist(), number)))
+            keys = (-sums[: len(number)].astype(np.float32)).tolist()  # rank_key's, for the partition at once
+            best = heapq.nsmallest(2 * self.top_tokens, best + list(zip(keys, number)))
         return {t for _, t in best}
 
     def _source_sums(self, column: dict[str, int]) -> Iterator[tuple[list[str], np.ndarray, np.ndarray, np.ndarray]]:
@@ -286,10 +299,10 @@ class SpilledProfiles:
             spilled[-1].write_bytes(pickle.dumps((names, docs, s1), protocol=pickle.HIGHEST_PROTOCOL))
         if not total_docs:
             return {}
-        top = sorted(range(len(candidates)), key=lambda j: (-corpus_f1[j], candidates[j]))[: self.top_tokens]
+        top = sorted(range(len(candidates)), key=lambda j: rank_key(corpus_f1[j], candidates[j]))[: self.top_tokens]
         mean = corpus_f1[top] / total_docs
         std = np.sqrt(np.maximum(corpus_f2[top] / total_docs - mean ** 2, 0.0))
-        used = std > 0
+        used = varies(std, mean)
         top, mean, std = np.asarray(top, dtype=np.int64)[used], mean[used], std[used]
         out: dict[str, dict[str, float | int]] = {}
         for path in spilled:
