@@ -104,12 +104,21 @@ except KilnError as exc:
 """
 
 
-def _two_views(workdir: Path, tmp_path: Path, **train) -> tuple[Path, Path, Path, Path]:
-    """Out dirs for rank 0 and rank 1 holding the same run (10 steps, checkpoints at 5 and 10), and configs."""
-    Trainer(tiny_config(workdir, train={"max_steps": 10, "eval_every": 0}), log=lambda *_: None).run()
+@pytest.fixture(scope="module")
+def ten_steps(prepared, tmp_path_factory) -> Path:
+    """An out_dir holding a run of 10 steps with checkpoints at 5 and 10 (read-only: tests copy it)."""
+    out = tmp_path_factory.mktemp("ten") / "out"
+    for name in ("tokenizer", "shards"):
+        shutil.copytree(prepared.out / name, out / name)
+    Trainer(tiny_config(out, train={"max_steps": 10, "eval_every": 0}), log=lambda *_: None).run()
+    return out
+
+
+def _two_views(run: Path, tmp_path: Path, **train) -> tuple[Path, Path, Path, Path]:
+    """Out dirs for rank 0 and rank 1, each a copy of the same run (`ten_steps`), and their configs."""
     view0, view1 = tmp_path / "node0", tmp_path / "node1"
-    shutil.copytree(workdir, view0)
-    shutil.copytree(workdir, view1)
+    shutil.copytree(run, view0)
+    shutil.copytree(run, view1)
     configs = []
     for view in (view0, view1):
         path = tmp_path / f"{view.name}.yaml"
@@ -118,8 +127,8 @@ def _two_views(workdir: Path, tmp_path: Path, **train) -> tuple[Path, Path, Path
     return view0, view1, *configs
 
 
-def test_ranks_resume_from_the_checkpoint_every_rank_can_read(workdir, tmp_path):
-    view0, view1, cfg0, cfg1 = _two_views(workdir, tmp_path)
+def test_ranks_resume_from_the_checkpoint_every_rank_can_read(ten_steps, tmp_path):
+    view0, view1, cfg0, cfg1 = _two_views(ten_steps, tmp_path)
     newest = view1 / "run" / "checkpoints" / "step-00000010"
     (newest / "rng.pt").write_bytes(b"truncated by a lagging copy")  # corrupt on rank 1's view only
     proc = torchrun(_PER_RANK, tmp_path, str(cfg0), str(cfg1))
@@ -130,8 +139,8 @@ def test_ranks_resume_from_the_checkpoint_every_rank_can_read(workdir, tmp_path)
     assert [s["step"] for s in steps(view0)] == list(range(1, 13))
 
 
-def test_a_rank_that_cannot_read_the_weights_still_resumes_from_the_newest(workdir, tmp_path):
-    _, view1, cfg0, cfg1 = _two_views(workdir, tmp_path)
+def test_a_rank_that_cannot_read_the_weights_still_resumes_from_the_newest(ten_steps, tmp_path):
+    _, view1, cfg0, cfg1 = _two_views(ten_steps, tmp_path)
     # Rank 0 alone reads the weights and broadcasts them: rank 1's copy is never read.
     (view1 / "run" / "checkpoints" / "step-00000010" / "model.safetensors").write_bytes(b"not weights")
     proc = torchrun(_PER_RANK, tmp_path, str(cfg0), str(cfg1))
@@ -139,8 +148,8 @@ def test_a_rank_that_cannot_read_the_weights_still_resumes_from_the_newest(workd
     assert rank_lines(proc) == {r: {"rank": r, "steps": 12, "resumed_at": 10} for r in (0, 1)}
 
 
-def test_ranks_with_different_shards_stop_naming_the_rank(workdir, tmp_path):
-    _, view1, cfg0, cfg1 = _two_views(workdir, tmp_path)
+def test_ranks_with_different_shards_stop_naming_the_rank(ten_steps, tmp_path):
+    _, view1, cfg0, cfg1 = _two_views(ten_steps, tmp_path)
     manifest = view1 / "shards" / "manifest.json"
     manifest.write_text(json.dumps(json.loads(manifest.read_text()), indent=4))  # same shards, other bytes
     proc = torchrun(_PER_RANK, tmp_path, str(cfg0), str(cfg1))

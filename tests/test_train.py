@@ -133,6 +133,8 @@ def _train_cli(cfg_path: Path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
+# slow: test_resilience.py::test_sigkill_during_a_save_resumes_bitwise kills harder (mid-save) in the default suite
+@pytest.mark.slow
 def test_sigkill_then_same_command_continues_bitwise(workdir, tmp_path):
     other = tmp_path / "killed"
     shutil.copytree(workdir, other)
