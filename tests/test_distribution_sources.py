@@ -268,11 +268,13 @@ _TEXT = st.lists(st.sampled_from(["the", "The", "cat", "sat", "mat", "İstanbul"
 
 @settings(max_examples=40, deadline=None)
 @given(tasks=st.lists(st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d", "e"]), _TEXT), max_size=8),
-                      min_size=1, max_size=5), at_once=st.sampled_from([1, 2, 512]), top=st.sampled_from([1, 3, 50]))
+                      min_size=1, max_size=5), at_once=st.sampled_from([1, 2, 512]), top=st.sampled_from([1, 3, 50]),
+       batch=st.sampled_from([1, 3, 512]))
 def test_spilled_profiles_of_any_parts_report_what_one_profile_of_everything_reports(tmp_path_factory, tasks,
-                                                                                    at_once, top):
-    """Any documents (empty ones, CJK, case, sources in several tasks), any slicing, any top_tokens: the same
-    sources, documents and weights as SourceProfiles over all of them, z to float rounding."""
+                                                                                    at_once, top, batch):
+    """Any documents (empty ones, CJK, case, sources in several tasks), any batches of documents summed at once,
+    any slicing, any top_tokens: the same sources, documents and weights as SourceProfiles over all of them, z to
+    float rounding."""
     from kiln.data.gates.distribution import SourceProfiles, SpilledProfiles, profile_part
 
     everything = SourceProfiles(top_tokens=top)
@@ -281,7 +283,7 @@ def test_spilled_profiles_of_any_parts_report_what_one_profile_of_everything_rep
     for docs in tasks:
         for src, text in docs:
             everything.add(src, text)
-        spilled.add(profile_part(docs))
+        spilled.add(profile_part(docs, batch=batch))
     want, got = everything.report(), spilled.report()
     assert list(got) == list(want)
     for src, w in want.items():

@@ -146,43 +146,64 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode("utf-8", "surrogatepass"))
 
 
-def profile_part(documents: Iterable[tuple[str, str]]) -> dict:
-    """One task's profile over its (source, text) `documents`, in their order, made on the worker and split there
-    as SpilledProfiles spills it: {"tokens": {partition: pickle of (tokens, sums of f over the task)},
+class _Sums:
+    """Sums of f and f^2 by token number, folded in from documents in batches (memory: the distinct tokens
+    folded so far, 24 bytes each, and one batch)."""
+
+    def __init__(self) -> None:
+        self.ids, self.f1, self.f2 = np.zeros(0, np.int64), np.zeros(0), np.zeros(0)
+        self.pending_ids: list[np.ndarray] = []
+        self.pending_fs: list[np.ndarray] = []
+
+    def add(self, ids: np.ndarray, fs: np.ndarray) -> None:
+        self.pending_ids.append(ids)
+        self.pending_fs.append(fs)
+
+    def fold(self) -> "_Sums":
+        if self.pending_ids:
+            fs = np.concatenate(self.pending_fs)
+            ids, at = np.unique(np.concatenate([self.ids, *self.pending_ids]), return_inverse=True)
+            weights = np.concatenate([self.f1, fs]), np.concatenate([self.f2, fs * fs])
+            self.ids = ids
+            self.f1, self.f2 = (np.bincount(at, weights=w, minlength=len(ids)) for w in weights)
+            self.pending_ids, self.pending_fs = [], []
+        return self
+
+
+def profile_part(documents: Iterable[tuple[str, str]], batch: int = 512) -> dict:
+    """One task's profile over its (source, text) `documents`, made on the worker and split there as
+    SpilledProfiles spills it: {"tokens": {partition: pickle of (tokens, sums of f over the task)},
     "sources": {partition: pickle of [(source, documents, tokens, sums of f, sums of f^2)]}, "fragments":
-    {partition: sources}}. Every sum adds its documents' f in their order, as SourceProfiles.add does
-    (np.bincount adds its weights one after another), so a source's sums are SourceProfiles's to the bit.
-    Memory: the task's words."""
+    {partition: sources}}. The documents' f are summed `batch` documents at a time, in a fixed order, so a part
+    is the same for any number of workers (SourceProfiles, one document at a time, agrees to float rounding).
+    Memory: the task's distinct (source, token) pairs, 24 bytes each, and one batch of documents' tokens."""
     vocab: dict[str, int] = {}
     docs: Counter[str] = Counter()
-    ids: dict[str, list[int]] = defaultdict(list)  # per source, every document's tokens, in document order
-    fs: dict[str, list[float]] = defaultdict(list)
-    all_ids: list[int] = []  # the task's, in document order
-    all_fs: list[float] = []
-    for source, text in documents:
+    sums: dict[str, _Sums] = defaultdict(_Sums)
+    task = _Sums()
+    for k, (source, text) in enumerate(documents, start=1):
         counts = Counter(map(str.lower, words(text)))
         n = sum(counts.values())
         docs[source] += 1
-        if not n:
-            continue
-        doc_ids = [vocab.setdefault(t, len(vocab)) for t in counts]
-        doc_fs = [c / n for c in counts.values()]
-        ids[source] += doc_ids
-        fs[source] += doc_fs
-        all_ids += doc_ids
-        all_fs += doc_fs
+        if n:
+            ids = np.fromiter((vocab.setdefault(t, len(vocab)) for t in counts), np.int64, len(counts))
+            fs = np.fromiter(counts.values(), np.float64, len(counts)) / n  # c / n, rounded as Python rounds it
+            sums[source].add(ids, fs)
+            task.add(ids, fs)
+        if k % batch == 0:
+            for pending in (task, *sums.values()):
+                pending.fold()
     tokens = np.asarray(list(vocab), dtype=object)
-    totals = np.bincount(np.asarray(all_ids, dtype=np.int64), weights=all_fs, minlength=len(tokens))
+    task.fold()
     by_token: dict[int, list[int]] = defaultdict(list)
-    for i, token in enumerate(tokens.tolist()):
+    for i, token in zip(task.ids.tolist(), tokens[task.ids].tolist()):
         by_token[_crc(token) % TOKEN_PARTITIONS].append(i)
+    totals = np.zeros(len(tokens))
+    totals[task.ids] = task.f1
     by_source: dict[int, list[tuple]] = defaultdict(list)
     for source, n in docs.items():
-        src_ids, src_fs = np.asarray(ids.get(source, []), dtype=np.int64), np.asarray(fs.get(source, []))
-        own, at = np.unique(src_ids, return_inverse=True)
-        by_source[_crc(source) % SOURCE_PARTITIONS].append(
-            (source, n, tokens[own].tolist(), np.bincount(at, weights=src_fs, minlength=len(own)),
-             np.bincount(at, weights=src_fs * src_fs, minlength=len(own))))
+        own = sums[source].fold() if source in sums else _Sums()
+        by_source[_crc(source) % SOURCE_PARTITIONS].append((source, n, tokens[own.ids].tolist(), own.f1, own.f2))
     dump = functools.partial(pickle.dumps, protocol=pickle.HIGHEST_PROTOCOL)
     return {"tokens": {p: dump((tokens[i].tolist(), totals[i])) for p, i in sorted(by_token.items())},
             "sources": {q: dump(frames) for q, frames in sorted(by_source.items())},
@@ -201,8 +222,8 @@ class SpilledProfiles:
        sources in memory (a larger partition is read once per slice of its sources), into arrays spilled beside
        the partition, and adds them into the corpus's sums;
     3. takes the corpus's top_tokens, their means and deviations, and scores the sources from the spilled arrays.
-    Each source's sums are the additions a SourceProfiles holding everything makes, in the same order; the
-    corpus's sums add the sources in another order, so a z agrees with it to float rounding.
+    The sums are those a SourceProfiles holding everything makes, added in another (fixed) order: the report is
+    the same for any number of workers, and agrees with SourceProfiles's to float rounding (`rank_key`).
     Memory: one part while adding; then one token partition's tokens (the corpus vocabulary / TOKEN_PARTITIONS,
     which a real crawl's vocabulary keeps growing, slowly), SOURCES_AT_ONCE x 2 x 2 top_tokens floats (16 MB at
     the default top_tokens=1000), and the report itself, one row per source."""
