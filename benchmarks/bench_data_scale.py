@@ -31,6 +31,8 @@ letters, repeated lines), exact and near-duplicate dedup run.
     N=6250 PROFILE=on python -m benchmarks data_scale       # one worker under cProfile: own time 4N / N
     N=50000 SIZES=N THREADS=workers python -m benchmarks data_scale  # N at 2 and 1 workers, tokenizers' threads
                                                                      # pinned to the workers
+    N=50000 HOST_DOCS=25 ONE_WORKER=off python -m benchmarks data_scale  # source_key=host, a host every 25
+                                                                         # documents: the sources grow with N
 
 With `workers: 1`, pack encodes in the driver and the tokenizers library (Rust, rayon) trains and encodes on
 every core, so a "1 worker" run already uses the machine's 2 cores in those stages. THREADS=workers sets
