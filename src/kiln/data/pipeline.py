@@ -399,6 +399,8 @@ def source_profiles(work: Path, summaries: list[dict[str, Any]], layout, verdict
             spilled.add(pickle.loads(path.read_bytes()))
             path.unlink()
             turn = next(order, None)
+    if turn is not None or waiting:  # a task's part never came, or came for no task: the sums would be short
+        raise RuntimeError(f"distribution profile: task {turn}'s part is missing ({len(waiting)} waiting)")
     return spilled.report()
 
 
