@@ -13,10 +13,10 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
 
 from kiln.errors import ConfigError
 # The model's section is the model's own config (kiln.model.config); Section is every section's strict base.
@@ -389,6 +389,12 @@ class WarmupCalibrationConfig(Section):
     steps_per_sigma: float = Field(200_000, gt=0, description="warmup steps per unit of σ (SEEDS: 200 × σ × 1,000)")
 
 
+def _threads(value: Any) -> int | str | None:
+    if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError("give a number of threads (1 or more), auto, or null")
+
+
 class TrainConfig(Section):
     max_steps: int = Field(100, ge=1)
     batch_size: int = Field(8, ge=1, description="global batch in sequences (all ranks, all micro-steps)")
@@ -425,14 +431,16 @@ class TrainConfig(Section):
     update_ratio_every: int = Field(
         10, ge=1, description="steps between update-to-weight ratio measurements (it copies the weights)"
     )
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads per process; null = torch default")
+    threads: Annotated[int | str | None, BeforeValidator(_threads)] = Field(
+        "auto", description="torch intra-op threads per process; auto = on a CPU, the faster of 1 and all its "
+        "cores, timed on real steps and again when steps slow down (train/parts/threads.py); null = torch default")
     eval_every: int = Field(50, ge=0, description="steps between validation evals; 0 = only at start and end")
     eval_batches: int = Field(8, ge=1)
     log_every: int = Field(10, ge=1, description="steps between printed lines (at most a tenth of max_steps); "
                            "a terminal also gets a live line every step")
     loggers: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
         default_factory=lambda: ["jsonl"], description="metrics.jsonl always; tensorboard -> run/tensorboard/ "
-        "(kiln-lm[tensorboard]); wandb -> run/wandb/ (kiln-lm[wandb]; WANDB_MODE=offline keeps it local)")
+        "(Kiln's extra tensorboard); wandb -> run/wandb/ (extra wandb; WANDB_MODE=offline keeps it local)")
     wandb_project: str = Field("kiln", description="the W&B project of train.loggers' wandb")
     deterministic: bool = Field(False, description="deterministic kernels (torch, cuBLAS, inductor): a resume on "
                                 "the same GPU layout is bitwise exact on GPUs too, at some speed "

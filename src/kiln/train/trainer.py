@@ -46,6 +46,7 @@ from kiln.train.parts.metrics import StepLog
 from kiln.train.parts.profiler import CollectorPause, Profiler
 from kiln.train.parts.schedule_probe import ScheduleProbe
 from kiln.train.parts.signals import StopRequests
+from kiln.train.parts.threads import ThreadTuner
 from kiln.train.parts.validator import Validator
 from kiln.train.parts.watchdog import Watchdog
 from kiln.train.schedule import build_schedule
@@ -59,7 +60,7 @@ class Trainer:
         set_deterministic(t.deterministic)  # before the first matmul: cuBLAS reads its setting once
         self.d = d or init_distributed(cfg.parallel.startup_timeout_s, cfg.out / "run")
         check_loggers(t.loggers)  # a logger asked for and not installed: before any work
-        if t.threads:
+        if isinstance(t.threads, int):  # before any torch work; `auto` is the ThreadTuner part's
             torch.set_num_threads(t.threads)
         if self.d.device.type == "cpu":
             keep_freed_memory()
@@ -127,7 +128,8 @@ class Trainer:
         self.data_resets = DataResets(self.loader, cfg.seed, self.event)
         return [self.loader, self.schedule, self.engine.scaling, self.spikes, self.escalation, self.budget,
                 self.requests, self.data_resets, self.validator, self.step_log, self.watchdog,
-                Profiler(t.profile_steps, self.run_dir / "profile", d.rank), CollectorPause(t.gc_every)]
+                Profiler(t.profile_steps, self.run_dir / "profile", d.rank), CollectorPause(t.gc_every),
+                ThreadTuner(t.threads, d.device, self.log, self.event)]
 
     def _hook(self, name: str, *args) -> list[Any]:
         return [getattr(part, name)(*args) for part in self.parts if hasattr(part, name)]
