@@ -49,9 +49,9 @@ def _explicit_overrides(argv: list[str]) -> tuple[list[str], list[str] | None]:
 
 
 def _console():
-    from rich.console import Console
+    from kiln.terminal import stderr_console
 
-    return Console(stderr=True, highlight=False, soft_wrap=True)
+    return stderr_console()
 
 
 def cmd_run(args) -> int:
@@ -531,6 +531,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KilnError as exc:
         print(f"kiln: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:  # an optional extra that is not installed (kiln.install)
+        from kiln.install import missing_module_message
+
+        if (message := missing_module_message(exc)) is None:
+            raise
+        print(f"kiln: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kiln: interrupted", file=sys.stderr)

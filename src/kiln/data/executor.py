@@ -66,7 +66,9 @@ def _import_ray():
     try:
         import ray
     except ImportError:
-        raise KilnError("data.executor=ray needs Ray; pip install 'kiln-lm[ray]' or use data.executor=local") from None
+        from kiln.install import install_hint
+
+        raise KilnError(f"data.executor=ray needs Ray: {install_hint('ray')}, or use data.executor=local") from None
     return ray
 
 

@@ -80,8 +80,10 @@ def trafilatura_text(html: str) -> str:
     try:
         import trafilatura
     except ImportError as exc:
-        raise KilnError(f"data.extractor=trafilatura needs trafilatura and lxml_html_clean ({exc}); "
-                        "pip install 'kiln-lm[trafilatura]' or use data.extractor=resiliparse") from None
+        from kiln.install import install_hint
+
+        raise KilnError(f"data.extractor=trafilatura needs trafilatura and lxml_html_clean ({exc}): "
+                        f"{install_hint('trafilatura')}, or use data.extractor=resiliparse") from None
     return trafilatura.extract(html, include_comments=False, include_tables=True, deduplicate=False) or ""
 
 

@@ -39,8 +39,10 @@ def _filesystem(source: str, storage_options: dict[str, Any]):
     try:
         fs, path = fsspec.core.url_to_fs(source, **storage_options)
     except (ImportError, ValueError) as exc:  # s3:// without s3fs installed; a scheme fsspec does not know
-        raise KilnError(f"{source}: no filesystem for this URL ({exc}); check the scheme, or install the extra, "
-                        f"e.g. pip install 'kiln-lm[s3]'") from None
+        from kiln.install import install_hint
+
+        raise KilnError(f"{source}: no filesystem for this URL ({exc}); check the scheme, or install its "
+                        f"filesystem, e.g. for s3://: {install_hint('s3')}") from None
     return fs, path
 
 

@@ -216,6 +216,8 @@ def _count(n: int | None) -> str:
 
 def model_card(cfg: Config, config: dict, checkpoint: Path, out_dir: Path, params: int) -> str:
     """README.md of the export: what the model is, what it was trained on, how to load and evaluate it."""
+    from kiln import __version__ as kiln_version
+
     state = json.loads((Path(checkpoint) / "state.json").read_text())
     step, tokens = state.get("step"), state.get("tokens_seen")
     val = (state.get("history") or {}).get("val_loss", {}).get(str(step))
@@ -231,7 +233,8 @@ tags: [kiln, pretraining, {config["model_type"]}]
 
 # {out_dir.name}
 
-A {arch} of {params:,} parameters trained with Kiln (`pip install kiln-lm`).
+A {arch} of {params:,} parameters trained with Kiln {kiln_version}. It loads with `transformers` alone
+(`pip install transformers torch`).
 
 | | |
 |---|---|

@@ -31,7 +31,9 @@ def _filesystem(url: str):
     try:
         from fsspec.core import url_to_fs
     except ImportError:
-        raise KilnError(f"{url}: reading shards from a URL needs fsspec (pip install 'kiln-lm[s3]')") from None
+        from kiln.install import install_hint
+
+        raise KilnError(f"{url}: reading shards from a URL needs fsspec: {install_hint('s3')}") from None
     try:
         return url_to_fs(url)
     except (ImportError, ValueError) as exc:

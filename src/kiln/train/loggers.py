@@ -1,8 +1,8 @@
 """Where metrics go besides metrics.jsonl: `train.loggers: [jsonl, tensorboard, wandb]` (default [jsonl]).
 
 metrics.jsonl is always written (the report and resume read it); `tensorboard` writes run/tensorboard/
-(`pip install 'kiln-lm[tensorboard]'`), `wandb` a Weights & Biases run under run/wandb/
-(`pip install 'kiln-lm[wandb]'`; `WANDB_MODE=offline` keeps it on disk, `wandb sync` uploads it later).
+(Kiln's extra `tensorboard`), `wandb` a Weights & Biases run under run/wandb/
+(the extra `wandb`; `WANDB_MODE=offline` keeps it on disk, `wandb sync` uploads it later).
 A logger that is asked for and not installed stops the run before any work, naming the extra to install.
 Each sink sees every record the trainer writes; it keeps nothing of its own (W&B buffers in its own process).
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import ConfigError
+from kiln.install import install_hint
 
 MODULES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
@@ -23,8 +24,8 @@ def check_loggers(loggers: list[str]) -> None:
     for name in loggers:
         module = MODULES.get(name)
         if module and importlib.util.find_spec(module) is None:
-            raise ConfigError(f"train.loggers asks for {name}, which is not installed: "
-                              f"pip install 'kiln-lm[{name}]' (or remove {name} from train.loggers)")
+            raise ConfigError(f"train.loggers asks for {name}, which is not installed: {install_hint(name)}, "
+                              f"or remove {name} from train.loggers")
 
 
 def numbers(record: dict[str, Any]) -> dict[str, float]:

@@ -38,8 +38,9 @@ def _floret():
     try:
         import floret
     except ImportError:
-        raise ConfigError("data.quality.classifier needs floret: pip install 'kiln-lm[quality]' "
-                          "(or floret==0.10.5)") from None
+        from kiln.install import install_hint
+
+        raise ConfigError(f"data.quality.classifier needs floret: {install_hint('quality')}") from None
     return floret
 
 
