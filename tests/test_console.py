@@ -7,7 +7,9 @@ import json
 import os
 import pty
 import re
+import signal
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -31,11 +33,13 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "200", "TERM": "xterm-256color"}
 
 
-def under_pty(args: list[str]) -> tuple[int, str]:
-    """Run a command with stdout and stderr on a pseudo-terminal; (exit code, everything it wrote)."""
+def under_pty(args: list[str], columns: int = 200, sigterm_at: bytes | None = None,
+              environ: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run a command with stdout and stderr on a pseudo-terminal `columns` wide; (exit code, everything it
+    wrote). With `sigterm_at`, SIGTERM is sent once that text has appeared."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: its terminal is the pty
-        os.execvpe(args[0], args, env())
+        os.execvpe(args[0], args, {**(environ or env()), "COLUMNS": str(columns)})
     chunks = []
     while True:
         try:
@@ -45,6 +49,9 @@ def under_pty(args: list[str]) -> tuple[int, str]:
         if not data:
             break
         chunks.append(data)
+        if sigterm_at is not None and sigterm_at in b"".join(chunks[-3:]):
+            os.kill(pid, signal.SIGTERM)
+            sigterm_at = None
     _, status = os.waitpid(pid, 0)
     os.close(fd)
     return os.waitstatus_to_exitcode(status), b"".join(chunks).decode("utf-8", "replace")
@@ -155,3 +162,119 @@ def test_kiln_run_shows_a_progress_line_per_stage_under_a_terminal(tmp_path):
     assert re.search(r"✓ tokenizer: sampling up to [\d,]+ documents and training", plain)  # ends ticked
     assert re.search(r"✓ pack: \d+ documents", plain)  # not a frozen spinner glyph
     assert re.search(r"wall time: pack\s+│", plain) and "next:" in plain and "kiln run " in plain
+
+
+# --- kiln run's own lines and summary, under a terminal and in a file -------------------------------------------
+
+def five_file_config(tmp_path: Path) -> tuple[Path, Path]:
+    """A config reading a glob of 5 WARC files (40 pages of the sample) into an out_dir whose checkpoint paths
+    are longer than any terminal line here; (config file, out_dir)."""
+    from conftest import SAMPLE_WARC, warc_pages, write_warc
+
+    pages = warc_pages(SAMPLE_WARC)[:40]
+    crawl = tmp_path / "crawl"
+    crawl.mkdir()
+    for i in range(5):
+        write_warc(crawl / f"part-{i}.warc.gz", [(url, body, "text/html") for url, body in pages[i * 8:(i + 1) * 8]])
+    out = tmp_path / ("a-folder-with-a-long-name-" * 4) / "out"
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps({
+        "out_dir": str(out), "data": {"inputs": [str(crawl / "*.warc.gz")], "min_chars": 200, "workers": 1},
+        "tokenizer": {"vocab_size": 512}, "pack": {"seq_len": 64},
+        "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2},
+        "train": {"max_steps": 200, "batch_size": 8, "warmup_steps": 2, "eval_every": 0, "threads": 1,
+                  "log_every": 100},  # a plain line every 20 steps (a tenth of the run); the live line each step
+        "checkpoint": {"every": 100}}))
+    return config, out
+
+
+def kiln_script() -> tuple[list[str], str]:
+    """(the argv that runs this environment's `kiln` script, how Kiln should name it in "next:" lines: the
+    child's PATH leaves that folder out, so not as bare `kiln`)."""
+    script = Path(sys.executable).parent / "kiln"
+    if not script.is_file():
+        pytest.skip("kiln is not installed as a script in this environment")
+    shown = os.path.relpath(script)
+    return [str(script)], shown if not shown.startswith("..") else str(script)
+
+
+def path_env() -> dict[str, str]:
+    bin_dir = str(Path(sys.executable).parent)
+    return {**env(), "PATH": os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p != bin_dir)}
+
+
+def summary_value(text: str, what: str) -> str:
+    """The value cell of the summary row `what`, with the lines it folded onto joined back."""
+    value, inside = [], False
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("│")]
+        if len(cells) != 4:
+            inside = False
+            continue
+        if cells[1] == what:
+            inside = True
+        elif cells[1]:
+            inside = False
+        if inside:
+            value.append(cells[2])
+    return "".join(value)
+
+
+def assert_summary_whole(text: str, out: Path, kiln: str, step: int) -> None:
+    ckpt = out / "run" / "checkpoints" / f"step-{step:08d}"
+    assert len(str(ckpt)) > 110 and "…" not in text
+    assert summary_value(text, "checkpoint") == str(ckpt)  # folded in its cell, never cut
+    for command in (f"{kiln} report {out / 'run'}", f"{kiln} export --hf {out / 'run'} {out / 'hf'}"):
+        assert f"\n  {command}\n" in text.replace("\r\n", "\n"), command  # one line each, however long
+
+
+def lines_of(text: str) -> list[str]:
+    """What a terminal or a file shows line by line (escape codes dropped; \\r starts a line, as a redraw does)."""
+    return ANSI.sub("", text).splitlines()
+
+
+def assert_own_lines(lines: list[str]) -> int:
+    """The trainer's lines each start a line (none glued to the end of the live line); the step it stopped at."""
+    for line in lines:
+        if "/200 " in line:
+            assert line.startswith("step "), line
+    stop = next(ln for ln in lines if "stopping cleanly (SIGTERM)" in ln)
+    assert re.fullmatch(r"step \d+: stopping cleanly \(SIGTERM\); the same command resumes", stop), stop
+    return int(stop.split(":")[0].split()[1])
+
+
+def test_kiln_run_lines_and_summary_under_a_terminal_and_in_a_file(tmp_path):
+    config, out = five_file_config(tmp_path)
+    argv, kiln = kiln_script()
+
+    # 1. Under a terminal 100 columns wide, SIGTERM during training.
+    rc, raw = under_pty([*argv, "run", str(config)], 100, b"step 23/200", path_env())
+    assert rc == 0, raw
+    lines = lines_of(raw)
+    assert f"data: reading 5 input files -> {out / 'docs'}" in lines
+    stopped = assert_own_lines(lines)
+    assert stopped % 20 and any(ln.startswith("step 20/200 ") for ln in lines)  # stopped between plain lines
+    assert_summary_whole("\n".join(lines), out, kiln, stopped)
+
+    # 2. Into a file: the finished stages are skipped (and say so), the run resumes; SIGTERM again.
+    log = tmp_path / "run.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([*argv, "run", str(config)], stdout=f, stderr=subprocess.STDOUT, env=path_env())
+        deadline = time.monotonic() + 300
+        while f"step {stopped // 20 * 20 + 40}/200" not in log.read_text() and proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=300) == 0
+    text = log.read_text()
+    assert "\x1b[" not in text
+    for stage in ("data", "tokenizer", "pack"):
+        assert summary_value(text, f"wall time: {stage}") == "skipped (up to date)"
+    assert_summary_whole(text, out, kiln, assert_own_lines(text.splitlines()))
+
+    # 3. Under a terminal again, to the end: skipped stages there too.
+    rc, raw = under_pty([*argv, "run", str(config)], 100, environ=path_env())
+    assert rc == 0, raw
+    text = "\n".join(lines_of(raw))
+    assert summary_value(text, "wall time: data") == "skipped (up to date)" and "0.0 s" not in text
+    assert_summary_whole(text, out, kiln, 200)

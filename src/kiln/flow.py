@@ -22,17 +22,37 @@ def _hash(*parts: str) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
+class StageLog:
+    """The `log` run_all gives a stage: prints its lines, and notes when the stage found its output up to date
+    (the summary then says "skipped", not the seconds it took to check)."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self.log, self.skipped = log, False
+
+    def __call__(self, message: str) -> None:
+        self.log(message)
+
+    def skip(self, message: str) -> None:
+        self.skipped = True
+        self.log(message)
+
+
+def _skip(log: Callable[[str], None], message: str) -> None:
+    getattr(log, "skip", log)(message)  # a plain callable (tests, benchmarks) just prints
+
+
 def run_data_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
     docs = cfg.out / "docs"
     if not cfg.data.inputs:
         raise KilnError(
             "data.inputs is empty; list WARC files or globs in the config (e.g. examples/data/sample.warc.gz)"
         )
-    fp = data_fingerprint(expand_inputs(cfg.data.inputs, cfg.data.storage_options), cfg.data)
+    files = expand_inputs(cfg.data.inputs, cfg.data.storage_options)
+    fp = data_fingerprint(files, cfg.data)
     if is_complete(docs, fp):
-        log(f"data: skipping, {docs} is complete and up to date")
+        _skip(log, f"data: skipping, {docs} is complete and up to date")
     else:
-        log(f"data: reading {len(cfg.data.inputs)} input(s) -> {docs}")
+        log(f"data: reading {len(files):,} input file{'' if len(files) == 1 else 's'} -> {docs}")
         run_data(cfg.data.inputs, docs, cfg.data, progress=stderr_is_terminal())
     return json.loads((docs / "stats.json").read_text())
 
@@ -43,13 +63,15 @@ def run_tokenizer_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, An
         raise KilnError(few)
     if cfg.tokenizer.path:  # the user's own: committed as it is, with the names of its special tokens
         fp = _hash(tokenizer_sha256(cfg.tokenizer.path), cfg.section_hash("tokenizer"))
-        if not is_complete(out, fp):
+        if is_complete(out, fp):
+            _skip(log, f"tokenizer: skipping, {out} is complete and up to date")
+        else:
             log(f"tokenizer: using {cfg.tokenizer.path} -> {out}")
             use_tokenizer(out, cfg.tokenizer, fingerprint=fp)
         return read_manifest(out)
     fp = _hash(sha256_file(docs / MANIFEST), cfg.section_hash("tokenizer"))
     if is_complete(out, fp):
-        log(f"tokenizer: skipping, {out} is complete and up to date")
+        _skip(log, f"tokenizer: skipping, {out} is complete and up to date")
     else:
         log(f"tokenizer: training byte-level BPE (vocab {cfg.tokenizer.vocab_size}) -> {out}")
         with stage_progress(f"tokenizer: sampling up to {cfg.tokenizer.max_docs:,} documents and training"):
@@ -61,7 +83,7 @@ def run_pack_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
     docs, tok, out = cfg.out / "docs", cfg.out / "tokenizer", cfg.out / "shards"
     fp = _hash(sha256_file(docs / MANIFEST), tokenizer_sha256(tok), cfg.section_hash("pack"))
     if is_complete(out, fp):
-        log(f"pack: skipping, {out} is complete and up to date")
+        _skip(log, f"pack: skipping, {out} is complete and up to date")
     else:
         log(f"pack: encoding and packing into sequences of {cfg.pack.seq_len} -> {out}")
         pack(read_docs(docs), tok, out, cfg.pack, fingerprint=fp,
@@ -75,7 +97,7 @@ def run_train_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
 
     latest = latest_valid(cfg.out / "run" / "checkpoints", log=log)
     if latest is not None and step_of(latest) >= cfg.train.max_steps:
-        log(f"train: skipping, {latest} already reached train.max_steps={cfg.train.max_steps}")
+        _skip(log, f"train: skipping, {latest} already reached train.max_steps={cfg.train.max_steps}")
     else:
         log(f"train: {cfg.train.max_steps} steps -> {cfg.out / 'run'}")
     return Trainer(cfg, log=log).run()
@@ -85,12 +107,16 @@ STAGES = {"data": run_data_stage, "tokenizer": run_tokenizer_stage, "pack": run_
 
 
 def run_all(cfg: Config, log: Callable[[str], None] = print, until: str = "train") -> dict[str, Any]:
-    """Run the stages in order up to and including `until`; returns each stage's result by name."""
-    results: dict[str, Any] = {"timings_s": {}}
+    """Run the stages in order up to and including `until`; returns each stage's result by name, its wall
+    time (`timings_s`) and the stages that were already up to date (`skipped`)."""
+    results: dict[str, Any] = {"timings_s": {}, "skipped": []}
     for name, stage in STAGES.items():
         start = time.perf_counter()
-        results[name] = stage(cfg, log)
+        stage_log = StageLog(log)
+        results[name] = stage(cfg, stage_log)
         results["timings_s"][name] = round(time.perf_counter() - start, 3)
+        if stage_log.skipped:
+            results["skipped"].append(name)
         if name == until:
             break
     return results

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from rich.console import Console
+from kiln.terminal import stderr_console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 
@@ -16,7 +16,7 @@ class DataProgress:
         self.bar = Progress(
             TextColumn("data"), BarColumn(), TextColumn("{task.completed:,.0f}/{task.total:,.0f} B"),
             TextColumn("{task.fields[rate]}"), TimeRemainingColumn(),
-            console=Console(stderr=True), transient=False,
+            console=stderr_console(), transient=False,
         )
         self.job = self.bar.add_task("data", total=max(total_bytes, 1), rate=f"0/{tasks} tasks")
         self.tasks, self.done, self.records, self.kept, self.bytes = tasks, 0, 0, 0, 0

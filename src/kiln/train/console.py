@@ -46,11 +46,13 @@ class TrainConsole:
         self.smoothed: float | None = None
         self.live = None
         if stderr_is_terminal() if live is None else live:
-            from rich.console import Console
             from rich.live import Live
 
-            # redirect_stderr: the trainer's own lines (evals, saves) print above the live line.
-            self.live = Live(console=Console(stderr=True, highlight=False), auto_refresh=False, transient=True,
+            from kiln.terminal import stderr_console
+
+            # The trainer's own lines (evals, saves, a stop) print above the live line when they go through the
+            # same Console (kiln.terminal); redirect_stderr does it for plain writes to sys.stderr.
+            self.live = Live(console=stderr_console(), auto_refresh=False, transient=True,
                              redirect_stderr=True, redirect_stdout=False)
             self.live.start()
 
@@ -81,7 +83,9 @@ class TrainConsole:
         if self.live is not None:
             from rich.text import Text
 
-            self.live.update(Text(text), refresh=True)
+            # Wrapped at the terminal's width whatever the printing call asks (soft_wrap), so the live line's
+            # height is what rich erases before the next draw.
+            self.live.update(Text(text, no_wrap=False, overflow="fold"), refresh=True)
         step = record["step"]
         if step % self.every == 0 or step == self.max_steps or skipped:
             self.log(text)
@@ -118,11 +122,12 @@ def stage_progress(label: str, show: bool | None = None) -> Iterator[None]:
         with nullcontext():
             yield
         return
-    from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+    from kiln.terminal import stderr_console
+
     bar = Progress(SpinnerColumn(finished_text="✓"), TextColumn(label), TimeElapsedColumn(),
-                   console=Console(stderr=True), transient=False)
+                   console=stderr_console(), transient=False)
     task = bar.add_task(label, total=1)
     with bar:
         yield
