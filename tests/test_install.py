@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tomllib
 import venv
-from pathlib import Path
 
 import pytest
 
