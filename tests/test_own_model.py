@@ -122,6 +122,8 @@ def test_export_nits_generation_config_file_modes_and_model_card(prepared, hub_m
     card = (tmp_path / "hf" / "README.md").read_text()
     assert "library_name: transformers" in card and "LlamaForCausalLM" in card
     assert "lm_eval --model hf --model_args pretrained=" in card and "| training steps / tokens | 0 / 0 |" in card
+    # Its install line is one that works: the model needs transformers and torch; Kiln is on no index.
+    assert "`pip install transformers torch`" in card and "kiln-lm" not in card
 
 
 def test_a_tokenizer_without_the_eos_it_is_told_names_its_special_tokens(prepared, hub_model, tmp_path, capsys):
