@@ -166,10 +166,11 @@ def fresh_copy(dest: Path) -> Path:
 def test_readme_from_a_fresh_copy_every_runnable_block(tmp_path):
     """A newcomer's path: `make run` on a fresh copy (core dependencies only), then every runnable block."""
     root = fresh_copy(tmp_path / "kiln")
-    env = {**sandbox_env(root), "PATH": f"{root / '.venv' / 'bin'}{os.pathsep}/usr/local/bin:/usr/bin:/bin"}
+    fresh = {**sandbox_env(root), "PATH": "/usr/local/bin:/usr/bin:/bin"}  # a newcomer's shell: no .venv yet
+    env = {**fresh, "PATH": f"{root / '.venv' / 'bin'}{os.pathsep}{fresh['PATH']}"}  # after `. .venv/bin/activate`
     first, *rest = [(info, body) for info, body in blocks() if info in KINDS - {"sh dry-run", "sh cluster"}]
     assert first == ("sh runnable slow", "make run\n")
-    done = subprocess.run(["make", "run"], cwd=root, env=env, capture_output=True, text=True, timeout=3600)
+    done = subprocess.run(["make", "run"], cwd=root, env=fresh, capture_output=True, text=True, timeout=3600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "warning:" not in done.stderr  # the demo config triggers none of its own warnings
     assert "\n  .venv/bin/kiln report " in done.stderr.replace("\r", "")  # a next: line that works from here

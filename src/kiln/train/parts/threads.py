@@ -2,14 +2,15 @@
 
 On a CPU, torch's intra-op threads meet at a barrier after every op. When other programs keep the cores busy,
 the scheduler parks one thread and every op waits for it: on 2 busy cores a step of a small model took
-1.5-2.3 s with 2 threads and 0.08 s with 1 (NOTES.md). So on a CPU `auto` times real training steps, taking
-turns at N threads (the cores this process may run on, shared by the processes of this node) and at 1, three
-steps each after the first step, keeps the faster by the median, and says what it chose and why. It times
-again when its steps get SLOWER times slower than when it chose (load came), and otherwise after an interval
-of steps that doubles each time the choice stands (load went): a few steps at the slower count each time.
+1.5-2.3 s with 2 threads and 0.08 s with 1 (NOTES.md). So on a CPU `auto` starts at 1 thread and, after the
+first step, times real training steps taking turns at N threads (the cores this process may run on, shared by
+the processes of this node) and at 1, three steps each, and keeps the faster by the median (at once when one
+count's fastest step is CLEAR times the other's slowest: a busy machine costs one slow step, not three); it
+says what it chose and why. It times again when its steps get SLOWER times slower than when it chose (load
+came), and otherwise after an interval of steps that doubles each time the choice stands (load went).
 
 The count does not change the numbers (CPU kernels here split work the same way whatever the thread count;
-tests/test_train.py trains with 1 and 2 threads and compares the losses bit for bit), so a resume may choose
+tests/test_threads.py trains with 1 and 2 threads and compares the losses bit for bit), so a resume may choose
 differently without breaking bitwise resumption, and the choice holds no checkpoint state. On a GPU, and for
 a number in train.threads, nothing is timed.
 """
@@ -27,6 +28,7 @@ from kiln.train.parts import Outcome
 
 TRIAL_STEPS = 3  # steps at each count in one trial
 SLOWER = 1.5  # the chosen count's recent median step this much slower than when chosen: time again
+CLEAR = 2.0  # a count whose fastest trial step is this much slower than the other's slowest loses at once
 FIRST_INTERVAL = 50  # steps until the next trial when the choice stands; doubles each time, up to LAST_INTERVAL
 LAST_INTERVAL = 1600
 
@@ -49,13 +51,13 @@ class ThreadTuner:
         self.tuning = setting == "auto" and device.type == "cpu" and self.most > 1
         self.plan: list[int] = []  # the counts of the coming trial steps
         self.trial: dict[int, list[float]] = {}
-        self.chosen, self.chosen_s = self.most, float("inf")
+        self.chosen, self.chosen_s = 1, float("inf")
         self.recent: deque[float] = deque(maxlen=TRIAL_STEPS)
         self.interval, self.next_trial = FIRST_INTERVAL, 0
 
     def pre_train(self) -> None:
         if self.tuning:
-            torch.set_num_threads(self.most)
+            torch.set_num_threads(1)  # safe on a busy machine, never far off on an idle one
             self.next_trial = -1  # after the first step, which pays for allocations and warm-up
 
     def pre_step(self, step: int) -> None:
@@ -68,7 +70,8 @@ class ThreadTuner:
         seconds = outcome.dt - float(outcome.measured.get("time_data_s") or 0.0)  # compute, not waiting for data
         if self.plan:
             self.trial.setdefault(self.plan.pop(0), []).append(seconds)
-            if not self.plan:
+            if not self.plan or self.clear_winner():
+                self.plan = []
                 self.choose(outcome.step)
             return
         self.recent.append(seconds)
@@ -76,6 +79,14 @@ class ThreadTuner:
         if self.next_trial < 0 or slower or outcome.step >= self.next_trial:
             self.plan = [self.most, 1] * TRIAL_STEPS
             self.trial = {}
+
+    def clear_winner(self) -> bool:
+        """One count's fastest step is CLEAR times slower than the other's slowest: more steps would not change
+        the choice (on busy cores a step at N threads can take 10x one at 1: no need to take three)."""
+        if len(self.trial) < 2:
+            return False
+        (a, times_a), (b, times_b) = self.trial.items()
+        return min(times_a) > CLEAR * max(times_b) or min(times_b) > CLEAR * max(times_a)
 
     def choose(self, step: int) -> None:
         medians = {n: statistics.median(times) for n, times in self.trial.items()}
