@@ -1,0 +1,104 @@
+"""A lost node: the time from the failure to the next step, and the work lost, with step-based and time-based
+checkpoints, on two torchrun agents on this machine (benchmarks/elastic_agents.py: `--nnodes=1:2`, c10d on
+localhost, gloo, one thread per worker, torch's rendezvous settings shortened to a 1 s keep-alive and last call).
+
+For each model (a step time) and checkpoint policy, TRIALS times: both agents train; once the 2-rank group has
+made WARM steps, after a random delay in [0, SPAN) s node B is lost (SIGKILL of its agent and every descendant);
+node A goes on alone from the newest checkpoint. Measured, from A's `membership` record and the harness's clock:
+
+  recovery_s   from the kill to the end of the first step of A alone (the step record's wall_time)
+  lost_steps   steps trained past the checkpoint resumed (they run again), and lost_s their wall seconds
+
+Policies, both with async sharded saves (`checkpoint.format: sharded`, `async_save: true`):
+  steps        checkpoint.every = EVERY_STEPS
+  time         checkpoint.every_seconds = EVERY_SECONDS (checkpoint.every beyond the run)
+Models: `small` (d=64, 2 layers) and `base` (bench_train_step's d=256, 4 layers), seq 256, global batch 8:
+step-based saves lose work in proportion to the step time, time-based ones at most EVERY_SECONDS plus a save.
+Reported: medians over the trials, the step time of each model, and the load average of this shared machine
+before and after.
+
+    python -m benchmarks elastic
+    KILN_BENCH_RUNS=5 python -m benchmarks elastic     # trials per model and policy (default 3)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.bench_train_step import bench_config, fresh_out, prepare
+from benchmarks.elastic_agents import Job, wait_until
+
+TRIALS = int(os.environ.get("KILN_BENCH_RUNS", "3"))
+WARM, SPAN = 10, 20.0
+EVERY_STEPS, EVERY_SECONDS = 20, 5.0
+MODELS = {"small": {"dim": 64, "n_layers": 2, "n_heads": 4}, "base": {"dim": 256, "n_layers": 4, "n_heads": 4}}
+POLICIES = {"steps": {"every": EVERY_STEPS}, "time": {"every": 1_000_000, "every_seconds": EVERY_SECONDS}}
+
+
+def records(out: Path, kind: str) -> list[dict]:
+    path = out / "run" / "metrics.jsonl"
+    found = []
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        if f'"event": "{kind}"' in line:
+            try:
+                found.append(json.loads(line))
+            except ValueError:  # a line being written
+                pass
+    return found
+
+
+def trial(data: Path, parent: Path, model: str, policy: str, rng: random.Random) -> dict:
+    out = fresh_out(data, parent)
+    cfg = bench_config(out, max_steps=100_000, threads=1, log_every=50).model_dump(mode="json")
+    cfg["model"].update(MODELS[model])
+    cfg["checkpoint"] = {**cfg["checkpoint"], "format": "sharded", "async_save": True, "keep_last": 2,
+                         **POLICIES[policy]}
+    cfg["watchdog"]["stall_timeout_s"] = 120
+    path = out / "config.yaml"
+    from kiln.config import build_config
+
+    path.write_text(build_config(cfg).to_yaml())
+    job = Job(path, out / "agents", max_restarts=3)
+    try:
+        a, b = job.start("node-a"), job.start("node-b")
+        two = lambda: [r for r in records(out, "step") if r["world"] == 2]  # noqa: E731
+        wait_until(lambda: len(two()) >= WARM, f"{WARM} steps on 2 ranks", 600, [a, b])
+        time.sleep(rng.uniform(0, SPAN))  # the failure comes at a random moment, not at a step boundary
+        steps_before = two()
+        killed = b.lose()
+        wait_until(lambda: any(r["world"] == 1 for r in records(out, "step")), "a step of node A alone", 600, [a])
+        first = next(r for r in records(out, "step") if r["world"] == 1)
+        shrink = next(r for r in records(out, "membership") if r["change"] == "shrink")
+    finally:
+        job.close()
+    step_s = statistics.median(r["step_time_s"] for r in steps_before[WARM // 2:])
+    return {"recovery_s": first["wall_time"] - killed, "lost_steps": shrink["lost_steps"],
+            "lost_s": shrink["lost_s"] or 0.0, "step_s": step_s}
+
+
+def main() -> None:
+    rng = random.Random()
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-elastic-") as tmp:
+        data = prepare(Path(tmp))
+        rows = []
+        for model in MODELS:
+            for policy in POLICIES:
+                got = [trial(data, Path(tmp), model, policy, rng) for _ in range(TRIALS)]
+                row = {"model": model, "policy": policy,
+                       **{k: statistics.median(g[k] for g in got) for k in got[0]},
+                       "lost_s_max": max(g["lost_s"] for g in got)}
+                rows.append(row)
+                each = ", ".join("{recovery_s:.1f}/{lost_s:.1f}".format(**g) for g in got)
+                print(f"{model:5s} {policy:5s}  step {row['step_s'] * 1000:5.0f} ms"
+                      f"  recovery {row['recovery_s']:5.1f} s  lost {row['lost_steps']:4.0f} steps"
+                      f" = {row['lost_s']:5.1f} s (max {row['lost_s_max']:.1f} s)"
+                      f"  [recovery/lost s: {each}]")
+    print(f"medians of {TRIALS} trials; load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f} "
+          f"({os.cpu_count()} cores)")
