@@ -60,7 +60,8 @@ def test_kiln_host_names_the_node(monkeypatch):
 # --- the membership record -----------------------------------------------------------------------
 
 def step_line(step: int, wall_time: float) -> str:
-    return json.dumps({"event": "step", "step": step, "loss": 1.0, "world": 2, "wall_time": wall_time}) + "\n"
+    return json.dumps({"event": "step", "step": step, "loss": 1.0, "world": 2, "wall_time": wall_time,
+                       "step_time_s": 0.5}) + "\n"
 
 
 def make_membership(run: Path, host: str = "node-a") -> tuple[Membership, list[dict], list[str]]:
@@ -129,8 +130,10 @@ def test_a_shrink_on_a_store_shared_with_the_agent_warns_that_it_cannot_grow_bac
 def test_last_steps_reads_a_torn_file_and_a_missing_one(tmp_path):
     path = tmp_path / "metrics.jsonl"
     assert last_steps(path, 3) == {"last_step": None, "last_time": None, "resume_time": None}
-    path.write_text(step_line(3, 10.0) + step_line(4, 11.0) + '{"event": "step", "ste')
+    path.write_text(step_line(1, 8.0) + step_line(2, 9.0) + step_line(3, 10.0) + step_line(4, 11.0)
+                    + '{"event": "step", "ste')
     assert last_steps(path, 3) == {"last_step": 4, "last_time": 11.0, "resume_time": 10.0}
+    assert last_steps(path, 0)["resume_time"] == 7.5  # from scratch: when step 1 began
 
 
 # --- excluded hosts ------------------------------------------------------------------------------

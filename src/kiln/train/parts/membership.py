@@ -92,7 +92,7 @@ def stop_agent() -> bool:
 
 def last_steps(metrics: Path, resume_step: int) -> dict[str, Any]:
     """From metrics.jsonl (streamed; a torn last line of a killed writer is skipped): the last step record's step
-    and wall time, and the wall time of the step resumed from."""
+    and wall time, and the wall time of the step resumed from (from step 0: when step 1 began)."""
     found: dict[str, Any] = {"last_step": None, "last_time": None, "resume_time": None}
     try:
         with open(metrics) as f:
@@ -106,6 +106,8 @@ def last_steps(metrics: Path, resume_step: int) -> dict[str, Any]:
                 found.update(last_step=record["step"], last_time=record.get("wall_time"))
                 if record["step"] == resume_step:
                     found["resume_time"] = record.get("wall_time")
+                elif record["step"] == 1 and resume_step == 0 and record.get("wall_time") is not None:
+                    found["resume_time"] = record["wall_time"] - record["step_time_s"]
     except OSError:
         pass
     return found
