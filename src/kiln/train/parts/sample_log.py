@@ -1,7 +1,8 @@
 """loader.record_samples: the exactly-once accounting of the data, as a record per step.
 
 Every step each rank hands in the sample indices its loader gave it (`Loader.consumed`) and rank 0 writes
-`{"event": "samples", "step", "epoch", "ranks": [[indices of rank 0], [of rank 1], ...]}` to metrics.jsonl. A
+`{"event": "samples", "step", "epoch", "ranks": [[indices of data-parallel rank 0], [of rank 1], ...]}` to
+metrics.jsonl (the ranks of one model replica, under tensor or pipeline parallelism, read the same ones). A
 resume truncates metrics.jsonl to the checkpoint's step, so the records left describe the steps the final
 weights saw: over a run with shrinks and grows, each sample of an epoch must appear in them once. One
 all_gather_object of a few hundred integers per step: a check to run, not a setting for speed.
@@ -20,5 +21,7 @@ class SampleLog:
         self.loader, self.d, self.event = loader, d, event
 
     def post_step(self, outcome) -> None:
-        ranks = gather(self.d, self.loader.consumed.tolist())
+        ranks: list[list[int] | None] = [None] * self.loader.world  # by data-parallel rank: the ranks of one
+        for dp_rank, indices in gather(self.d, (self.loader.rank, self.loader.consumed.tolist())):  # replica
+            ranks[dp_rank] = indices  # (tensor or pipeline parallel) read the same samples, counted once
         self.event({"event": "samples", "step": outcome.step, "epoch": self.loader.state.epoch, "ranks": ranks})
