@@ -41,8 +41,7 @@ from typing import Any, Callable
 
 from kiln.errors import KilnError
 from kiln.manifest import write_atomic
-from kiln.train.consensus import gather
-from kiln.train.parallel import Dist
+from kiln.train.parallel import Dist, all_gather_objects
 from kiln.train.parallel.dist import shares_agent_store
 
 GROUP_FILE = "membership.json"
@@ -124,7 +123,7 @@ class Membership:
 
     def __init__(self, d: Dist, run_dir: Path, event: Callable[[dict], None], log: Callable[[str], None]) -> None:
         self.d, self.run_dir, self.event, self.log = d, Path(run_dir), event, log
-        seen = gather(d, (d.host, excluded_hosts(self.run_dir) if d.is_main else None))
+        seen = all_gather_objects(d, (d.host, excluded_hosts(self.run_dir) if d.is_main else None))
         self.hosts = [host for host, _ in seen]
         self.excluded = seen[0][1]  # rank 0's view of the run folder decides, as for checkpoints (consensus.py)
         self.saved: dict[str, Any] | None = None

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kiln.train.consensus import gather
-from kiln.train.parallel import Dist
+from kiln.train.parallel import Dist, all_gather_objects
 
 
 class SampleLog:
@@ -21,7 +20,8 @@ class SampleLog:
         self.loader, self.d, self.event = loader, d, event
 
     def post_step(self, outcome) -> None:
-        ranks: list[list[int] | None] = [None] * self.loader.world  # by data-parallel rank: the ranks of one
-        for dp_rank, indices in gather(self.d, (self.loader.rank, self.loader.consumed.tolist())):  # replica
-            ranks[dp_rank] = indices  # (tensor or pipeline parallel) read the same samples, counted once
+        # By data-parallel rank: the ranks of one replica (tensor or pipeline parallel) read the same samples.
+        ranks: list[list[int] | None] = [None] * self.loader.world
+        for dp_rank, indices in all_gather_objects(self.d, (self.loader.rank, self.loader.consumed.tolist())):
+            ranks[dp_rank] = indices
         self.event({"event": "samples", "step": outcome.step, "epoch": self.loader.state.epoch, "ranks": ranks})
