@@ -27,7 +27,7 @@ from kiln.model.build import build_model
 from kiln.model.loss import next_token_loss
 from kiln.tokenizer import tokenizer_sha256
 from kiln.train import checkpoint as ckpt
-from kiln.train.checkpoint import Checkpointer, RunInputs, TrainState, config_hash
+from kiln.train.checkpoint import Checkpointer, RunInputs, SaveClock, TrainState, config_hash
 from kiln.train.checkpoint import resume as resume_checks
 from kiln.train.console import TrainConsole, warnings_for
 from kiln.train.cpu_memory import keep_freed_memory
@@ -89,7 +89,8 @@ class Trainer:
         inputs = RunInputs(self.data_fingerprint, self.tokenizer_sha, self.tokenizer_file,
                            cfg.out / "shards" / "manifest.json", layout(self.d, t.deterministic), env.fingerprint)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.state, self.engine, self.d, inputs,
-                                         cfg.to_yaml(), self.validator.best_step, self.event, log, self.watchdog)
+                                         cfg.to_yaml(), self.validator.best_step, self.event, log, self.watchdog,
+                                         clock=self.save_clock)
 
     def _open_data(self) -> None:
         cfg, t = self.cfg, self.cfg.train
@@ -126,10 +127,12 @@ class Trainer:
                                    self.schedule, tasks, cfg.pack.seq_len, cfg.out / "shards", self.event, self.log,
                                    self.watchdog.beat)
         self.data_resets = DataResets(self.loader, cfg.seed, self.event)
+        self.save_clock = SaveClock(cfg.checkpoint.every_seconds)
         samples = [SampleLog(self.loader, d, self.event)] if cfg.loader.record_samples else []
         return [self.loader, self.schedule, self.engine.scaling, self.spikes, self.escalation, self.budget,
-                self.requests, self.data_resets, self.validator, self.step_log, *samples, self.membership,
-                self.watchdog, Profiler(t.profile_steps, self.run_dir / "profile", d.rank), CollectorPause(t.gc_every)]
+                self.requests, self.save_clock, self.data_resets, self.validator, self.step_log, *samples,
+                self.membership, self.watchdog, Profiler(t.profile_steps, self.run_dir / "profile", d.rank),
+                CollectorPause(t.gc_every)]
 
     def _hook(self, name: str, *args) -> list[Any]:
         return [getattr(part, name)(*args) for part in self.parts if hasattr(part, name)]
@@ -243,9 +246,10 @@ class Trainer:
         if self.validator.tasks_due(step):
             self.validator.run_tasks(step)
         stopped = "SIGTERM" if measured["stop"] else "budget exhausted" if measured["budget_exhausted"] else None
+        due = measured.get("save_due", False)  # checkpoint.every_seconds
         if self.checkpointer.should_save(step, last_step=step == t.max_steps, requested=bool(stopped) or
-                                         measured["save"]):
-            self.checkpointer.save(stopped or ("signal" if measured["save"] else "schedule"))
+                                         measured["save"], due=due):
+            self.checkpointer.save(stopped or ("signal" if measured["save"] else "time" if due else "schedule"))
             self.requests.save = False
         if stopped:
             self.event({"event": "stop", "step": step, "reason": stopped})
