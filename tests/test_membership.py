@@ -83,7 +83,7 @@ def test_a_shrink_is_one_line_at_once_and_a_record_at_the_next_step(tmp_path):
     part, events, lines = make_membership(run)
     part.begin(run / "checkpoints" / "step-00000006", 6, micro_batch=4, accumulation=2)
     assert lines == ["membership: shrink, world 2 -> 1 (left: node-b); resumed from step-00000006, 2 steps of work "
-                     "lost; the global batch kept: 2 micro-batch(es) of 4 per rank"]
+                     "lost; the global batch kept: 2 micro-batches of 4 per rank"]
     assert json.loads((run / GROUP_FILE).read_text()) == {"world": 1, "hosts": ["node-a"]}  # the next one's before
     assert events == []
     part.post_step(outcome(7))

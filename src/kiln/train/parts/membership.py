@@ -194,9 +194,9 @@ class Membership:
         moved = "; ".join(f"{what}: {', '.join(c[what])}" for what in ("left", "joined") if c[what])
         where = f"resumed from {c['checkpoint']}" if c["checkpoint"] else "no checkpoint: starting over"
         lost = f", {c['lost_steps']} steps of work lost" if c["lost_steps"] else ""
+        batches = f"{c['accumulation']} micro-batch{'es' if c['accumulation'] > 1 else ''} of {c['micro_batch']}"
         return (f"membership: {c['change']}, world {c['world_before']} -> {c['world_after']} ({moved or 'other hosts'}"
-                f"); {where}{lost}; the global batch kept: {c['accumulation']} micro-batch(es) of {c['micro_batch']} "
-                "per rank")
+                f"); {where}{lost}; the global batch kept: {batches} per rank")
 
     def post_step(self, outcome) -> None:
         if self.change is None:
