@@ -24,7 +24,6 @@ before and after.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import statistics
@@ -33,25 +32,13 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_train_step import bench_config, fresh_out, prepare
-from benchmarks.elastic_agents import Job, wait_until
+from benchmarks.elastic_agents import Job, records, wait_until
 
 TRIALS = int(os.environ.get("KILN_BENCH_RUNS", "3"))
 SPAN = 30.0  # longer than either policy's interval between saves on the base model
 EVERY_STEPS, EVERY_SECONDS = 20, 5.0
 MODELS = {"small": {"dim": 64, "n_layers": 2, "n_heads": 4}, "base": {"dim": 256, "n_layers": 4, "n_heads": 4}}
 POLICIES = {"steps": {"every": EVERY_STEPS}, "time": {"every": 1_000_000, "every_seconds": EVERY_SECONDS}}
-
-
-def records(out: Path, kind: str) -> list[dict]:
-    path = out / "run" / "metrics.jsonl"
-    found = []
-    for line in (path.read_text().splitlines() if path.exists() else []):
-        if f'"event": "{kind}"' in line:
-            try:
-                found.append(json.loads(line))
-            except ValueError:  # a line being written
-                pass
-    return found
 
 
 def trial(data: Path, parent: Path, model: str, policy: str, rng: random.Random) -> dict:

@@ -17,6 +17,7 @@ job's own folder, so torchrun's /tmp/torchelastic_* folders are made there and r
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import signal
@@ -52,6 +53,19 @@ def wait_until(pred: Callable[[], bool], what: str, timeout: float = 180, alive:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(0.05)
+
+
+def records(out: Path, kind: str) -> list[dict]:
+    """The `kind` records of a run's metrics.jsonl while it is being written (a line being written is skipped)."""
+    path = Path(out) / "run" / "metrics.jsonl"
+    found = []
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        if f'"event": "{kind}"' in line:
+            try:
+                found.append(json.loads(line))
+            except ValueError:
+                pass
+    return found
 
 
 def children() -> dict[int, list[int]]:

@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.elastic_agents import Job, signal_all, wait_until
+from benchmarks.elastic_agents import Job, records, signal_all, wait_until
 from conftest import tiny_config, torchrun_kiln
 from kiln.config import PackConfig
 from kiln.data.docs import read_docs
@@ -86,20 +86,6 @@ def reference(prepared, small_shards, tmp_path_factory) -> Path:
 
 
 # --- reading the run folder ------------------------------------------------------------------------
-
-def records(out: Path, kind: str) -> list[dict]:
-    path = out / "run" / "metrics.jsonl"
-    if not path.exists():
-        return []
-    found = []
-    for line in path.read_text().splitlines():
-        if f'"event": "{kind}"' in line:
-            try:
-                found.append(json.loads(line))
-            except ValueError:  # a line being written
-                pass
-    return found
-
 
 def steps_at(out: Path, world: int, after: int = 0) -> list[int]:
     return [r["step"] for r in records(out, "step") if r["world"] == world and r["step"] > after]
