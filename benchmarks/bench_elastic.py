@@ -33,12 +33,23 @@ from pathlib import Path
 
 from benchmarks.bench_train_step import bench_config, fresh_out, prepare
 from benchmarks.elastic_agents import Job, records, wait_until
+from kiln.config import build_config
 
 TRIALS = int(os.environ.get("KILN_BENCH_RUNS", "3"))
 SPAN = 30.0  # longer than either policy's interval between saves on the base model
 EVERY_STEPS, EVERY_SECONDS = 20, 5.0
 MODELS = {"small": {"dim": 64, "n_layers": 2, "n_heads": 4}, "base": {"dim": 256, "n_layers": 4, "n_heads": 4}}
 POLICIES = {"steps": {"every": EVERY_STEPS}, "time": {"every": 1_000_000, "every_seconds": EVERY_SECONDS}}
+
+
+def saved_on_two(out: Path) -> bool:
+    """A checkpoint saved by the 2-rank group (not by node A alone before B joined)."""
+    two = [r["step"] for r in records(out, "step") if r["world"] == 2]
+    return bool(two) and any(r["step"] >= two[0] and "refused" not in r for r in records(out, "save"))
+
+
+def membership(out: Path, change: str) -> list[dict]:
+    return [r for r in records(out, "membership") if r["change"] == change]
 
 
 def trial(data: Path, parent: Path, model: str, policy: str, rng: random.Random) -> dict:
@@ -49,19 +60,18 @@ def trial(data: Path, parent: Path, model: str, policy: str, rng: random.Random)
                          **POLICIES[policy]}
     cfg["watchdog"]["stall_timeout_s"] = 120
     path = out / "config.yaml"
-    from kiln.config import build_config
-
     path.write_text(build_config(cfg).to_yaml())
     job = Job(path, out / "agents", max_restarts=3)
     try:
         a, b = job.start("node-a"), job.start("node-b")
-        wait_until(lambda: records(out, "save"), "the first checkpoint", 900, [a, b])
+        wait_until(lambda: saved_on_two(out), "the first checkpoint of the 2-rank group", 900, [a, b])
         time.sleep(rng.uniform(0, SPAN))  # the failure comes at a random moment, not at a step boundary
         steps_before = [r for r in records(out, "step") if r["world"] == 2]
         killed = b.lose()
-        wait_until(lambda: any(r["world"] == 1 for r in records(out, "step")), "a step of node A alone", 600, [a])
-        first = next(r for r in records(out, "step") if r["world"] == 1)
-        shrink = next(r for r in records(out, "membership") if r["change"] == "shrink")
+        # the record comes with A's first step alone (a start of A alone before B joined is no shrink)
+        wait_until(lambda: membership(out, "shrink"), "a step of node A alone", 600, [a])
+        shrink = membership(out, "shrink")[-1]
+        first = [r for r in records(out, "step") if r["world"] == 1 and r["step"] == shrink["step"] + 1][-1]
     finally:
         job.close()
     step_s = statistics.median(r["step_time_s"] for r in steps_before[len(steps_before) // 2:])
