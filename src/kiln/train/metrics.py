@@ -1,9 +1,10 @@
 """What a step reports: metrics.jsonl always, TensorBoard when installed, MFU against a peak table.
 
 metrics.jsonl holds one JSON object per line with an `event`: "step" (one per
-optimizer step, with the world size and the wall time), "eval", "skip", "rollback", "save", "scale" (fp16
-loss-scale change), "budget", "stop", "membership" (an elastic job's group changed: parts/membership.py),
-"samples" (loader.record_samples: parts/sample_log.py).
+optimizer step, with the world size and the wall time), "eval", "task", "skip", "rollback", "save", "scale"
+(fp16 loss-scale change), "budget", "stop", "alert", "resume_on_new_data", "membership" (an elastic job's group
+changed: parts/membership.py), "samples" (loader.record_samples: parts/sample_log.py); every field is in
+docs/formats.md.
 """
 
 from __future__ import annotations
