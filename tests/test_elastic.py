@@ -80,7 +80,9 @@ def reference(prepared, small_shards, tmp_path_factory) -> Path:
     """The uninterrupted 2-rank run (one torchrun, two workers) of the same training settings."""
     tmp = tmp_path_factory.mktemp("reference")
     out = make_out(prepared, small_shards, tmp / "out")
-    result = torchrun_kiln("train", write_config(tmp / "c.yaml", out), env=ENV, nproc=2, timeout=600)
+    (tmp / "tmp").mkdir()  # torchrun's torchelastic_* folders go here, not to /tmp
+    result = torchrun_kiln("train", write_config(tmp / "c.yaml", out), env={**ENV, "TMPDIR": str(tmp / "tmp")},
+                           nproc=2, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
 
