@@ -69,7 +69,10 @@ class Trainer:
         self._open_data()
         self.schedule = build_schedule(t)
         self.spikes, self.escalation = SpikeGuard(cfg.guards), Escalation(cfg.guards)
-        model = build_model(cfg.model, int(self.train_set.manifest["vocab_size"]), cfg.pack.seq_len).to(self.d.device)
+        manifest = self.train_set.manifest
+        model = build_model(cfg.model, int(manifest["vocab_size"]), cfg.pack.seq_len, manifest.get("eos_id"))
+        model = model.to(self.d.device)
+        self._log_attention(model)
         self.flops_per_token = model.flops_per_token(cfg.pack.seq_len)
         parallel = parallelize(model, self.d, cfg.parallel, Precision.of(t), next_token_loss, self.mesh, self.pad_id)
         if self.d.device.type == "cuda":
@@ -85,6 +88,22 @@ class Trainer:
                            cfg.out / "shards" / "manifest.json", layout(self.d, t.deterministic), env.fingerprint)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.state, self.engine, self.d, inputs,
                                          cfg.to_yaml(), self.validator.best_step, self.event, log, self.watchdog)
+
+    def _log_attention(self, model) -> None:
+        """Say which kernel keeps attention inside documents (model.document_masking), before any work."""
+        if not self.cfg.model.document_masking:
+            return
+        if model.eos_id is None:
+            raise KilnError(f"{self.cfg.out / 'shards'}: the manifest names no eos_id, which model.document_masking "
+                            "reads documents by; re-run `kiln pack`")
+        kernel = model.attention_kernel(self.d.device)
+        if kernel == "flex" and self.d.device.type == "cpu":
+            raise KilnError(f"model.document_attention=flex: torch {torch.__version__} has no flex_attention "
+                            "backward on a CPU; use model.document_attention=sdpa (or auto)")
+        what = {"flex": "flex_attention (compiled)", "sdpa": "scaled_dot_product_attention with an exact mask"}
+        if self.d.is_main:
+            self.log(f"document masking: {what[kernel]} on {self.d.device.type} (model.document_attention="
+                     f"{self.cfg.model.document_attention})")
 
     def _open_data(self) -> None:
         cfg, t = self.cfg, self.cfg.train
