@@ -1,12 +1,14 @@
 """The cost of document masking on a CPU: Kiln's training step with model.document_masking on against off.
 
-The reference setup of bench_train_step (Kiln's Llama d=256, 4 layers, seq 256, batch 8 = 2,048 tokens a step,
-2 threads; shards packed from examples/data/sample.warc.gz by Kiln's own stages), `Trainer.run()` as `kiln
-train` runs it, in fp32 and bf16. Off: causal scaled_dot_product_attention (`is_causal=True`). On: the CPU's
-kernel, scaled_dot_product_attention with the exact (batch, 1, seq, seq) block-causal mask built once per
-forward from the EOS tokens (flex_attention has no backward on a CPU in torch 2.13). The two contenders run in
-fresh processes that take turns one step at a time (`lockstep`), so load from other jobs hits both alike;
-reported: the median over runs of each one's median-step tokens/s, and the paired median step-time ratio.
+The reference setup of bench_train_step (Kiln's Llama d=256, 4 layers, seq 256, batch 8 = 2,048 tokens a step;
+shards packed from examples/data/sample.warc.gz by Kiln's own stages), `Trainer.run()` as `kiln train` runs
+it, in fp32 and bf16, on KILN_BENCH_THREADS intra-op threads (default 1: on a shared 2-core machine two
+threads wait at barriers for a parked sibling, NOTES). Off: causal scaled_dot_product_attention
+(`is_causal=True`). On: the CPU's kernel, scaled_dot_product_attention with the exact (batch, 1, seq, seq)
+block-causal mask built once per forward from the EOS tokens (flex_attention has no backward on a CPU in
+torch 2.13). The two contenders run in fresh processes that take turns one step at a time (`lockstep`), so
+load from other jobs hits both alike; reported: the median over runs of each one's median-step tokens/s,
+and the paired median step-time ratio.
 
     python -m benchmarks doc_masking
     KILN_BENCH_RUNS=3 KILN_BENCH_DTYPES=fp32 python -m benchmarks doc_masking
@@ -14,6 +16,7 @@ reported: the median over runs of each one's median-step tokens/s, and the paire
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import tempfile
@@ -25,6 +28,7 @@ from benchmarks.bench_train_step import (DTYPES, RUNS, STEPS, WARMUP, _WindowDon
                                          worker_main)
 
 MODULE = "benchmarks.bench_doc_masking"
+THREADS = int(os.environ.get("KILN_BENCH_THREADS", "1"))
 
 
 def masking_worker(masking: bool):
@@ -33,6 +37,7 @@ def masking_worker(masking: bool):
 
         cfg = bench_config(out, dtype, compile, log_every=1, max_steps=warmup + steps + 1)
         cfg.model.document_masking = masking
+        cfg.train.threads = THREADS
 
         def log(msg: str) -> None:
             if msg.startswith("step ") and "/" in msg.split()[1]:

@@ -123,6 +123,10 @@ def read_task(task: Task, cfg: DataConfig, report: ReadReport) -> Iterator[Docum
         return read_jsonl(task.source, report, fields, cfg.storage_options, cfg.max_record_bytes)
     if kind == "parquet":
         return read_parquet(task.source, report, fields, cfg.storage_options, cfg.max_record_bytes)
+    if kind == "arrow":
+        from kiln.data.hub import read_arrow
+
+        return read_arrow(task.source, report, fields, cfg.storage_options, cfg.max_record_bytes)
     return read_warc(task.source, report, task.start, task.end, cfg.storage_options)
 
 

@@ -4,6 +4,8 @@
 - JSONL (`.jsonl`, `.ndjson`, `.json`, each optionally `.gz` or `.zst`): one JSON object a
   line; the text, id and URL come from `data.text_field`, `data.id_field`, `data.url_field`.
 - Parquet (`.parquet`): the same three columns.
+- Arrow IPC (`.arrow`), and folders written by `datasets.save_to_disk` or downloaded from the Hub, which
+  expand to their files: `kiln.data.hub`.
 
 Provenance for JSONL is the line's byte offset and length in the decompressed stream;
 for Parquet, the row index (length 1). A line that is not JSON, or has no string in
@@ -130,9 +132,11 @@ def expand_inputs(patterns: list[str], storage_options: dict[str, Any] | None = 
             raise KilnError(f"input {pattern!r} matches no file; check the path or glob")
         for m in matches:
             local = Path(m.removeprefix("file://"))
-            if local.is_dir():
-                raise KilnError(f"input {m} is a folder; give its files or a glob, e.g. "
-                                f"'{(local / '*.warc.gz').as_posix()}' or '{(local / '*.jsonl').as_posix()}'")
+            if local.is_dir():  # a datasets.save_to_disk or Hub dataset folder: its data files (kiln.data.hub)
+                from kiln.data.hub import folder_files
+
+                files += folder_files(local)
+                continue
             if not local.is_file():
                 raise KilnError(f"input {m} does not exist or is not a file")
             files.append(m)
@@ -154,6 +158,8 @@ def input_format(source: str) -> str:
         return "jsonl"
     if source.lower().endswith(".parquet"):
         return "parquet"
+    if source.lower().endswith(".arrow"):
+        return "arrow"
     return "warc"
 
 
@@ -338,17 +344,24 @@ def read_parquet(
         row = 0
         try:
             for batch in pf.iter_batches(batch_size=1024, columns=columns):
-                for rec, size in zip(batch.to_pylist(), _text_bytes(batch, fields[0])):
-                    if max_record_bytes is not None and size > max_record_bytes:
-                        yield Document(id=f"{Path(source).name}:row{row}", source=source, offset=row, length=1).reject(
-                            "read", "too_large", row=row, bytes=size, limit=max_record_bytes)
-                    else:
-                        yield _record_doc(rec, source, row, 1, f"row{row}", fields)
-                    row += 1
+                yield from batch_documents(batch, source, row, fields, max_record_bytes)
+                row += batch.num_rows
         except Exception:  # a damaged row group (ArrowInvalid, OSError): keep the rows before it, say where
             if raw.error is not None:
                 raise raw.error from None
             report.truncated_at = row
+
+
+def batch_documents(batch, source: str, first_row: int, fields: tuple[str, ...],
+                    max_record_bytes: int | None) -> Iterator[Document]:
+    """The rows of an Arrow record batch (Parquet, Arrow IPC) as Documents, `offset` = the row in the file; a row
+    whose text is over `max_record_bytes` (UTF-8) is a `read/too_large` rejection."""
+    for row, (rec, size) in enumerate(zip(batch.to_pylist(), _text_bytes(batch, fields[0])), first_row):
+        if max_record_bytes is not None and size > max_record_bytes:
+            yield Document(id=f"{Path(source).name}:row{row}", source=source, offset=row, length=1).reject(
+                "read", "too_large", row=row, bytes=size, limit=max_record_bytes)
+        else:
+            yield _record_doc(rec, source, row, 1, f"row{row}", fields)
 
 
 def _text_bytes(batch, column: str) -> list[int]:
