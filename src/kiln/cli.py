@@ -410,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("checkpoint", metavar="CHECKPOINT", help=CHECKPOINT_HELP)
     s.add_argument("--text", metavar="FILE", help="a UTF-8 text file instead of the validation shards")
     s.add_argument("--mc", metavar="FILE.jsonl", help='multiple choice: rows {"context", "choices", "answer"}; '
-                   'prints {"mc": {"acc", "acc_norm", "n"}} (lm-eval-harness definitions)')
+                   'prints {"mc": {"acc", "acc_norm", "acc_bytes", "n"}} (lm-eval-harness 0.4 definitions)')
     s.set_defaults(fn=cmd_eval)
 
     s = sub.add_parser("generate", help="print the prompt and a sampled continuation from a checkpoint")

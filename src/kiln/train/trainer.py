@@ -138,7 +138,8 @@ class Trainer:
         self.peak, self.peak_source = peak_tflops(d.device, t.dtype, t.peak_tflops)
         self.step_log = StepLog(t, d, self.flops_per_token, self.peak, Telemetry.create(d, cfg.telemetry, self.log),
                                 self.loader, self.escalation, self.budget, self.event, self.log)
-        tasks = DownstreamTasks(cfg.eval.tasks, cfg.eval.tasks_every, self.tokenizer_file, cfg.tokenizer.eos_token)
+        tasks = DownstreamTasks(cfg.eval.tasks, cfg.eval.tasks_every, self.tokenizer_file, cfg.tokenizer.eos_token,
+                                cfg.pack.seq_len)
         self.validator = Validator(t, self.val_set, self.loader.micro_batch, self.engine.parallel, d, self.pad_id,
                                    self.schedule, tasks, cfg.pack.seq_len, cfg.out / "shards", self.event, self.log,
                                    self.watchdog.beat)
