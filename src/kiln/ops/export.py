@@ -269,8 +269,7 @@ multiple-choice file with the harness's definitions of acc, acc_norm and acc_byt
 @writes_folder(EXPORT_STAGE, out="out_dir", inputs=("checkpoint",))
 def export_hf(checkpoint: Path, out_dir: Path) -> dict:
     """Write `out_dir` as a transformers Llama (or, for MoE, Mixtral) folder from a verified Kiln checkpoint."""
-    from kiln.train.checkpoint import check_loads, checkpoint_config
-    from kiln.train.sharded_checkpoint import CheckpointWeights
+    from kiln.train.checkpoint import CheckpointWeights, check_loads, checkpoint_config
 
     cfg = checkpoint_config(checkpoint)
     verify_folder(checkpoint)
@@ -313,7 +312,7 @@ def _write_hf_weights(weights, path: Path, checkpoint: Path, tied: bool) -> int:
     """model.safetensors of the export, one Kiln tensor in memory at a time (read, renamed, written, dropped):
     the names and shapes come from meta tensors first, then each tensor is read as the file reaches it. A tied
     lm_head is left out (HF ties it to embed_tokens on load). Returns the parameter count written."""
-    from kiln.train.shard_storage import write_safetensors
+    from kiln.train.checkpoint import write_safetensors
 
     source: dict[str, str] = {}
     names = []
@@ -407,8 +406,8 @@ def import_hf(hf_dir: Path, cfg: Config) -> Path:
 
     The config must describe the same model (checked against config.json), and the run's tokenizer and shards
     must exist and be the folder's tokenizer. No Trainer is built: no process group, data loader or watchdog
-    is started; the checkpoint is the state of a run at step 0 (train/state.py: its parts start fresh),
-    which `kiln train` resumes like any other.
+    is started; the checkpoint is the state of a run at step 0 (train/checkpoint/checkpointer.py: its parts start
+    fresh), which `kiln train` resumes like any other.
     """
     from kiln.lock import OutputLock
     from kiln.train.checkpoint import list_checkpoints
@@ -454,13 +453,12 @@ def write_step_zero(cfg: Config, weights: dict[str, torch.Tensor], source: Path)
     the optimizer state is a fresh AdamW's and the RNG state the one a run has after building its model, so
     the run that resumes from here is the run that would have started with these weights.
     """
-    from kiln.train import resume as resume_checks
-    from kiln.train.checkpoint import rng_state
+    from kiln.train.checkpoint import FullCheckpoint, RunInputs, TrainState, config_hash, rng_state
+    from kiln.train.checkpoint import resume as resume_checks
     from kiln.train.data import open_splits
     from kiln.train.determinism import layout
     from kiln.train.engine import build_optimizer
     from kiln.train.parallel import Dist
-    from kiln.train.state import FullCheckpoint, RunInputs, TrainState, config_hash
     from kiln import env
     from kiln.model.build import build_model
 
