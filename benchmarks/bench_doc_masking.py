@@ -63,7 +63,7 @@ def documents_per_sample(data: Path) -> float:
     """Documents that start inside a training sample, on average (EOS tokens before its last position)."""
     import numpy as np
 
-    from kiln.shards.format import ShardSet
+    from kiln.shards.reader import ShardSet
 
     s = ShardSet(data / "shards", "train")
     eos = int(s.manifest["eos_id"])

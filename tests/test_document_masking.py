@@ -199,7 +199,7 @@ def test_eval_of_a_masked_checkpoint_masks_too(trained, capsys):
     """`kiln eval` builds the checkpoint's model with its EOS: its loss on the validation shards is the masked
     model's, not that of the same weights attending across documents."""
     from kiln.eval import load_eval_model, summed_loss
-    from kiln.shards.format import ShardSet
+    from kiln.shards.reader import ShardSet
 
     cfg, _ = trained
     ckpt = list_checkpoints(cfg.out / "run" / "checkpoints")[-1]

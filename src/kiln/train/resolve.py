@@ -23,9 +23,28 @@ def _is_checkpoint(folder: Path) -> bool:
 
 def resolve_checkpoint(path: str | Path, log: Callable[[str], None] = lambda *_: None) -> Path:
     """The checkpoint folder `path` stands for; `log` is told which one was chosen when it was not `path`."""
-    from kiln.train.checkpoint import latest_valid, list_checkpoints
+    from kiln.train.checkpoint import latest_valid
 
     path = Path(path)
+    root, folder = checkpoint_root(path)
+    if folder is not None:
+        return folder
+    skipped: list[str] = []
+    found = latest_valid(root, log=skipped.append)
+    for message in skipped:
+        log(message)
+    if found is None:
+        raise IntegrityError(f"{root}: no checkpoint verifies ({skipped[0] if skipped else 'none found'}); "
+                             f"see `kiln ckpt list {root}`")
+    log(f"using {found} (the newest valid checkpoint under {path})")
+    return found
+
+
+def checkpoint_root(path: Path) -> tuple[Path, Path | None]:
+    """(the checkpoints folder `path` names, the checkpoint folder itself when `path` is one, else None),
+    nothing verified yet; a path that names no checkpoint is a one-line KilnError."""
+    from kiln.train.checkpoint import list_checkpoints
+
     if not path.exists():
         raise KilnError(f"{path} does not exist; pass a checkpoint folder (run/checkpoints/step-NNNNNNNN) "
                         "or a run folder ({out_dir}/run)")
@@ -33,18 +52,10 @@ def resolve_checkpoint(path: str | Path, log: Callable[[str], None] = lambda *_:
         raise KilnError(f"{path} is a file; pass a checkpoint folder (run/checkpoints/step-NNNNNNNN) "
                         "or a run folder ({out_dir}/run)")
     if _is_checkpoint(path):
-        return path
+        return path.parent, path
     for root in (path, path / "checkpoints", path / "run" / "checkpoints"):
         if list_checkpoints(root):
-            skipped: list[str] = []
-            found = latest_valid(root, log=skipped.append)
-            for message in skipped:
-                log(message)
-            if found is None:
-                raise IntegrityError(f"{root}: no checkpoint verifies ({skipped[0] if skipped else 'none found'}); "
-                                     f"see `kiln ckpt list {root}`")
-            log(f"using {found} (the newest valid checkpoint under {path})")
-            return found
+            return root, None
     if (path / "config.json").is_file() and list(path.glob("*.safetensors")):
         raise KilnError(f"{path} is a Hugging Face model folder, not a Kiln checkpoint; "
                         f"bring it in with `kiln import --hf {path} --config CONFIG`")

@@ -29,6 +29,7 @@ from kiln.tokenizer import tokenizer_sha256
 from kiln.train import checkpoint as ckpt
 from kiln.train.checkpoint import Checkpointer, RunInputs, TrainState, config_hash
 from kiln.train.checkpoint import resume as resume_checks
+from kiln.train.checkpoint.init_from import start_from
 from kiln.train.console import TrainConsole, warnings_for
 from kiln.train.cpu_memory import keep_freed_memory
 from kiln.train.data import open_splits
@@ -49,6 +50,7 @@ from kiln.train.parts.profiler import CollectorPause, Profiler
 from kiln.train.parts.schedule_probe import ScheduleProbe
 from kiln.train.parts.signals import StopRequests
 from kiln.train.parts.validator import Validator
+from kiln.train.parts.warm_start import WarmStart
 from kiln.train.parts.watchdog import Watchdog
 from kiln.train.schedule import build_schedule
 from kiln.train.telemetry import Telemetry
@@ -145,8 +147,9 @@ class Trainer:
                                    self.schedule, tasks, cfg.pack.seq_len, cfg.out / "shards", self.event, self.log,
                                    self.watchdog.beat)
         self.data_resets = DataResets(self.loader, cfg.seed, self.event)
+        self.warm_start = WarmStart(self.event)
         return [self.loader, self.schedule, self.engine.scaling, self.spikes, self.escalation, self.budget,
-                self.requests, self.data_resets, self.validator, self.step_log, self.watchdog,
+                self.requests, self.data_resets, self.warm_start, self.validator, self.step_log, self.watchdog,
                 Profiler(t.profile_steps, self.run_dir / "profile", d.rank), CollectorPause(t.gc_every)]
 
     def _hook(self, name: str, *args) -> list[Any]:
@@ -166,7 +169,16 @@ class Trainer:
         return self.schedule.lr(step) * self.escalation.lr_factor(step)
 
     def resume(self):
-        return self.checkpointer.resume(self.cfg.train, self.data_resets)
+        """Resume this run's newest checkpoint; with none, start from train.init_from's weights if it is set."""
+        resumed = self.checkpointer.resume(self.cfg.train, self.data_resets)
+        if resumed is None and self.cfg.train.init_from:
+            record = start_from(self.checkpointer, self.cfg, self.tokenizer_sha)
+            self.warm_start.started(record)
+            if self.d.is_main:
+                what = "weights and optimizer state" if record["optimizer"] else "weights"
+                self.log(f"starting from {record['checkpoint']} (step {record['step']}; its {what}; "
+                         f"manifest sha256 {record['sha256'][:16]}…)")
+        return resumed
 
     def save(self, reason: str = "schedule") -> None:
         self.checkpointer.save(reason)
