@@ -185,3 +185,34 @@ def test_missing_and_corrupt_checkpoints_and_another_tokenizer_are_refused(run_a
 
     with pytest.raises(KilnError, match=r"was trained with another tokenizer .* set tokenizer.path to"):
         check_fits(broken / "checkpoints" / "step-00000005", trainer.cfg, trainer.model.vocab_size, "0" * 64)
+
+
+@pytest.mark.slow  # two torchrun ranks: about a minute on 2 free cores
+def test_fsdp_on_two_gloo_ranks_starts_from_a_one_process_checkpoint(run_a, b_data, tmp_path):
+    """Every rank verifies its share of A's full checkpoint and FSDP2 loads it sharded: B's first loss is still
+    A's model's on B's first global batch, and B's sharded checkpoints carry the record."""
+    import os
+
+    from conftest import torchrun_kiln
+    from kiln.eval import load_eval_model
+    from kiln.shards.reader import ShardSet
+    from kiln.train.data import Mixture
+
+    out = fresh_b(b_data, tmp_path)
+    a_last = list_checkpoints(run_a / "run" / "checkpoints")[-1]
+    cfg = b_config(out, init_from=str(a_last), max_steps=2)
+    cfg.parallel.mode = "fsdp"
+    config = tmp_path / "b.yaml"
+    config.write_text(cfg.to_yaml())
+    proc = torchrun_kiln("train", config, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train = Mixture([ShardSet(out / "shards", "train")])
+    plan = BatchPlan(train, cfg.train.batch_size, cfg.train.batch_size, 0, 1)
+    [batch] = plan.assemble(plan.advance(LoaderState(cfg.seed))[0])
+    a_model, _, _ = load_eval_model(a_last)
+    with torch.no_grad():
+        expected = float(next_token_loss(a_model.train(), batch, None, train.manifest.get("pad_id")))
+    assert steps(out)[0]["loss"] == pytest.approx(expected, rel=1e-5)  # two ranks' means, summed in another order
+    [last] = list_checkpoints(out / "run" / "checkpoints")[-1:]
+    assert (last / "index.json").is_file()  # sharded, as FSDP2 writes by default
+    assert load_checkpoint(last)["state"]["init_from"]["checkpoint"] == str(a_last)
