@@ -10,8 +10,14 @@ torch 2.13). The two contenders run in fresh processes that take turns one step 
 load from other jobs hits both alike; reported: the median over runs of each one's median-step tokens/s,
 and the paired median step-time ratio.
 
+Then the attention kernel alone (`kiln.model.attention.attend`, forward and backward, fp32, 8 heads of 64, one
+row of documents of 300 tokens) at sequence lengths 256, 1,024 and 4,096: causal against masked, alternating one
+call each, REPS calls, medians; and the mask's construction (once per forward, shared by the layers). Causal
+SDPA skips the blocks above the diagonal; the exact mask makes the kernel do the whole seq x seq product.
+
     python -m benchmarks doc_masking
     KILN_BENCH_RUNS=3 KILN_BENCH_DTYPES=fp32 python -m benchmarks doc_masking
+    KILN_BENCH_PART=kernel python -m benchmarks doc_masking      # only the kernel (train: only the step)
 """
 
 from __future__ import annotations
@@ -23,37 +29,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.bench_train_step import (DTYPES, RUNS, STEPS, WARMUP, _WindowDone, StepClock, bench_config,
-                                         data_root, fresh_out, lockstep, paired_ratio, prepare, worker_command,
-                                         worker_main)
+from benchmarks.bench_train_step import (DTYPES, RUNS, STEPS, WARMUP, data_root, fresh_out, kiln_worker, lockstep,
+                                         paired_ratio, prepare, worker_command, worker_main)
 
 MODULE = "benchmarks.bench_doc_masking"
 THREADS = int(os.environ.get("KILN_BENCH_THREADS", "1"))
+PART = os.environ.get("KILN_BENCH_PART", "all")
+REPS = 11
 
 
 def masking_worker(masking: bool):
-    def worker(out: Path, dtype: str, compile: bool, warmup: int, steps: int) -> dict:
-        from kiln.train.trainer import Trainer
-
-        cfg = bench_config(out, dtype, compile, log_every=1, max_steps=warmup + steps + 1)
+    def configure(cfg) -> None:
         cfg.model.document_masking = masking
         cfg.train.threads = THREADS
 
-        def log(msg: str) -> None:
-            if msg.startswith("step ") and "/" in msg.split()[1]:
-                clock.tick()
-                if len(clock.durations) == warmup + steps:
-                    raise _WindowDone
-
-        trainer = Trainer(cfg, log=log)
-        clock = StepClock(warmup + steps)  # the first step includes the step-0 evaluation: a warm-up step
-        try:
-            trainer.run()
-        except _WindowDone:
-            pass
-        return clock.result(warmup)
-
-    return worker
+    return lambda out, dtype, compile, warmup, steps: kiln_worker(out, dtype, compile, warmup, steps, configure)
 
 
 WORKERS = {"off": masking_worker(False), "on": masking_worker(True)}
@@ -71,7 +61,41 @@ def documents_per_sample(data: Path) -> float:
     return 1 + float(np.mean([(s.sample(i)[:-1] == eos).sum() for i in range(n)]))
 
 
+def kernel_main() -> None:
+    import torch
+
+    from kiln.model.attention import DocumentMask, attend
+
+    torch.set_num_threads(THREADS)
+    print(f"\n{'seq':>6} {'causal ms':>10} {'masked ms':>10} {'masked/causal':>14} {'mask build ms':>14}")
+    for seq in (256, 1024, 4096):
+        tokens = torch.randint(3, 1000, (1, seq))
+        tokens[0, 300::300] = 1  # EOS: documents of 300 tokens
+        q, k, v = (torch.randn(1, 8, seq, 64, requires_grad=True) for _ in range(3))
+        times: dict[str, list[float]] = {"causal": [], "masked": [], "build": []}
+        for rep in range(REPS + 1):
+            for name in (("causal", "masked") if rep % 2 else ("masked", "causal")):
+                t0 = time.perf_counter()
+                mask = DocumentMask.of(tokens, 1, "sdpa") if name == "masked" else None
+                built = time.perf_counter()
+                attend(q, k, v, mask).sum().backward()
+                if rep:  # the first call of each warms up
+                    times[name].append(time.perf_counter() - t0)
+                    if mask is not None:
+                        times["build"].append(built - t0)
+        med = {name: statistics.median(t) * 1000 for name, t in times.items()}
+        print(f"{seq:6} {med['causal']:10.1f} {med['masked']:10.1f} {med['masked'] / med['causal']:14.2f} "
+              f"{med['build']:14.2f}", flush=True)
+
+
 def main() -> None:
+    if PART in ("all", "train"):
+        train_main()
+    if PART in ("all", "kernel"):
+        kernel_main()
+
+
+def train_main() -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-bench-docmask-") as tmp:
         root = data_root(tmp)
         root.mkdir(parents=True, exist_ok=True)

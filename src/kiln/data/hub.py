@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import yaml
 
 from kiln.data.document import Document, ReadReport
-from kiln.data.sources import StorageWatch, batch_documents, input_size, open_input
+from kiln.data.sources import StorageWatch, batch_documents, input_size, open_input, record_columns
 from kiln.errors import KilnError
 
 STATE, INFO, DICT, CARD = "state.json", "dataset_info.json", "dataset_dict.json", "README.md"
@@ -150,10 +150,7 @@ def read_arrow(source: str, report: ReadReport, fields: tuple[str, ...],
             if raw.error is not None:
                 raise raw.error from None
             raise KilnError(f"{source}: not a readable Arrow IPC file ({exc})") from None
-        names = reader.schema.names
-        if fields[0] not in names:
-            raise KilnError(f"{source}: no column {fields[0]!r} (data.text_field); columns are {names}")
-        columns = [c for c in dict.fromkeys(fields) if c and c in names]
+        columns = record_columns(source, reader.schema.names, fields)
         batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) if file_format else reader
         row = 0
         try:

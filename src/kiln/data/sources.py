@@ -337,10 +337,7 @@ def read_parquet(
             if raw.error is not None:
                 raise raw.error from None
             raise KilnError(f"{source}: not a readable Parquet file ({exc})") from None
-        names = pf.schema_arrow.names
-        if fields[0] not in names:
-            raise KilnError(f"{source}: no column {fields[0]!r} (data.text_field); columns are {names}")
-        columns = [c for c in dict.fromkeys(fields) if c and c in names]
+        columns = record_columns(source, pf.schema_arrow.names, fields)
         row = 0
         try:
             for batch in pf.iter_batches(batch_size=1024, columns=columns):
@@ -350,6 +347,13 @@ def read_parquet(
             if raw.error is not None:
                 raise raw.error from None
             report.truncated_at = row
+
+
+def record_columns(source: str, names: list[str], fields: tuple[str, ...]) -> list[str]:
+    """The columns of `fields` (text, id, url, group) a file of columns `names` has; no text column is an error."""
+    if fields[0] not in names:
+        raise KilnError(f"{source}: no column {fields[0]!r} (data.text_field); columns are {names}")
+    return [c for c in dict.fromkeys(fields) if c and c in names]
 
 
 def batch_documents(batch, source: str, first_row: int, fields: tuple[str, ...],
