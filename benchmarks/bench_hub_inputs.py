@@ -4,7 +4,7 @@ The folder is what save_to_disk writes (Arrow IPC stream files of 1,000-row reco
 them, dataset_info.json), made with pyarrow's stream writer directly so that 10 million rows need no 10-million
 row table in the generating process either: rows of ~110 bytes (an id and a sentence of text), in files of
 1M rows. Each measurement runs in a fresh process: `kiln.data.sources.expand_inputs` on the folder, then
-every file through `kiln.data.hub.read_arrow` (the reader a data task runs), counting documents and text
+every file through `kiln.data.sources.read_arrow` (the reader a data task runs), counting documents and text
 bytes; peak RSS is the process's ru_maxrss. The baseline reads the same folder the way a script does when it
 does not stream: each file's whole table (`read_all`), held until the end.
 
@@ -52,8 +52,7 @@ def write_saved_dataset(folder: Path, rows: int) -> None:
 
 def worker(folder: str, how: str) -> dict:
     from kiln.data.document import ReadReport
-    from kiln.data.hub import read_arrow
-    from kiln.data.sources import expand_inputs
+    from kiln.data.sources import expand_inputs, read_arrow
 
     t0 = time.perf_counter()
     files = expand_inputs([folder])

@@ -16,7 +16,8 @@ from hypothesis import given, settings, strategies as st
 from kiln.config import DataConfig
 from kiln.data.docs import read_docs
 from kiln.data.document import ReadReport
-from kiln.data.hub import folder_files, read_arrow
+from kiln.data.hub import folder_files
+from kiln.data.sources import read_arrow
 from kiln.data.pipeline import run_data
 from kiln.errors import KilnError
 from test_data import BASIC_GATES_ONLY, GERMAN, english, rejects

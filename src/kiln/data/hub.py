@@ -14,8 +14,10 @@ its identity in the data fingerprint, its rows read streaming, provenance as the
 own: each must be a plain relative name inside the folder (no absolute path, no `..`), or the folder is
 refused naming the file and the entry.
 
-Arrow files are read one record batch at a time (datasets writes batches of 1,000 rows): a task holds one
-batch, whatever the file's size (`benchmarks/bench_hub_inputs.py` measures peak RSS at 1M and 10M rows).
+The Arrow files are read by `sources.read_arrow`, one record batch at a time (datasets writes batches of
+1,000 rows): a task holds one batch, whatever the file's size (`benchmarks/bench_hub_inputs.py` measures peak
+RSS at 1M and 10M rows). This module reads only the folders' own small files; it imports nothing of the
+readers.
 """
 
 from __future__ import annotations
@@ -23,17 +25,14 @@ from __future__ import annotations
 import json
 import posixpath
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import yaml
 
-from kiln.data.document import Document, ReadReport
-from kiln.data.sources import StorageWatch, batch_documents, input_size, open_input, record_columns
 from kiln.errors import KilnError
 
 STATE, INFO, DICT, CARD = "state.json", "dataset_info.json", "dataset_dict.json", "README.md"
 READABLE = (".parquet", ".arrow", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".ndjson")
-_ARROW_FILE_MAGIC = b"ARROW1"
 
 
 def folder_files(folder: Path) -> list[str]:
@@ -126,38 +125,3 @@ def _card_patterns(folder: Path) -> list[str] | None:
         raise KilnError(f"{card}: config {chosen.get('config_name') if isinstance(chosen, dict) else chosen!r} "
                         "has no data_files patterns Kiln can read")
     return patterns
-
-
-# --- reading Arrow files ----------------------------------------------------------------------
-
-def read_arrow(source: str, report: ReadReport, fields: tuple[str, ...],
-               storage_options: dict[str, Any] | None = None, max_record_bytes: int | None = None
-               ) -> Iterator[Document]:
-    """The rows of an Arrow IPC file (stream format, as save_to_disk writes; or the file format), one record batch
-    at a time, as Documents with the row index as `offset`. A row whose text is over `max_record_bytes` (UTF-8)
-    is `read/too_large`; damage mid-file keeps the rows before it and reports the cut at the row."""
-    import pyarrow as pa
-
-    if input_size(source, storage_options) == 0:
-        raise KilnError(f"{source}: empty file (0 bytes), nothing to read; remove it from the inputs")
-    with open_input(source, storage_options) as f:
-        raw = StorageWatch(f)
-        try:
-            file_format = raw.read(len(_ARROW_FILE_MAGIC)) == _ARROW_FILE_MAGIC
-            raw.seek(0)
-            reader = pa.ipc.open_file(raw) if file_format else pa.ipc.open_stream(raw)
-        except Exception as exc:  # pyarrow's ArrowInvalid and friends
-            if raw.error is not None:
-                raise raw.error from None
-            raise KilnError(f"{source}: not a readable Arrow IPC file ({exc})") from None
-        columns = record_columns(source, reader.schema.names, fields)
-        batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) if file_format else reader
-        row = 0
-        try:
-            for batch in batches:
-                yield from batch_documents(batch.select(columns), source, row, fields, max_record_bytes)
-                row += batch.num_rows
-        except Exception:  # a cut or damaged stream: keep the rows before it, say where
-            if raw.error is not None:
-                raise raw.error from None
-            report.truncated_at = row

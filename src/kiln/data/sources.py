@@ -4,8 +4,8 @@
 - JSONL (`.jsonl`, `.ndjson`, `.json`, each optionally `.gz` or `.zst`): one JSON object a
   line; the text, id and URL come from `data.text_field`, `data.id_field`, `data.url_field`.
 - Parquet (`.parquet`): the same three columns.
-- Arrow IPC (`.arrow`), and folders written by `datasets.save_to_disk` or downloaded from the Hub, which
-  expand to their files: `kiln.data.hub`.
+- Arrow IPC (`.arrow`, as `datasets.save_to_disk` writes): the same columns, one record batch at a time.
+  A folder written by `datasets.save_to_disk` or downloaded from the Hub expands to its files (`kiln.data.hub`).
 
 Provenance for JSONL is the line's byte offset and length in the decompressed stream;
 for Parquet, the row index (length 1). A line that is not JSON, or has no string in
@@ -366,6 +366,44 @@ def batch_documents(batch, source: str, first_row: int, fields: tuple[str, ...],
                 "read", "too_large", row=row, bytes=size, limit=max_record_bytes)
         else:
             yield _record_doc(rec, source, row, 1, f"row{row}", fields)
+
+
+# --- Arrow IPC --------------------------------------------------------------------------------
+
+_ARROW_FILE_MAGIC = b"ARROW1"
+
+
+def read_arrow(source: str, report: ReadReport, fields: tuple[str, ...],
+               storage_options: dict[str, Any] | None = None, max_record_bytes: int | None = None
+               ) -> Iterator[Document]:
+    """The rows of an Arrow IPC file (stream format, as save_to_disk writes; or the file format), one record batch
+    at a time, as Documents with the row index as `offset`. A row whose text is over `max_record_bytes` (UTF-8)
+    is `read/too_large`; damage mid-file keeps the rows before it and reports the cut at the row."""
+    import pyarrow as pa
+
+    if input_size(source, storage_options) == 0:
+        raise KilnError(f"{source}: empty file (0 bytes), nothing to read; remove it from the inputs")
+    with open_input(source, storage_options) as f:
+        raw = StorageWatch(f)
+        try:
+            file_format = raw.read(len(_ARROW_FILE_MAGIC)) == _ARROW_FILE_MAGIC
+            raw.seek(0)
+            reader = pa.ipc.open_file(raw) if file_format else pa.ipc.open_stream(raw)
+        except Exception as exc:  # pyarrow's ArrowInvalid and friends
+            if raw.error is not None:
+                raise raw.error from None
+            raise KilnError(f"{source}: not a readable Arrow IPC file ({exc})") from None
+        columns = record_columns(source, reader.schema.names, fields)
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) if file_format else reader
+        row = 0
+        try:
+            for batch in batches:
+                yield from batch_documents(batch.select(columns), source, row, fields, max_record_bytes)
+                row += batch.num_rows
+        except Exception:  # a cut or damaged stream: keep the rows before it, say where
+            if raw.error is not None:
+                raise raw.error from None
+            report.truncated_at = row
 
 
 def _text_bytes(batch, column: str) -> list[int]:

@@ -23,7 +23,7 @@ import torch
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import MANIFEST, read_manifest, sha256_file
 from kiln.train.checkpoint import agreement
-from kiln.train.checkpoint.folder import checkpoint_config, step_of
+from kiln.train.checkpoint.folder import checkpoint_config, checkpoint_root, step_of
 from kiln.train.checkpoint.sharded import CheckpointWeights
 from kiln.train.parallel import broadcast_object
 
@@ -45,8 +45,6 @@ def start_from(checkpointer, cfg, tokenizer_sha: str) -> dict[str, Any]:
 def agreed_source(checkpointer, path: Path) -> Path:
     """The checkpoint `path` names that every rank verifies (rank 0 looks; every rank gets its answer or its
     error, so none waits in a collective for a rank that gave up)."""
-    from kiln.train.resolve import checkpoint_root
-
     d, found, error = checkpointer.d, None, None
     if d.is_main:
         try:
