@@ -104,9 +104,9 @@ def test_b_starts_from_as_last_checkpoint_on_other_data_and_anneals(run_a, b_dat
     assert len(lrs) == 6 and all(a > b for a, b in zip(lrs, lrs[1:])) and lrs[-1] == pytest.approx(0.0, abs=1e-12)
 
     record = {"run": str(run_a / "run"), "checkpoint": str(a_last), "sha256": sha256_file(a_last / "manifest.json"),
-              "step": 10, "optimizer": False}
+              "checkpoint_step": 10, "optimizer": False}
     [event] = [m for m in read_metrics(out / "run" / "metrics.jsonl") if m["event"] == "init_from"]
-    assert {k: event[k] for k in record} == record and event["step"] == 10
+    assert {k: event[k] for k in record} == record and event["step"] == 0  # this run's step, as every event's
     assert any(line.startswith(f"starting from {a_last} (step 10; its weights;") for line in lines)
     for folder in list_checkpoints(out / "run" / "checkpoints"):
         assert load_checkpoint(folder)["state"]["init_from"] == record

@@ -1,15 +1,18 @@
-"""The data stage: inputs -> read -> extract -> language -> quality gates -> global dedup -> docs/.
+"""The data stage: inputs -> read -> extract -> language -> quality gates -> dedup -> profiles -> docs/.
 
-Work is cut into tasks: one per input file, or byte ranges of a large gzipped
-WARC (at record boundaries, `data.task_bytes`). Tasks run on a local process
-pool or on Ray (`kiln.data.executor`) and are pure: each returns its outcomes
-(kept and rejected documents in record order, zstd-compressed) and a summary;
-the driver commits them to a work folder, the outcome first and then a
-completion marker, so a killed run redoes only the tasks without a marker. The
-merge then reads the tasks in canonical order (input order, then record order),
-runs the global steps (exact dedup, then near-duplicate dedup) and writes the
-parts: the output is byte-identical whatever the number of workers, the engine
-or the number of interruptions.
+`run_data` runs, on the engine (`executor.py`: a process pool or Ray), in this order:
+1. the data tasks (`plan.py`: a file, or a byte range of a large gzipped WARC): each reads its records
+   through `steps.task_steps` and writes its own files into the work folder (`.docs-work-<key>/`): every
+   document's outcome and the kept documents' dedup signatures; the driver writes the task's marker when the
+   summary comes back (`vouch.py`), so a killed run redoes only what is missing, cut or changed;
+2. the dedup stages (`dedup/stages.py`), tasks over key ranges of the signatures, and the clusters;
+3. one profile task per data task (`profile_task`): the distribution profile of its kept documents;
+4. the merge, in the driver: the tasks' outcomes in canonical order (input order, then record order) through
+   `steps.merge_steps` (the dedup verdicts, the classifier's top fraction) into the docs parts, stats.json and
+   the manifest, committed atomically; then the work folder is removed.
+The output is byte-identical whatever the number of workers, the engine or the number of interruptions.
+Memory: no task's outcome passes through the driver, which holds one task's records at a time, per-source
+counters and the dedup verdicts.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Gradient norms and clipping by layer group: embeddings, lower, middle and upper blocks.
+"""Clipping by layer group: embeddings, lower, middle and upper blocks (their norms: dist.group_norms).
 
 SEEDS: clipping embeddings at 0.5, middle layers at 1.0 and the last 4 layers at
 2.0 reduced loss oscillation. `upper` holds the last `upper_layers` blocks plus

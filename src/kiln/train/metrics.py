@@ -1,8 +1,9 @@
 """What a step reports: metrics.jsonl always, TensorBoard when installed, MFU against a peak table.
 
 metrics.jsonl holds one JSON object per line with an `event`: "step" (one per
-optimizer step), "eval", "skip", "rollback", "save", "scale" (fp16 loss-scale
-change), "budget", "stop".
+optimizer step), "eval", "task", "skip", "rollback", "save", "scale" (fp16
+loss-scale change), "budget", "stop", "alert", "resume_on_new_data"; every
+field is in docs/formats.md.
 """
 
 from __future__ import annotations

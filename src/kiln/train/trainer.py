@@ -176,7 +176,7 @@ class Trainer:
             self.warm_start.started(record)
             if self.d.is_main:
                 what = "weights and optimizer state" if record["optimizer"] else "weights"
-                self.log(f"starting from {record['checkpoint']} (step {record['step']}; its {what}; "
+                self.log(f"starting from {record['checkpoint']} (step {record['checkpoint_step']}; its {what}; "
                          f"manifest sha256 {record['sha256'][:16]}…)")
         return resumed
 

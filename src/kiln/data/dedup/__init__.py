@@ -1,5 +1,10 @@
 """Deduplication, global over the kept documents in the stage's canonical order.
 
+The data stage runs it as partitioned stages: signatures.py (made in each data task), stages.py (exact dedup
+by key range, band buckets confirmed, the verdicts), clusters.py (clusters, survivors, the ledger), index.py
+(`data.dedup.index`); minhash.py, simhash.py, shingles.py and exact.py hold the hashing both use. What this
+module exports are the same methods as in-memory indexes over one stream (every signature held in one
+process), which the stage does not use; tests/test_dedup.py checks the hashing and confirmation through them:
 - `ExactDedup` (exact.py): xxh3-128 of normalised text, streaming; the first seen survives.
 - `MinHashDedup` (minhash.py) and `SimHashDedup` (simhash.py): near duplicates. Both take
   `add(doc_id, text)` for every document that survived exact dedup, then `ledger()` (one row

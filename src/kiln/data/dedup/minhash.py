@@ -4,8 +4,10 @@ Signature: for each of bands x rows hash functions h_k(x) = (a_k x + b_k mod 2^6
 (multiply-shift, a_k odd), the minimum over the document's shingle hashes, computed for all
 k at once with numpy. Documents whose signatures agree on every row of some band become
 candidate pairs; a candidate pair is a duplicate only when the exact Jaccard similarity of
-the two shingle sets reaches `threshold`. Shingle sets are spilled to a temporary file as
-they arrive, so memory holds the signatures (4 x bands x rows bytes per document), not texts.
+the two shingle sets reaches `threshold`. `MinHasher` computes signatures and band keys (the data
+stage's signatures.Signer uses it); `MinHashDedup` is the in-memory index over one stream (see
+dedup/__init__.py): it spills shingle sets to a temporary file as they arrive, so its memory holds the
+signatures (4 x bands x rows bytes per document), not texts.
 """
 
 from __future__ import annotations

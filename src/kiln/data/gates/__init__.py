@@ -2,7 +2,7 @@
 
 `default_gates(cfg)` lists the steps in the order they run; `apply_gates` runs them over documents. One module per
 gate family: basic (length, letters, duplicate lines), gopher, c4, fineweb, noise, residue, blocklist, pii;
-`distribution` is the corpus-wide source check that runs after the merge.
+`distribution` is the corpus-wide source profile, which runs after dedup, one task per data task.
 
 Gates read a `TextView` (kiln.data.gates.text): the text split once into lines, tokens, words and
 paragraphs, shared by every gate until an edit changes the text; a gate also accepts a plain string.

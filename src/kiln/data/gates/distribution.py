@@ -1,6 +1,7 @@
 """Distribution check (SEEDS): a source whose token profile drifts from the corpus is down-weighted.
 
-This is corpus-wide, so it runs over the kept documents after the merge, not per worker. For
+This is corpus-wide: after dedup, one task per data task profiles its kept documents (`profile_part`,
+pipeline.profile_task) and the driver sums the parts. For
 each of the corpus's `top_tokens` most frequent tokens t, with f_d(t) its relative frequency
 in document d:
 

@@ -34,12 +34,13 @@ SHAPE_KEYS = ("dim", "n_layers", "n_heads", "kv_heads", "hidden", "tie_embedding
 
 def start_from(checkpointer, cfg, tokenizer_sha: str) -> dict[str, Any]:
     """Load train.init_from's checkpoint into the checkpointer's engine (every rank); returns the record of where
-    the run started: run folder, checkpoint, sha256 of its manifest.json, step, optimizer (whether it came)."""
+    the run started: run folder, checkpoint, sha256 of its manifest.json, checkpoint_step, optimizer (whether
+    its state came)."""
     folder = agreed_source(checkpointer, Path(cfg.train.init_from))
     check_fits(folder, cfg, checkpointer.engine.model.vocab_size, tokenizer_sha)
     load_weights(checkpointer, folder, cfg.train.init_optimizer)
     return {"run": str(folder.parent.parent), "checkpoint": str(folder), "sha256": sha256_file(folder / MANIFEST),
-            "step": step_of(folder), "optimizer": cfg.train.init_optimizer}
+            "checkpoint_step": step_of(folder), "optimizer": cfg.train.init_optimizer}
 
 
 def agreed_source(checkpointer, path: Path) -> Path:

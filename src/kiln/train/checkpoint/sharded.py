@@ -1,7 +1,7 @@
 """Sharded checkpoints (`checkpoint.format: sharded`, the default whenever a parameter is split over ranks):
 every rank writes its own pieces of the weights and optimizer state; any world size and mesh reads them back.
 
-A sharded `step-NNNNNNNN/` holds, beside the small files of the full format (rng.pt, state.json,
+A sharded `step-NNNNNNNN/` holds, beside the files every checkpoint has (folder.py: rng.pt, state.json,
 config.yaml, tokenizer.json, manifest.json, manifest.sig):
   model-RRRRR.safetensors      rank R's pieces of the weights (its DTensor local shards), by name
   optimizer-RRRRR.safetensors  rank R's pieces of the AdamW state, keyed `{parameter name}/{state name}`

@@ -1,6 +1,7 @@
-"""Parallel training: the process group and collectives (dist.py), and the one ordered function that turns a plain
-model into what the engine trains (parallelize.py). The process-group names are re-exported here, where the CLI
-and the probes import them."""
+"""Parallel training: the process group and collectives (dist.py), the parallel degrees and the one DeviceMesh
+(mesh.py), and the one ordered function that turns a plain model into what the engine trains (parallelize.py),
+with each parallelism's own module (fsdp.py, tensor.py, pipeline.py, expert.py). The process-group names are
+re-exported here, where the CLI and the probes import them."""
 
 from kiln.train.parallel.dist import (Dist, all_gather_objects, all_reduce_, all_reduce_mean, all_reduce_sum,
                                       broadcast_object, full_value, group_norms, init_distributed,

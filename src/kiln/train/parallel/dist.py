@@ -1,5 +1,6 @@
 """The process group: joining torchrun's group (gloo on CPU, nccl on GPU), its timeouts, and the few collectives
-the loop uses. Wrapping a model for DDP/FSDP2 is parallelize.py's.
+the loop, the checkpoints and the probes use (sums, the whole value of a sharded norm, the layer groups'
+gradient norms, Python objects gathered or broadcast). Wrapping a model for DDP/FSDP2 is parallelize.py's.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The model code knows nothing of this. `parallelize` applies, in one fixed order (each step says why it comes
 where it does): the precision policy, tensor and expert parallel, activation checkpointing, the pipeline split,
-FSDP2 sharding, compilation, DDP wrapping. It returns a `Parallelized`: the module forward is called on, the
+FSDP2 sharding (fsdp.py), compilation, DDP wrapping. It returns a `Parallelized`: the module forward is called on, the
 autocast dtype, the loss function, the mesh (mesh.py: this rank's data-parallel rank and world, which the loader
 and the validator shard rows by), and how the weights and optimizer state are gathered and loaded (`no_sync`,
 `full_states`, `load`), the gradient norms taken (`grad_norms`) and evaluation run (`summed_loss`). The parallel

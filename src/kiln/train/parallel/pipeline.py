@@ -16,7 +16,7 @@ Schedules, for M micro-batches (parallel.pp_microbatches) over P stages:
 - interleaved_1f1b: two stages per rank shrink the bubble to (P-1)/(2M+P-1) for twice the point-to-point
   messages.
 
-The loss exists on the last stage only (per micro-batch, kiln.eval's fp32 chunked cross-entropy);
+The loss exists on the last stage only (per micro-batch, kiln.model.loss's fp32 chunked cross-entropy);
 `Pipeline.step` returns the mean over the micro-batches on every rank of the pipeline (one all-reduce of
 one number). Gradients are scaled by 1/M by the schedule, so a step equals one process's step on the same
 batch up to float order. Gradient norms for clipping are per stage: `reduce_norms` adds their squares over
@@ -155,7 +155,7 @@ class Pipeline:
 
 
 def pipeline_loss(pad_id: int | None):
-    """The last stage's loss: kiln.eval's mean next-token cross-entropy in fp32, on (logits, targets)."""
+    """The last stage's loss: kiln.model.loss's mean next-token cross-entropy in fp32, on (logits, targets)."""
     from kiln.model.loss import chunk_rows_for, chunked_cross_entropy
 
     ignore = -100 if pad_id is None else pad_id

@@ -7,9 +7,10 @@ from typing import Any, Callable
 
 class WarmStart:
     """The record of train.init_from: `run` (the run folder), `checkpoint` (the folder), `sha256` (of its
-    manifest.json, which holds every file's sha256), `step` (its step) and `optimizer` (whether its AdamW state
-    came too). Saved as `init_from` in every checkpoint's state.json, so a resumed run still says where it began;
-    the run's first process writes it as an `init_from` event into metrics.jsonl (what `kiln report` shows)."""
+    manifest.json, which holds every file's sha256), `checkpoint_step` (its step) and `optimizer` (whether its
+    AdamW state came too). Saved as `init_from` in every checkpoint's state.json, so a resumed run still says
+    where it began; the run's first process writes it as an `init_from` event (step 0) into metrics.jsonl, which
+    `kiln report` shows."""
 
     state_key = "init_from"
 
@@ -23,7 +24,7 @@ class WarmStart:
 
     def pre_train(self) -> None:
         if self.now:
-            self.event({"event": "init_from", "step": 0, **self.record})
+            self.event({"event": "init_from", "step": 0, **self.record})  # step: this run's, as every event's
 
     def state_dict(self) -> dict[str, Any] | None:
         return self.record
