@@ -13,6 +13,9 @@ Covered, on the session's `prepared` shards (real memmapped files) and small pac
 - mixing: per-epoch draws follow the weights exactly (largest remainder), are spread over
   the epoch, deterministic per seed, repeat an upsampled source evenly; mismatched sources
   and partial weights are refused;
+- an elastic job: the global batch on any world (the micro-batch kept, accumulation grown, one line naming the
+  worlds that fit), and groups of changing worlds, each resuming the last one's checkpoint and losing the steps
+  after it, consume each sample of an epoch once, in the one-rank order (a hypothesis property);
 - remote shards (fsspec `memory://` and `file://` URLs) read through the cache give the
   same samples as the local folder, are stored by sha256, stay within the size bound, and
   a corrupted remote file stops with an IntegrityError naming its URL.
@@ -31,6 +34,8 @@ import fsspec
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import tiny_config
 from kiln.config import PackConfig
@@ -41,7 +46,7 @@ from kiln.shards.reader import ShardSet
 from kiln.shards.pack import pack
 from kiln.shards.remote import ShardCache
 from kiln.train.data import Mixture, draws_per_source, open_splits
-from kiln.train.loader import Loader
+from kiln.train.loader import Loader, split_batch
 
 
 @pytest.fixture(scope="module")
@@ -400,3 +405,60 @@ def test_weight_from_the_data_stage_scales_a_source_share(prepared, tmp_path):
     train, _ = open_splits(run, plain["tokenizer_sha256"])
     a, b = train.counts.tolist()
     assert a == pytest.approx(4 * b, abs=2) and a + b == len(train)
+
+
+# --- an elastic job: shrink and grow ----------------------------------------------------------------
+
+def test_split_batch_keeps_the_micro_batch_and_grows_accumulation():
+    assert [split_batch(8, 4, w) for w in (1, 2)] == [(4, 2), (4, 1)]
+    assert [split_batch(8, None, w) for w in (1, 2, 4, 8)] == [(8, 1), (4, 1), (2, 1), (1, 1)]
+    with pytest.raises(ValueError) as err:
+        split_batch(8, 4, 3)
+    assert str(err.value).startswith("train.batch_size=8 must be a multiple of micro_batch_size×world = 4×3: it "
+                                     "splits over 1, 2 data-parallel ranks in micro-batches of 4;")
+    assert "\n" not in str(err.value) and "--nnodes" in str(err.value)
+    with pytest.raises(ValueError, match="is smaller than the data-parallel world size 16: it splits over 1, 2, 4, 8 "):
+        split_batch(8, None, 16)
+
+
+@settings(max_examples=25, deadline=None)
+@given(worlds=st.lists(st.sampled_from([1, 2, 4]), min_size=2, max_size=5),
+       steps=st.lists(st.integers(1, 9), min_size=5, max_size=5),
+       lost=st.lists(st.integers(0, 3), min_size=5, max_size=5), micro=st.sampled_from([None, 2]),
+       prefetch=st.sampled_from([0, 2]))
+def test_shrinks_and_grows_consume_each_sample_of_an_epoch_once(second_source, worlds, steps, lost, micro, prefetch):
+    """A job whose world changes between checkpoints: each group trains some steps and saves, then trains some
+    more that are lost with it; the next group (another world) resumes from the save. The indices each rank
+    consumed (Loader.consumed, the rows it got) over the steps kept are each sample of an epoch once, and every
+    step's global batch is the one-rank run's."""
+    samples = ShardSet(second_source, "train")
+    gb = 48  # 25 steps an epoch of these 1,247 samples: the groups cross epochs
+    reference = Loader(samples, gb, gb, 0, 1, seed=4)
+    kept: list[tuple[int, list[int]]] = []  # (epoch, the global batch as the ranks consumed it) per step kept
+    state = None
+    for world, n, extra in zip(worlds, steps, lost):
+        loaders = [Loader(samples, gb, micro, r, world, seed=4, prefetch=prefetch) for r in range(world)]
+        for loader in loaders:
+            if state is not None:
+                loader.load_state_dict(state)
+        for k in range(n + extra):
+            batch = []
+            for loader in loaders:
+                rows_got = loader.next_batch()
+                assert [len(b) for b in rows_got] == [micro or gb // world] * (gb // world // (micro or gb // world))
+                assert torch.equal(torch.cat(rows_got), rows(samples, loader.consumed))
+                batch += loader.consumed.tolist()
+            if k < n:
+                kept.append((loaders[0].state.epoch, batch))
+            if k == n - 1:
+                state = loaders[0].state_dict()  # the checkpoint; the `extra` steps after it are lost
+        for loader in loaders:
+            loader.close()
+    by_epoch: dict[int, list[int]] = {}
+    for epoch, batch in kept:
+        assert batch == reference.next_global_indices().tolist()
+        by_epoch.setdefault(epoch, []).extend(batch)
+    for epoch, taken in by_epoch.items():
+        assert len(taken) == len(set(taken)), epoch
+        if epoch < max(by_epoch):
+            assert len(taken) == len(samples) // gb * gb

@@ -20,7 +20,7 @@ from conftest import ROOT, tiny_config
 from kiln.cli import main as kiln
 from kiln.errors import KilnError
 from kiln.manifest import read_manifest, write_manifest
-from kiln.train.checkpoint import checkpoint_table, list_checkpoints
+from kiln.train.checkpoint import SaveClock, checkpoint_table, list_checkpoints, load_checkpoint
 from kiln.train.metrics import read_metrics
 from kiln.train.trainer import Trainer
 
@@ -220,6 +220,38 @@ def test_async_save_gives_the_same_checkpoints_and_reports_the_stall(workdir, tm
     saves = events(workdir, "save")
     assert [s["step"] for s in saves] == [5, 10] and all(s["async"] and s["stall_s"] >= 0 for s in saves)
     assert kiln(["ckpt", "verify", str(list_checkpoints(workdir / "run" / "checkpoints")[-1])]) == 0
+
+
+def test_time_based_saves_are_async_sharded_and_reported_as_time(workdir):
+    """checkpoint.every_seconds beside checkpoint.every: a clock that is always due saves at every step (the flag
+    rides the step's all-reduce), async and sharded, each save named `time`; the weights are those of the run."""
+    reference = clone(workdir, workdir.parent / "ref")
+    Trainer(tiny_config(reference, train={"max_steps": 4}), log=lambda *_: None).run()
+    cfg = tiny_config(workdir, train={"max_steps": 4},
+                      checkpoint={"every": 1000, "every_seconds": 1e-9, "async_save": True, "format": "sharded"})
+    Trainer(cfg, log=lambda *_: None).run()
+    saves = events(workdir, "save")
+    assert [(s["step"], s["reason"], s["async"], s["format"]) for s in saves] == [
+        (k, "time", True, "sharded") for k in range(1, 5)]
+    folder = list_checkpoints(workdir / "run" / "checkpoints")[-1]
+    assert kiln(["ckpt", "verify", str(folder)]) == 0
+    assert same_weights(load_checkpoint(folder)["model"], final_weights(reference))
+
+
+def test_the_save_clock_asks_only_when_due(monkeypatch):
+    import kiln.train.checkpoint.checkpointer as checkpointer
+
+    now = [100.0]
+    monkeypatch.setattr(checkpointer.time, "monotonic", lambda: now[0])
+    assert SaveClock(None).flags() == {}
+    clock = SaveClock(60.0)
+    clock.pre_train()
+    now[0] = 159.0
+    assert clock.flags() == {"save_due": False}
+    now[0] = 160.0
+    assert clock.flags() == {"save_due": True}
+    clock.saved()
+    assert clock.flags() == {"save_due": False}
 
 
 def test_environment_change_warns_or_stops_when_strict(workdir):

@@ -353,6 +353,9 @@ class LoaderConfig(Section):
     prefetch: int = Field(2, ge=0, description="batches prepared ahead by a background thread; 0 = none")
     cache_dir: str | None = Field(None, description="local cache for remote shards; null = {out_dir}/cache/shards")
     cache_max_gb: float = Field(50.0, gt=0, description="the cache evicts least recently used shards beyond this size")
+    record_samples: bool = Field(
+        False, description="a `samples` record in metrics.jsonl per step with the sample indices each rank consumed "
+        "(one gather per step: a check of exactly-once data over an elastic job's shrinks and grows, not for speed)")
 
 
 class BreathingConfig(Section):
@@ -497,6 +500,10 @@ class TrainConfig(Section):
 
 class CheckpointConfig(Section):
     every: int = Field(50, ge=1, description="steps between checkpoints (the last step is always saved)")
+    every_seconds: float | None = Field(
+        None, gt=0, description="also save when this many seconds have passed since the last save (or the start), "
+        "agreed by every rank at a step boundary: the work a lost node costs is bounded in time whatever the step "
+        "time (with async_save and format sharded, every rank writes its own pieces in the background)")
     keep_last: int = Field(3, ge=1)
     keep_every: int | None = Field(
         None, ge=1, description="also keep every checkpoint whose step is a multiple of this"
@@ -566,6 +573,11 @@ class WatchdogConfig(Section):
     enabled: bool = True
     heartbeat_s: float = Field(5.0, gt=0, description="how often each rank publishes (step, time)")
     stall_timeout_s: float = Field(300.0, gt=0, description="a rank whose step has not advanced this long is reported")
+    on_stall: Literal["restart", "exclude_host"] = Field(
+        "restart", description="restart: every rank exits and torchrun restarts the group; exclude_host: the "
+        "stalled rank's host is also recorded in {out_dir}/run/excluded_hosts/, so its workers leave at the next "
+        "rendezvous (stopping its agent) and an elastic job goes on without it; delete the host's file there and "
+        "start its agent again to let it back in")
 
 
 class TelemetryConfig(Section):

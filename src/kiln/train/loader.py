@@ -4,7 +4,11 @@ The state is (seed, epoch, position): `position` counts draws of the epoch's
 order already handed out. Every rank walks the same order and takes its slice
 of each global batch, so the global batch is the same set of samples for any
 world size, and a restored state (saved under any world size) continues with
-no sample repeated or skipped.
+no sample repeated or skipped: an elastic job that shrinks or grows resumes the
+order where its checkpoint left it. `split_batch` is the arithmetic of a fixed
+global batch on a world of any size (the micro-batch kept, accumulation grown),
+and `consumed` the sample indices this rank was handed last (the exactly-once
+accounting, loader.record_samples).
 
 With `prefetch` > 0 a background thread assembles the next batches into a
 bounded queue; each batch travels with the state after it, and `state` is
@@ -59,9 +63,12 @@ class BatchPlan:
         idx = self.order(state.seed, epoch)[position: position + self.global_batch]
         return idx, LoaderState(state.seed, epoch, position + self.global_batch)
 
-    def assemble(self, global_indices: np.ndarray) -> list[torch.Tensor]:
-        """This rank's slice as micro-batches, each (micro_batch, sample_len) int64."""
-        mine = global_indices[self.rank * self.per_rank: (self.rank + 1) * self.per_rank]
+    def mine(self, global_indices: np.ndarray) -> np.ndarray:
+        """This rank's slice of a global batch's indices."""
+        return global_indices[self.rank * self.per_rank: (self.rank + 1) * self.per_rank]
+
+    def assemble(self, mine: np.ndarray) -> list[torch.Tensor]:
+        """This rank's samples `mine` as micro-batches, each (micro_batch, sample_len) int64."""
         shape = (len(mine), self.samples.sample_len)
         # numpy's allocator reuses freed memory; torch's returns large blocks to the OS and page-faults them back
         rows = (
@@ -74,7 +81,7 @@ class BatchPlan:
 
 
 class Prefetcher:
-    """A daemon thread walking the plan ahead of the caller into a queue of (batch, state after it)."""
+    """A daemon thread walking the plan ahead of the caller into a queue of (batch, state after it, its indices)."""
 
     def __init__(self, plan: BatchPlan, state: LoaderState, depth: int) -> None:
         self.queue: queue.Queue = queue.Queue(depth)
@@ -97,16 +104,17 @@ class Prefetcher:
         try:
             while not stopped.is_set():
                 idx, state = plan.advance(state)
-                put((plan.assemble(idx), state))
+                mine = plan.mine(idx)
+                put((plan.assemble(mine), state, mine))
         except BaseException as exc:  # handed to the caller, raised there
-            put((exc, None))
+            put((exc, None, None))
 
-    def get(self) -> tuple[list[torch.Tensor], LoaderState]:
-        batch, state = self.queue.get()
+    def get(self) -> tuple[list[torch.Tensor], LoaderState, np.ndarray]:
+        batch, state, mine = self.queue.get()
         if isinstance(batch, BaseException):
             self.close()
             raise batch
-        return batch, state
+        return batch, state, mine
 
     def close(self) -> None:
         self.stopped.set()
@@ -118,16 +126,36 @@ def _close(running: list[Prefetcher]) -> None:
         running.pop().close()
 
 
+def split_batch(global_batch: int, micro_batch: int | None, world: int) -> tuple[int, int]:
+    """(micro-batch, accumulation steps) that make the global batch on `world` data-parallel ranks.
+
+    train.batch_size is global whatever the world: an elastic job that shrinks accumulates more micro-batches per
+    step, so the optimisation (global batch, schedule, tokens per step) stays the same. `micro_batch`
+    (train.micro_batch_size) is kept when given, so memory per device does not grow; unset, each rank takes its
+    whole share in one micro-batch. A world the batch cannot be split over is a ValueError that names the world
+    sizes it can."""
+    micro = micro_batch or global_batch // world
+    if micro >= 1 and global_batch % (micro * world) == 0:
+        return micro, global_batch // (micro * world)
+    unit = micro_batch or 1
+    fits = [w for w in range(1, global_batch // unit + 1) if global_batch % (unit * w) == 0]
+    what = (f"must be a multiple of micro_batch_size×world = {micro}×{world}" if micro >= 1 else
+            f"is smaller than the data-parallel world size {world}")
+    raise ValueError(f"train.batch_size={global_batch} {what}: it splits over "
+                     f"{', '.join(map(str, fits[:12]))}{', ...' if len(fits) > 12 else ''} data-parallel ranks"
+                     f"{f' in micro-batches of {micro_batch}' if micro_batch else ''}; choose a batch size every "
+                     "world of the job divides (elastic: each node count from torchrun's --nnodes MIN to MAX, "
+                     "times --nproc-per-node)")
+
+
 class Loader:
     state_key = "loader"  # saved in every checkpoint (train/checkpoint/checkpointer.py); a rollback keeps the position
 
-    def __init__(self, samples: Mixture | ShardSet, global_batch: int, micro_batch: int, rank: int, world: int,
-                 seed: int, prefetch: int = 0) -> None:
+    def __init__(self, samples: Mixture | ShardSet, global_batch: int, micro_batch: int | None, rank: int,
+                 world: int, seed: int, prefetch: int = 0) -> None:
+        """`micro_batch` None: each rank's share of the global batch in one micro-batch (split_batch)."""
         samples = samples if isinstance(samples, Mixture) else Mixture([samples])
-        if global_batch % (micro_batch * world):
-            raise ValueError(
-                f"train.batch_size={global_batch} must be a multiple of micro_batch_size×world = {micro_batch}×{world}"
-            )
+        micro_batch, self.accumulation = split_batch(global_batch, micro_batch, world)
         if global_batch > len(samples):
             raise ValueError(
                 f"train.batch_size={global_batch} exceeds the {len(samples)} training samples; lower it or add data"
@@ -136,6 +164,7 @@ class Loader:
         self.rank, self.world, self.prefetch = rank, world, prefetch
         self.plan = BatchPlan(samples, global_batch, micro_batch, rank, world)
         self.state = LoaderState(seed)
+        self.consumed = np.empty(0, dtype=np.int64)  # the sample indices of this rank's last batch
         self._running: list[Prefetcher] = []  # at most one
         weakref.finalize(self, _close, self._running)
 
@@ -143,10 +172,11 @@ class Loader:
         """This rank's micro-batches of the next global batch, each (micro_batch, sample_len) int64."""
         if not self.prefetch:
             idx, self.state = self.plan.advance(self.state)
-            return self.plan.assemble(idx)
+            self.consumed = self.plan.mine(idx)
+            return self.plan.assemble(self.consumed)
         if not self._running:
             self._running.append(Prefetcher(self.plan, self.state, self.prefetch))
-        batch, self.state = self._running[0].get()
+        batch, self.state, self.consumed = self._running[0].get()
         return batch
 
     def next_global_indices(self) -> np.ndarray:

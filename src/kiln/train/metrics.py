@@ -1,9 +1,10 @@
 """What a step reports: metrics.jsonl always, TensorBoard when installed, MFU against a peak table.
 
 metrics.jsonl holds one JSON object per line with an `event`: "step" (one per
-optimizer step), "eval", "task", "skip", "rollback", "save", "scale" (fp16
-loss-scale change), "budget", "stop", "alert", "resume_on_new_data"; every
-field is in docs/formats.md.
+optimizer step, with the world size and the wall time), "eval", "task", "skip", "rollback", "save", "scale"
+(fp16 loss-scale change), "budget", "stop", "alert", "resume_on_new_data", "membership" (an elastic job's group
+changed: parts/membership.py), "samples" (loader.record_samples: parts/sample_log.py); every field is in
+docs/formats.md.
 """
 
 from __future__ import annotations
@@ -75,13 +76,10 @@ class MetricsLog:
         self.sinks = list(sinks or [])  # more loggers (kiln.train.loggers): write(record), close()
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # Lines written after the checkpoint we resume from describe steps that will run again.
+        # Lines written after the checkpoint we resume from describe steps that will run again; a line that does
+        # not parse is the torn last write of a killed writer (a lost node).
         if self.path.exists():
-            keep = [
-                ln
-                for ln in self.path.read_text().splitlines()
-                if ln.strip() and json.loads(ln).get("step", 0) <= resume_step
-            ]
+            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and _step_of(ln) <= resume_step]
             write_atomic(self.path, "".join(ln + "\n" for ln in keep))
         self.file = open(self.path, "a", buffering=1)
         self.tb = None
@@ -97,7 +95,7 @@ class MetricsLog:
         self.file.write(json.dumps(record) + "\n")
         if self.tb is not None:
             for k, v in record.items():
-                if isinstance(v, (int, float)) and k not in ("step", "event"):
+                if isinstance(v, (int, float)) and k not in ("step", "event", "wall_time"):
                     self.tb.add_scalar(f"{record['event']}/{k}", v, record.get("step", 0))
         for sink in self.sinks:
             sink.write(record)
@@ -108,6 +106,13 @@ class MetricsLog:
             sink.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return float("inf")
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ from kiln.model.build import build_model
 from kiln.model.loss import next_token_loss
 from kiln.tokenizer import tokenizer_sha256
 from kiln.train import checkpoint as ckpt
-from kiln.train.checkpoint import Checkpointer, RunInputs, TrainState, config_hash
+from kiln.train.checkpoint import Checkpointer, RunInputs, SaveClock, TrainState, config_hash
 from kiln.train.checkpoint import resume as resume_checks
 from kiln.train.checkpoint.init_from import start_from
 from kiln.train.console import TrainConsole, warnings_for
@@ -45,8 +45,10 @@ from kiln.train.parts import Outcome
 from kiln.train.parts.budget import Budget
 from kiln.train.parts.data_resets import DataResets
 from kiln.train.parts.guards import Escalation, NonFiniteGuard, SpikeGuard
+from kiln.train.parts.membership import Membership
 from kiln.train.parts.metrics import StepLog
 from kiln.train.parts.profiler import CollectorPause, Profiler
+from kiln.train.parts.sample_log import SampleLog
 from kiln.train.parts.schedule_probe import ScheduleProbe
 from kiln.train.parts.signals import StopRequests
 from kiln.train.parts.validator import Validator
@@ -60,15 +62,17 @@ class Trainer:
         self.cfg, self.log = cfg, log
         t = cfg.train
         set_deterministic(t.deterministic)  # before the first matmul: cuBLAS reads its setting once
-        self.d = d or init_distributed(cfg.parallel.startup_timeout_s, cfg.out / "run")
+        self.run_dir = cfg.out / "run"
+        self.d = d or init_distributed(cfg.parallel.startup_timeout_s, self.run_dir)
+        self.metrics: MetricsLog | None = None
+        self.membership = Membership(self.d, self.run_dir, self.event, log)
+        self.membership.admit()  # a rank on an excluded host: every rank stops here, before any work
         check_loggers(t.loggers)  # a logger asked for and not installed: before any work
         if t.threads:
             torch.set_num_threads(t.threads)
         if self.d.device.type == "cpu":
             keep_freed_memory()
         torch.manual_seed(cfg.seed)
-        self.run_dir = cfg.out / "run"
-        self.metrics: MetricsLog | None = None
         self._open_data()
         self.schedule = build_schedule(t)
         self.spikes, self.escalation = SpikeGuard(cfg.guards), Escalation(cfg.guards)
@@ -90,7 +94,8 @@ class Trainer:
         inputs = RunInputs(self.data_fingerprint, self.tokenizer_sha, self.tokenizer_file,
                            cfg.out / "shards" / "manifest.json", layout(self.d, t.deterministic), env.fingerprint)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.state, self.engine, self.d, inputs,
-                                         cfg.to_yaml(), self.validator.best_step, self.event, log, self.watchdog)
+                                         cfg.to_yaml(), self.validator.best_step, self.event, log, self.watchdog,
+                                         clock=self.save_clock)
 
     def _log_attention(self, model) -> None:
         """Say which kernel keeps attention inside documents (model.document_masking), before any work."""
@@ -122,13 +127,9 @@ class Trainer:
         self.data_fingerprint = resume_checks.data_fingerprint(self.train_set)
         # The degrees, checked before any work; the loader shards rows by the data-parallel rank (mesh.py).
         self.mesh = mesh = build_mesh(cfg, self.d, int(self.train_set.manifest["vocab_size"]))
-        micro = t.micro_batch_size or t.batch_size // mesh.dp_world
-        if micro < 1:
-            raise KilnError(f"train.batch_size={t.batch_size} is smaller than the data-parallel world size "
-                            f"{mesh.dp_world}")
-        try:
-            self.loader = Loader(self.train_set, t.batch_size, micro, mesh.dp_rank, mesh.dp_world, cfg.seed,
-                                 cfg.loader.prefetch)
+        try:  # the global batch on this world (loader.split_batch): one line if it cannot be split over it
+            self.loader = Loader(self.train_set, t.batch_size, t.micro_batch_size, mesh.dp_rank, mesh.dp_world,
+                                 cfg.seed, cfg.loader.prefetch)
         except ValueError as exc:
             raise KilnError(str(exc)) from None
 
@@ -148,9 +149,12 @@ class Trainer:
                                    self.watchdog.beat)
         self.data_resets = DataResets(self.loader, cfg.seed, self.event)
         self.warm_start = WarmStart(self.event)
+        self.save_clock = SaveClock(cfg.checkpoint.every_seconds)
+        samples = [SampleLog(self.loader, d, self.event)] if cfg.loader.record_samples else []
         return [self.loader, self.schedule, self.engine.scaling, self.spikes, self.escalation, self.budget,
-                self.requests, self.data_resets, self.warm_start, self.validator, self.step_log, self.watchdog,
-                Profiler(t.profile_steps, self.run_dir / "profile", d.rank), CollectorPause(t.gc_every)]
+                self.requests, self.save_clock, self.data_resets, self.warm_start, self.validator, self.step_log,
+                *samples, self.membership, self.watchdog, Profiler(t.profile_steps, self.run_dir / "profile", d.rank),
+                CollectorPause(t.gc_every)]
 
     def _hook(self, name: str, *args) -> list[Any]:
         return [getattr(part, name)(*args) for part in self.parts if hasattr(part, name)]
@@ -206,6 +210,7 @@ class Trainer:
         """Resume (or evaluate step 0), open the metrics and console; returns the checkpoint resumed from."""
         cfg, t = self.cfg, self.cfg.train
         resumed = self.resume()
+        self.membership.begin(resumed, self.step, self.loader.micro_batch, self.loader.accumulation)
         if self.d.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_atomic(self.run_dir / "config.yaml", cfg.to_yaml())
@@ -272,9 +277,10 @@ class Trainer:
         if self.validator.tasks_due(step):
             self.validator.run_tasks(step)
         stopped = "SIGTERM" if measured["stop"] else "budget exhausted" if measured["budget_exhausted"] else None
+        due = measured.get("save_due", False)  # checkpoint.every_seconds
         if self.checkpointer.should_save(step, last_step=step == t.max_steps, requested=bool(stopped) or
-                                         measured["save"]):
-            self.checkpointer.save(stopped or ("signal" if measured["save"] else "schedule"))
+                                         measured["save"], due=due):
+            self.checkpointer.save(stopped or ("signal" if measured["save"] else "time" if due else "schedule"))
             self.requests.save = False
         if stopped:
             self.event({"event": "stop", "step": step, "reason": stopped})

@@ -11,13 +11,15 @@ package, bottom up (each module imports only those above it in this list):
   read.py          either format: load, verify, the newest valid one, the table `kiln ckpt list` prints
   agreement.py     the checkpoint (and data, tokenizer) every rank of a multi-rank run agrees on
   resume.py        the checks before a run trains: prepared data, the run folder's lock, resuming onto its own data
-  checkpointer.py  `TrainState` and `Checkpointer`: save, resume and roll back, as the loop asks
+  checkpointer.py  `TrainState` and `Checkpointer`: save, resume and roll back, as the loop asks; `SaveClock`:
+                   checkpoint.every_seconds
   init_from.py     train.init_from: a new run starts from another run's checkpoint, read as a resume reads it
 A new checkpoint format is a module beside full.py and sharded.py with the same four methods (gather, write,
 read, load), chosen in checkpointer.checkpoint_format and read back in read.load_checkpoint.
 """
 
-from kiln.train.checkpoint.checkpointer import Checkpointer, RunInputs, TrainState, checkpoint_format, config_hash
+from kiln.train.checkpoint.checkpointer import (Checkpointer, RunInputs, SaveClock, TrainState, checkpoint_format,
+                                                config_hash)
 from kiln.train.checkpoint.folder import (SMALL_FILES, checkpoint_config, list_checkpoints, restore_rng, retain,
                                           rng_state, sign_manifest, step_dir, step_of, verify_signature)
 from kiln.train.checkpoint.full import FullCheckpoint, write_checkpoint
@@ -27,7 +29,7 @@ from kiln.train.checkpoint.saver import Saver, all_finite, snapshot
 from kiln.train.checkpoint.sharded import CheckpointWeights, ShardedCheckpoint, is_sharded
 from kiln.train.checkpoint.storage import write_safetensors
 
-__all__ = ["SMALL_FILES", "CheckpointWeights", "Checkpointer", "FullCheckpoint", "RunInputs", "Saver",
+__all__ = ["SMALL_FILES", "CheckpointWeights", "Checkpointer", "FullCheckpoint", "RunInputs", "SaveClock", "Saver",
            "ShardedCheckpoint", "TrainState", "all_finite", "check_loads", "checkpoint_config", "checkpoint_format",
            "checkpoint_table", "config_hash", "is_sharded", "latest_valid", "latest_valid_of", "list_checkpoints",
            "load_checkpoint", "restore_rng", "retain", "rng_state", "sign_manifest", "snapshot", "step_dir",

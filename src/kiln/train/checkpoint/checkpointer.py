@@ -17,6 +17,7 @@ checkpoint is read back by the format it was written in, whatever the run's chec
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -101,30 +102,52 @@ def checkpoint_format(cfg: CheckpointConfig, parallel: Parallelized, d: Dist) ->
     return ShardedCheckpoint(d, cfg.save_timeout_s)
 
 
+class SaveClock:
+    """checkpoint.every_seconds, a part of the loop (train/parts/): its flag `save_due` asks for a save once that
+    many seconds have passed since the last save began, or since the loop started (start-up and resume are no work
+    to lose). Any rank's True is every rank's (the step's one all-reduce), so no rank's clock decides alone."""
+
+    def __init__(self, every_seconds: float | None) -> None:
+        self.every_seconds = every_seconds
+        self.since = time.monotonic()
+
+    def pre_train(self) -> None:
+        self.since = time.monotonic()
+
+    def flags(self) -> dict[str, bool]:
+        return {} if self.every_seconds is None else {"save_due": time.monotonic() - self.since >= self.every_seconds}
+
+    def saved(self) -> None:
+        self.since = time.monotonic()
+
+
 class Checkpointer:
     """Saves, resumes and rolls back through the TrainState; the loop asks `should_save(step, last_step=...)`.
 
     `engine` supplies the parallelized model and the optimizer; `watchdog` (parts/watchdog.py) is told of each
     step saved (`beat`) and of a save in progress (`saving`: judged against checkpoint.save_timeout_s, not as a
-    stalled rank).
+    stalled rank); `clock` (a SaveClock among the loop's parts) is told of each save.
     """
 
     def __init__(self, cfg: CheckpointConfig, run_dir: Path, state: TrainState, engine, d: Dist, inputs: RunInputs,
                  config_yaml: str, best_step: Callable[[], int | None], event: Callable[[dict], None],
-                 log: Callable[[str], None], watchdog, fmt: FullCheckpoint | ShardedCheckpoint | None = None) -> None:
+                 log: Callable[[str], None], watchdog, fmt: FullCheckpoint | ShardedCheckpoint | None = None,
+                 clock: SaveClock | None = None) -> None:
         self.cfg, self.run_dir, self.ckpt_dir = cfg, run_dir, run_dir / "checkpoints"
         self.state, self.engine, self.d, self.inputs, self.config_yaml = state, engine, d, inputs, config_yaml
         self.best_step, self.event, self.log, self.watchdog = best_step, event, log, watchdog
         self.format = fmt or checkpoint_format(cfg, engine.parallel, d)
         self.saver = Saver(cfg.async_save, log)
         self.saver.busy = self.saving
+        self.clock = clock or SaveClock(cfg.every_seconds)
 
     def saving(self):
         """The context a save (or the wait for a background one) runs in: the watchdog knows of it."""
         return self.watchdog.saving(self.cfg.save_timeout_s)
 
-    def should_save(self, step: int, last_step: bool, requested: bool = False) -> bool:
-        return requested or last_step or step % self.cfg.every == 0
+    def should_save(self, step: int, last_step: bool, requested: bool = False, due: bool = False) -> bool:
+        """`requested`: a signal or a stop; `due`: the SaveClock's agreed flag (checkpoint.every_seconds)."""
+        return requested or due or last_step or step % self.cfg.every == 0
 
     # --- save -------------------------------------------------------------------------------------
 
@@ -133,6 +156,7 @@ class Checkpointer:
         (rank 0, or every rank for a sharded checkpoint) write, in the background when async. Weights or
         optimizer state that are not finite on any writer are refused, not written."""
         step, every = self.state.step, self.format.every_rank_writes
+        self.clock.saved()
         with self.saving():
             # A sharded gather talks over the checkpoint group, which a background save may still be using.
             waited = self.saver.wait() if every else 0.0

@@ -18,13 +18,19 @@ import torch.distributed as dist
 from kiln.errors import KilnError
 
 
+def node_name() -> str:
+    """This node's name, as Kiln reports it and as `watchdog.on_stall: exclude_host` excludes it: KILN_HOST when
+    set (a scheduler's node name; two torchrun agents on one machine standing for two nodes), else the host name."""
+    return os.environ.get("KILN_HOST") or socket.gethostname()
+
+
 @dataclass(frozen=True)
 class Dist:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
-    host: str = field(default_factory=socket.gethostname)
+    host: str = field(default_factory=node_name)
 
     @property
     def is_main(self) -> bool:
@@ -86,17 +92,32 @@ def cuda_defaults(trace_dir: Path | None) -> None:
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(Path(trace_dir) / "nccl-trace-rank"))
 
 
-def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
-    """The rendezvous store, under a prefix per torchrun restart.
+def shares_agent_store() -> bool:
+    """torchrun hands its workers its agent's rendezvous store (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
-    torchrun's workers share its agent's store across restarts; without a fresh prefix a restarted
-    rank can read the addresses the previous attempt left there and fail to connect ("Connection
-    refused" in connectFullMesh).
+
+def store_prefix() -> str:
+    """The key prefix of this round's store, the same on every worker of a torchrun rendezvous round.
+
+    A store shared with the agent outlives the round: without a fresh prefix a restarted rank can read the
+    addresses the previous attempt left there and fail to connect ("Connection refused" in connectFullMesh);
+    the prefix is TORCHELASTIC_RESTART_COUNT, as torch's own env:// rendezvous does. Unshared
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which an elastic job needs to grow back), rank 0 serves a new store
+    on the port its agent picked for this round, so nothing stale is there, and the restart count must not be
+    used: it differs between an agent that restarted after losing a node (1) and one that just joined (0), and
+    the two would wait for each other under different prefixes for ever.
     """
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if shares_agent_store():
+        return f"kiln/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return "kiln/round"
+
+
+def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
+    """The rendezvous store of this round, under `store_prefix()`."""
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
-                          is_master=rank == 0 and not agent, timeout=timeout)
-    return dist.PrefixStore(f"kiln/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+                          is_master=rank == 0 and not shares_agent_store(), timeout=timeout)
+    return dist.PrefixStore(store_prefix(), store)
 
 
 def set_step_timeout(d: Dist, seconds: float) -> None:

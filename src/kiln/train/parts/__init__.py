@@ -5,7 +5,7 @@ Hooks the loop (trainer.py) calls on every part that defines them, in the order 
 
     pre_train()            after resume, before the first step (start threads, install handlers)
     pre_step(step)         before optimizer step `step` (1-based)
-    flags() -> dict        requests (stop, save, budget) agreed by every rank in the step's one all-reduce
+    flags() -> dict        requests (stop, save, save_due, budget) agreed by every rank in the step's one all-reduce
     post_step(outcome)     after the step: an `Outcome` with the step's numbers
     close()                in the loop's finally, also on errors
 

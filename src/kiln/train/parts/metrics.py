@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from kiln.config import TrainConfig
@@ -48,7 +49,8 @@ class StepLog:
         moe = {k: v for k, v in measured.items() if k.startswith("moe/")}
         result = {k: v for k, v in o.result.items() if k != "skip_reason"}
         return {"event": "step", "step": o.step, "loss": measured["loss"], "lr": o.lr, **result, **moe,
-                "tokens_per_s": tps, "step_time_s": o.dt, "tokens_seen": o.tokens_seen,
+                "tokens_per_s": tps, "step_time_s": o.dt, "tokens_seen": o.tokens_seen, "world": self.d.world,
+                "wall_time": time.time(),
                 "mfu": mfu(self.flops_per_token, tps, self.peak, self.d.world),
                 "mem_peak_gb": peak_memory_gb(self.d.device),
                 "time_data_s": measured["time_data_s"], "time_fwd_bwd_s": measured["time_fwd_bwd_s"],

@@ -7,7 +7,15 @@ advanced for `stall_timeout_s`, the first watchdog to notice reports it by rank
 and host, asks every rank to dump its Python stacks (faulthandler) and exits
 non-zero: `torchrun --max-restarts=N` then restarts the group, which resumes
 from the newest valid checkpoint. A stopped or dead rank cannot dump; the
-report says so.
+report says so. A watchdog whose own process was frozen (SIGSTOP, a paused VM:
+its ticks came late) starts its clocks again. A rank saving a checkpoint is judged against
+checkpoint.save_timeout_s, unless its heartbeat stopped too (a save runs beside
+the heartbeat thread, so a silent rank is stopped or gone, not saving).
+
+With `on_stall: exclude_host` the reporting rank also records the stalled
+rank's host in the run folder (parts/membership.py): at the next rendezvous that
+host's workers stop their agent and leave, and an elastic job goes on without
+it. A group whose ranks are all on that one host restarts instead.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ import torch.distributed as dist
 
 from kiln.config import WatchdogConfig
 from kiln.train.parallel import Dist
+from kiln.train.parallel.dist import store_prefix
+from kiln.train.parts.membership import EXCLUDED, exclude_host
 
 EXIT_STALLED = 3
 
@@ -77,10 +87,16 @@ class Watchdog:
         """This rank has completed a step since it started."""
         return self.first_step is not None and self.step > self.first_step
 
-    def timeout_for(self, beat: dict) -> float:
-        if beat.get("saving"):
+    def timeout_for(self, beat: dict, silent: bool = False) -> float:
+        """How long a rank may go without progress: its save's timeout while it saves (unless `silent`: its
+        heartbeat stopped), startup_timeout_s until its first step, else stall_timeout_s."""
+        if beat.get("saving") and not silent:
             return beat["saving"]
-        return self.cfg.stall_timeout_s if beat.get("warm") else self.startup_timeout_s
+        return self.cfg.stall_timeout_s if beat.get("warm") or beat.get("saving") else self.startup_timeout_s
+
+    def silent(self, ticks: dict[int, tuple[int, float]], now: float) -> set[int]:
+        """The ranks whose heartbeat has not changed for three heartbeats: stopped or dead."""
+        return {r for r, (_, since) in ticks.items() if now - since > 3 * self.cfg.heartbeat_s}
 
     def start(self) -> "Watchdog":
         self.first_step = self.step
@@ -101,7 +117,7 @@ class Watchdog:
         # same per-restart prefix as the process group.
         client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                timeout=timedelta(seconds=max(30.0, self.cfg.heartbeat_s * 4)))
-        return dist.PrefixStore(f"kiln/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/watchdog", client)
+        return dist.PrefixStore(f"{store_prefix()}/watchdog", client)
 
     def _run(self) -> None:
         try:
@@ -113,10 +129,15 @@ class Watchdog:
         progress: dict[int, tuple[int, float]] = {}  # rank -> (progress, when it last changed), on our clock
         ticks: dict[int, tuple[int, float]] = {}  # rank -> (heartbeat count, when it last changed)
         beats: dict[int, dict] = {}
-        tick = 0
+        tick, last = 0, t0
         while tick == 0 or not self._stop.wait(self.cfg.heartbeat_s):  # publish at once, then every heartbeat_s
             tick += 1
             now = time.monotonic()
+            if now - last > 3 * self.cfg.heartbeat_s + 1:  # this process was frozen (SIGSTOP, a paused VM): what it
+                progress = {r: (v, now) for r, (v, _) in progress.items()}  # saw before says nothing of the others
+                ticks = {r: (v, now) for r, (v, _) in ticks.items()}  # now; their clocks start again
+                t0 = now
+            last = now
             beats[self.d.rank] = {"progress": self.progress, "step": self.step, "host": self.d.host,
                                   "pid": os.getpid(), "tick": tick, "warm": self.warm,
                                   "saving": self.save_timeout_s}
@@ -134,18 +155,18 @@ class Watchdog:
                 for seen, value in ((progress, beat["progress"]), (ticks, beat["tick"])):
                     if r not in seen or seen[r][0] != value:
                         seen[r] = (value, now)
+            silent = self.silent(ticks, now)
             stalled = [r for r in range(self.d.world)
-                       if now - progress.get(r, (0, t0))[1] > self.timeout_for(beats.get(r, {}))]
+                       if now - progress.get(r, (0, t0))[1] > self.timeout_for(beats.get(r, {}), r in silent)]
             if stalled:
-                self._report(stalled, beats, ticks, now, store)
+                never_seen = {r for r in stalled if r not in ticks}
+                self._report(stalled, beats, sorted(silent | never_seen), store)
 
-    def _report(self, stalled: list[int], beats: dict, ticks: dict, now: float, store) -> None:
+    def _report(self, stalled: list[int], beats: dict, silent: list[int], store) -> None:
         """Blame the rank that is behind: one whose heartbeat stopped (stopped or dead), else the lowest
         step; the others are waiting for it in a collective."""
         # Any rank whose heartbeat stopped, stalled by its own clock yet or not: the others wait for it, and a
         # waiting rank's progress stops first (it sees the silent rank's last progress up to a heartbeat late).
-        silent = [r for r in sorted(set(stalled) | set(ticks))
-                  if now - ticks.get(r, (0, 0.0))[1] > 3 * self.cfg.heartbeat_s]
         culprit = (silent or sorted(stalled, key=lambda r: beats.get(r, {}).get("step", -1)))[0]
         beat = beats.get(culprit, {"host": "unknown", "step": "unknown", "pid": "unknown"})
         report = {"rank": culprit, "host": beat["host"], "pid": beat["pid"], "step": beat["step"],
@@ -153,15 +174,31 @@ class Watchdog:
         stopped = " and its heartbeat stopped (stopped or dead: it cannot dump its stacks)" if culprit in silent else ""
         self.log(
             f"watchdog: rank {culprit} on host {beat['host']} (pid {beat['pid']}) has not advanced past step "
-            f"{beat['step']} for over {self.timeout_for(beat):.0f} s{stopped}; "
+            f"{beat['step']} for over {self.timeout_for(beat, culprit in silent):.0f} s{stopped}; "
             f"dumping stacks and exiting so torchrun can restart the group"
         )
+        if self.cfg.on_stall == "exclude_host":
+            self._exclude(beat["host"], report, beats)
         if store is not None:
             try:
                 store.set("dump", json.dumps(report))
             except Exception:
                 pass
         self._dump_and_exit(report)
+
+    def _exclude(self, host: str, report: dict, beats: dict) -> None:
+        """on_stall: exclude_host: record the stalled rank's host in the run folder, unless it is every host the
+        group has (then the group only restarts)."""
+        if {b.get("host") for b in beats.values()} <= {host} or host == "unknown":
+            self.log(f"watchdog: not excluding host {host}: no other host would be left; the group restarts")
+            return
+        path = exclude_host(self.run_dir, host, {**report, "excluded_at": time.time()})
+        if path is None:
+            self.log(f"watchdog: host name {host!r} cannot be a file name in {self.run_dir / EXCLUDED}; the group "
+                     "restarts with it")
+            return
+        self.log(f"watchdog: host {host} excluded from this run ({path}): its workers leave at the next "
+                 "rendezvous; to let it back in, delete that file and start its agent again")
 
     def _dump_and_exit(self, report: dict) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
