@@ -138,11 +138,14 @@ class StepClock:
         }
 
 
-def kiln_worker(out: Path, dtype: str, compile: bool, warmup: int, steps: int) -> dict:
-    """Time `Trainer.run()` by the log line it prints after every step (log_every=1); stop it after the window."""
+def kiln_worker(out: Path, dtype: str, compile: bool, warmup: int, steps: int, configure=None) -> dict:
+    """Time `Trainer.run()` by the log line it prints after every step (log_every=1); stop it after the window.
+    `configure(cfg)` may change the config first (another benchmark's variant)."""
     from kiln.train.trainer import Trainer
 
     cfg = bench_config(out, dtype, compile, log_every=1, max_steps=warmup + steps + 1)
+    if configure is not None:
+        configure(cfg)
 
     def log(msg: str) -> None:
         if msg.startswith("step ") and "/" in msg.split()[1]:

@@ -1,4 +1,5 @@
-"""Tensor parallel on real gloo ranks: the vocabulary-parallel loss and gradients equal one process's, and
+"""Tensor parallel on real gloo ranks: the vocabulary-parallel loss and gradients equal one process's (with
+document masking too), and
 `kiln train` with parallel.tp=2 follows one process's losses; tp=2 x dp_shard=2 trains and resumes bitwise.
 
 What a GPU run adds to these: NCCL instead of gloo for the all-gathers and reduce-scatters of sequence
@@ -70,6 +71,18 @@ for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert p.to_local().shape[1] == q.shape[1] // 2, name
 with torch.no_grad():  # outside the loss the model returns the full logits, gathered
     assert torch.allclose(model(batch[:, :-1]), ref(batch[:, :-1]), atol=1e-5)
+# model.document_masking: the mask, read from the whole tokens, passes the sequence-parallel input untouched
+args = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, document_masking=True, document_positions=True)
+ref, model = Llama(args, 96, 16, eos_id=1), Llama(args, 96, 16, eos_id=1)
+model.load_state_dict(ref.state_dict())
+apply_tensor_parallel(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+batch[:, [4, 9]] = 1
+expected, got = next_token_loss(ref, batch, None), vocab_parallel_loss(model, batch, None)
+expected.backward()
+got.backward()
+assert abs(float(got) - float(expected)) < 1e-5, (float(got), float(expected))
+for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+    assert torch.allclose(p.grad.full_tensor(), q.grad, atol=1e-6), name
 print("ok", dist.get_rank())
 """
 

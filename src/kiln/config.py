@@ -473,6 +473,13 @@ class TrainConfig(Section):
         description="resume a checkpoint whose data fingerprint or tokenizer differ "
         "from the shards'; the loader then starts at epoch 0, position 0 (recorded)",
     )
+    init_from: str | None = Field(
+        None, description="start this run from another run's weights (continued pretraining, annealing): a "
+        "checkpoint folder, or a run folder / out_dir (its newest valid checkpoint); this run keeps its own "
+        "schedule, data and out_dir and starts at step 0. Once it has checkpoints of its own it resumes those")
+    init_optimizer: bool = Field(
+        False, description="with init_from: take its AdamW moments too (this run's lr, betas and weight decay "
+        "still apply); false = a fresh optimizer")
 
     @model_validator(mode="after")
     def _resolve_lr(self) -> "TrainConfig":
@@ -487,6 +494,9 @@ class TrainConfig(Section):
             # Stored as lr (bypassing validation, which would recurse) so the resolved config.yaml records the
             # rate actually used and loads back unchanged.
             self.__dict__["lr"] = scaled
+        if self.init_optimizer and not self.init_from:
+            raise ValueError("train.init_optimizer takes the optimizer state of train.init_from's checkpoint; "
+                             "set train.init_from too, or drop train.init_optimizer")
         c = self.warmup_calibration
         if c is not None and self.warmup_steps <= c.steps:
             raise ValueError(
@@ -766,7 +776,7 @@ def build_config(data: dict[str, Any], overrides: list[str] | None = None) -> Co
 # (KEY=VALUE overrides) it is relative to the working directory, as a shell user expects.
 PATH_KEYS = ("out_dir", "data.inputs[]", "data.lang_model", "data.blocklist.file", "tokenizer.path",
              "loader.sources[].path", "loader.cache_dir", "checkpoint.signing_key", "checkpoint.public_key",
-             "eval.tasks[].path", "data.dedup.index")
+             "eval.tasks[].path", "data.dedup.index", "train.init_from")
 
 
 def _anchor(value: Any, base: Path) -> Any:

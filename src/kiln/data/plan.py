@@ -16,7 +16,7 @@ from typing import Iterator
 from kiln.config import DataConfig
 from kiln.data.document import Document, ReadReport
 from kiln.data.read import read_warc, splittable
-from kiln.data.sources import input_format, input_identity, input_size, read_jsonl, read_parquet
+from kiln.data.sources import input_format, input_identity, input_size, read_arrow, read_jsonl, read_parquet
 
 # Settings that change how the work runs, never what it outputs (storage_options may hold secrets).
 EXECUTION_KEYS = {"inputs", "workers", "executor", "ray_address", "task_bytes", "storage_options"}
@@ -64,6 +64,8 @@ def read_task(task: Task, cfg: DataConfig, report: ReadReport) -> Iterator[Docum
         return read_jsonl(task.source, report, fields, cfg.storage_options, cfg.max_record_bytes)
     if kind == "parquet":
         return read_parquet(task.source, report, fields, cfg.storage_options, cfg.max_record_bytes)
+    if kind == "arrow":
+        return read_arrow(task.source, report, fields, cfg.storage_options, cfg.max_record_bytes)
     return read_warc(task.source, report, task.start, task.end, cfg.storage_options)
 
 

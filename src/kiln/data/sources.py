@@ -4,6 +4,8 @@
 - JSONL (`.jsonl`, `.ndjson`, `.json`, each optionally `.gz` or `.zst`): one JSON object a
   line; the text, id and URL come from `data.text_field`, `data.id_field`, `data.url_field`.
 - Parquet (`.parquet`): the same three columns.
+- Arrow IPC (`.arrow`, as `datasets.save_to_disk` writes): the same columns, one record batch at a time.
+  A folder written by `datasets.save_to_disk` or downloaded from the Hub expands to its files (`kiln.data.hub`).
 
 Provenance for JSONL is the line's byte offset and length in the decompressed stream;
 for Parquet, the row index (length 1). A line that is not JSON, or has no string in
@@ -132,9 +134,11 @@ def expand_inputs(patterns: list[str], storage_options: dict[str, Any] | None = 
             raise KilnError(f"input {pattern!r} matches no file; check the path or glob")
         for m in matches:
             local = Path(m.removeprefix("file://"))
-            if local.is_dir():
-                raise KilnError(f"input {m} is a folder; give its files or a glob, e.g. "
-                                f"'{(local / '*.warc.gz').as_posix()}' or '{(local / '*.jsonl').as_posix()}'")
+            if local.is_dir():  # a datasets.save_to_disk or Hub dataset folder: its data files (kiln.data.hub)
+                from kiln.data.hub import folder_files
+
+                files += folder_files(local)
+                continue
             if not local.is_file():
                 raise KilnError(f"input {m} does not exist or is not a file")
             files.append(m)
@@ -156,6 +160,8 @@ def input_format(source: str) -> str:
         return "jsonl"
     if source.lower().endswith(".parquet"):
         return "parquet"
+    if source.lower().endswith(".arrow"):
+        return "arrow"
     return "warc"
 
 
@@ -333,21 +339,70 @@ def read_parquet(
             if raw.error is not None:
                 raise raw.error from None
             raise KilnError(f"{source}: not a readable Parquet file ({exc})") from None
-        names = pf.schema_arrow.names
-        if fields[0] not in names:
-            raise KilnError(f"{source}: no column {fields[0]!r} (data.text_field); columns are {names}")
-        columns = [c for c in dict.fromkeys(fields) if c and c in names]
+        columns = record_columns(source, pf.schema_arrow.names, fields)
         row = 0
         try:
             for batch in pf.iter_batches(batch_size=1024, columns=columns):
-                for rec, size in zip(batch.to_pylist(), _text_bytes(batch, fields[0])):
-                    if max_record_bytes is not None and size > max_record_bytes:
-                        yield Document(id=f"{Path(source).name}:row{row}", source=source, offset=row, length=1).reject(
-                            "read", "too_large", row=row, bytes=size, limit=max_record_bytes)
-                    else:
-                        yield _record_doc(rec, source, row, 1, f"row{row}", fields)
-                    row += 1
+                yield from batch_documents(batch, source, row, fields, max_record_bytes)
+                row += batch.num_rows
         except Exception:  # a damaged row group (ArrowInvalid, OSError): keep the rows before it, say where
+            if raw.error is not None:
+                raise raw.error from None
+            report.truncated_at = row
+
+
+def record_columns(source: str, names: list[str], fields: tuple[str, ...]) -> list[str]:
+    """The columns of `fields` (text, id, url, group) a file of columns `names` has; no text column is an error."""
+    if fields[0] not in names:
+        raise KilnError(f"{source}: no column {fields[0]!r} (data.text_field); columns are {names}")
+    return [c for c in dict.fromkeys(fields) if c and c in names]
+
+
+def batch_documents(batch, source: str, first_row: int, fields: tuple[str, ...],
+                    max_record_bytes: int | None) -> Iterator[Document]:
+    """The rows of an Arrow record batch (Parquet, Arrow IPC) as Documents, `offset` = the row in the file; a row
+    whose text is over `max_record_bytes` (UTF-8) is a `read/too_large` rejection."""
+    for row, (rec, size) in enumerate(zip(batch.to_pylist(), _text_bytes(batch, fields[0])), first_row):
+        if max_record_bytes is not None and size > max_record_bytes:
+            yield Document(id=f"{Path(source).name}:row{row}", source=source, offset=row, length=1).reject(
+                "read", "too_large", row=row, bytes=size, limit=max_record_bytes)
+        else:
+            yield _record_doc(rec, source, row, 1, f"row{row}", fields)
+
+
+# --- Arrow IPC --------------------------------------------------------------------------------
+
+_ARROW_FILE_MAGIC = b"ARROW1"
+
+
+def read_arrow(source: str, report: ReadReport, fields: tuple[str, ...],
+               storage_options: dict[str, Any] | None = None, max_record_bytes: int | None = None
+               ) -> Iterator[Document]:
+    """The rows of an Arrow IPC file (stream format, as save_to_disk writes; or the file format), one record batch
+    at a time, as Documents with the row index as `offset`. A row whose text is over `max_record_bytes` (UTF-8)
+    is `read/too_large`; damage mid-file keeps the rows before it and reports the cut at the row."""
+    import pyarrow as pa
+
+    if input_size(source, storage_options) == 0:
+        raise KilnError(f"{source}: empty file (0 bytes), nothing to read; remove it from the inputs")
+    with open_input(source, storage_options) as f:
+        raw = StorageWatch(f)
+        try:
+            file_format = raw.read(len(_ARROW_FILE_MAGIC)) == _ARROW_FILE_MAGIC
+            raw.seek(0)
+            reader = pa.ipc.open_file(raw) if file_format else pa.ipc.open_stream(raw)
+        except Exception as exc:  # pyarrow's ArrowInvalid and friends
+            if raw.error is not None:
+                raise raw.error from None
+            raise KilnError(f"{source}: not a readable Arrow IPC file ({exc})") from None
+        columns = record_columns(source, reader.schema.names, fields)
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) if file_format else reader
+        row = 0
+        try:
+            for batch in batches:
+                yield from batch_documents(batch.select(columns), source, row, fields, max_record_bytes)
+                row += batch.num_rows
+        except Exception:  # a cut or damaged stream: keep the rows before it, say where
             if raw.error is not None:
                 raise raw.error from None
             report.truncated_at = row

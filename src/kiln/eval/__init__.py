@@ -29,14 +29,16 @@ def row_losses(model: torch.nn.Module, batch: torch.Tensor, lengths: torch.Tenso
 
 def load_eval_model(folder: Path):
     """(model in eval mode on the CPU, tokenizer, run config) of a verified checkpoint folder."""
-    from kiln.tokenizer import load_tokenizer
+    from kiln.tokenizer import eos_id, load_tokenizer
     from kiln.train.checkpoint import checkpoint_config, load_checkpoint
 
     cfg = checkpoint_config(folder)
     tok = load_tokenizer(Path(folder) / "tokenizer.json")
     weights = load_checkpoint(folder)["model"]
-    # The embedding's rows, not the tokenizer's size: the model may pad its vocabulary.
-    model = build_model(cfg.model, weights["tok_embeddings.weight"].shape[0], cfg.pack.seq_len)
+    # The embedding's rows, not the tokenizer's size: the model may pad its vocabulary. EOS separates the
+    # documents model.document_masking keeps apart.
+    eos = eos_id(tok, cfg.tokenizer.eos_token) if cfg.model.document_masking else None
+    model = build_model(cfg.model, weights["tok_embeddings.weight"].shape[0], cfg.pack.seq_len, eos)
     model.load_state_dict(weights)
     return model.eval(), tok, cfg
 

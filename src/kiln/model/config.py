@@ -82,10 +82,21 @@ class ModelConfig(Section):
     init_std: float = Field(0.02, gt=0)
     rope_scaling: RopeScalingConfig | None = Field(None, description="null = plain RoPE")
     moe: MoEConfig = Field(default_factory=MoEConfig)
+    document_masking: bool = Field(
+        False, description="attention stays inside its document (block-causal): a token sees the tokens from the "
+        "EOS before it on, never an earlier document packed into the same sample (kiln.model.attention)")
+    document_positions: bool = Field(
+        False, description="with document_masking: RoPE positions restart at 0 at each document's EOS")
+    document_attention: Literal["auto", "flex", "sdpa"] = Field(
+        "auto", description="the kernel of document masking: flex_attention, or scaled_dot_product_attention "
+        "with an exact boolean mask; auto = flex on CUDA, masked SDPA elsewhere")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
         kv = self.n_kv_heads or self.n_heads
+        if self.document_positions and not self.document_masking:
+            raise ValueError("model.document_positions restarts positions per document, which only means something "
+                             "with model.document_masking: true; set both, or neither")
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
         if self.n_heads % kv:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.model.attention import DocumentMask, attend, document_positions, kernel_for
 from kiln.model.config import ModelConfig, RopeScalingConfig
 from kiln.model.moe import MoEFeedForward
 
@@ -80,21 +81,14 @@ class Attention(nn.Module):
         self.wv = nn.Linear(a.dim, a.kv_heads * a.head_dim, bias=False)
         self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: DocumentMask | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        gqa = self.kv_heads != self.n_heads
-        if gqa and q.dtype not in (torch.bfloat16, torch.float16):
-            # Flash attention serves enable_gqa only in half precision; in fp32 SDPA would fall back to the
-            # math kernel (O(seq^2) memory). Repeating the k/v heads keeps the efficient kernels; a GPU run
-            # confirms which kernel SDPA picks.
-            k = k.repeat_interleave(self.n_heads // self.kv_heads, dim=1)
-            v = v.repeat_interleave(self.n_heads // self.kv_heads, dim=1)
-            gqa = False
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        out = attend(q, k, v, documents)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -120,18 +114,20 @@ class Block(nn.Module):
         else:
             self.feed_forward = FeedForward(a)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                documents: DocumentMask | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, documents)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
 class Llama(nn.Module):
-    """The model takes its one config (the `model:` section) and the two sizes that are not model keys."""
+    """The model takes its one config (the `model:` section) and the sizes that are not model keys; `eos_id`,
+    the tokenizer's EOS, separates the documents of a sample (needed with model.document_masking)."""
 
-    def __init__(self, config: ModelConfig, vocab_size: int, max_seq_len: int) -> None:
+    def __init__(self, config: ModelConfig, vocab_size: int, max_seq_len: int, eos_id: int | None = None) -> None:
         super().__init__()
         a = self.config = config
-        self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
+        self.vocab_size, self.max_seq_len, self.eos_id = vocab_size, max_seq_len, eos_id
         self.tok_embeddings = nn.Embedding(vocab_size, a.dim)
         self.layers = nn.ModuleList(Block(a, i) for i in range(a.n_layers))
         self.norm = RMSNorm(a.dim, a.norm_eps)
@@ -158,11 +154,31 @@ class Llama(nn.Module):
         t = tokens.shape[1]
         if t > self.max_seq_len:
             raise ValueError(f"sequence of {t} tokens exceeds max_seq_len={self.max_seq_len}")
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        documents = self.document_mask(tokens)
+        if documents is not None and self.config.document_positions:
+            positions = document_positions(tokens, self.eos_id)
+            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        else:
+            cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, documents)
         return self.output(self.norm(h))
+
+    def document_mask(self, tokens: torch.Tensor) -> DocumentMask | None:
+        """The documents of `tokens` for every layer's attention (None: plain causal attention)."""
+        if not self.config.document_masking:
+            return None
+        if self.eos_id is None:
+            raise ValueError("model.document_masking needs the EOS id that separates documents: build the model "
+                             "with eos_id")
+        return DocumentMask.of(tokens, self.eos_id, self.attention_kernel(tokens.device))
+
+    def attention_kernel(self, device: torch.device) -> str:
+        """What attention runs on `device`: "causal" (no document masking), or document masking's kernel."""
+        if not self.config.document_masking:
+            return "causal"
+        return kernel_for(self.config.document_attention, device)
 
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -299,9 +299,15 @@ def export_hf(checkpoint: Path, out_dir: Path) -> dict:
         "model_type": config["model_type"],
         "parameters": params,
     }
+    notes = []
     if config["model_type"] == "mixtral" and cfg.model.moe.capacity_factor is not None:
-        result["note"] = (f"model.moe.capacity_factor={cfg.model.moe.capacity_factor} is not exported: Mixtral routes "
-                          "without capacity limits, so outputs match Kiln's only where no token was dropped")
+        notes.append(f"model.moe.capacity_factor={cfg.model.moe.capacity_factor} is not exported: Mixtral routes "
+                     "without capacity limits, so outputs match Kiln's only where no token was dropped")
+    if cfg.model.document_masking:
+        notes.append("trained with model.document_masking: give transformers one document per sequence, after "
+                     f"its {cfg.tokenizer.eos_token} (a packed sequence would attend across its documents)")
+    if notes:
+        result["note"] = "; ".join(notes)
     return result
 
 

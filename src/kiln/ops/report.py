@@ -406,6 +406,11 @@ def _summary(records: Records) -> list[dict]:
             {"what": "last validation loss", "value": evals[-1].get("val_loss") if evals else None},
             {"what": "skipped steps", "value": sum(r.get("event") == "skip" for r in records)},
             {"what": "rollbacks", "value": sum(r.get("event") == "rollback" for r in records)}]
+    for r in records:  # train.init_from: where the run's weights came from
+        if r.get("event") == "init_from":
+            what = "weights and optimizer state" if r.get("optimizer") else "weights only"
+            rows.insert(0, {"what": "started from", "value": f"{r['checkpoint']} (step {r['checkpoint_step']} of the "
+                            f"run {r['run']}; its manifest.json sha256 {r['sha256']}; {what})"})
     if steps:
         times = sorted(float(r.get("step_time_s") or 0) for r in steps)
         rates = sorted(float(r.get("tokens_per_s") or 0) for r in steps)

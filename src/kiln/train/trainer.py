@@ -29,6 +29,7 @@ from kiln.tokenizer import tokenizer_sha256
 from kiln.train import checkpoint as ckpt
 from kiln.train.checkpoint import Checkpointer, RunInputs, SaveClock, TrainState, config_hash
 from kiln.train.checkpoint import resume as resume_checks
+from kiln.train.checkpoint.init_from import start_from
 from kiln.train.console import TrainConsole, warnings_for
 from kiln.train.cpu_memory import keep_freed_memory
 from kiln.train.data import open_splits
@@ -52,6 +53,7 @@ from kiln.train.parts.schedule_probe import ScheduleProbe
 from kiln.train.parts.signals import StopRequests
 from kiln.train.parts.threads import ThreadTuner
 from kiln.train.parts.validator import Validator
+from kiln.train.parts.warm_start import WarmStart
 from kiln.train.parts.watchdog import Watchdog
 from kiln.train.schedule import build_schedule
 from kiln.train.telemetry import Telemetry
@@ -75,7 +77,10 @@ class Trainer:
         self._open_data()
         self.schedule = build_schedule(t)
         self.spikes, self.escalation = SpikeGuard(cfg.guards), Escalation(cfg.guards)
-        model = build_model(cfg.model, int(self.train_set.manifest["vocab_size"]), cfg.pack.seq_len).to(self.d.device)
+        manifest = self.train_set.manifest
+        model = build_model(cfg.model, int(manifest["vocab_size"]), cfg.pack.seq_len, manifest.get("eos_id"))
+        model = model.to(self.d.device)
+        self._log_attention(model)
         self.flops_per_token = model.flops_per_token(cfg.pack.seq_len)
         parallel = parallelize(model, self.d, cfg.parallel, Precision.of(t), next_token_loss, self.mesh, self.pad_id)
         if self.d.device.type == "cuda":
@@ -92,6 +97,22 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.state, self.engine, self.d, inputs,
                                          cfg.to_yaml(), self.validator.best_step, self.event, log, self.watchdog,
                                          clock=self.save_clock)
+
+    def _log_attention(self, model) -> None:
+        """Say which kernel keeps attention inside documents (model.document_masking), before any work."""
+        if not self.cfg.model.document_masking:
+            return
+        if model.eos_id is None:
+            raise KilnError(f"{self.cfg.out / 'shards'}: the manifest names no eos_id, which model.document_masking "
+                            "reads documents by; re-run `kiln pack`")
+        kernel = model.attention_kernel(self.d.device)
+        if kernel == "flex" and self.d.device.type == "cpu":
+            raise KilnError(f"model.document_attention=flex: torch {torch.__version__} has no flex_attention "
+                            "backward on a CPU; use model.document_attention=sdpa (or auto)")
+        what = {"flex": "flex_attention (compiled)", "sdpa": "scaled_dot_product_attention with an exact mask"}
+        if self.d.is_main:
+            self.log(f"document masking: {what[kernel]} on {self.d.device.type} (model.document_attention="
+                     f"{self.cfg.model.document_attention})")
 
     def _open_data(self) -> None:
         cfg, t = self.cfg, self.cfg.train
@@ -128,11 +149,12 @@ class Trainer:
                                    self.schedule, tasks, cfg.pack.seq_len, cfg.out / "shards", self.event, self.log,
                                    self.watchdog.beat)
         self.data_resets = DataResets(self.loader, cfg.seed, self.event)
+        self.warm_start = WarmStart(self.event)
         self.save_clock = SaveClock(cfg.checkpoint.every_seconds)
         samples = [SampleLog(self.loader, d, self.event)] if cfg.loader.record_samples else []
         return [self.loader, self.schedule, self.engine.scaling, self.spikes, self.escalation, self.budget,
-                self.requests, self.save_clock, self.data_resets, self.validator, self.step_log, *samples,
-                self.membership, self.watchdog, Profiler(t.profile_steps, self.run_dir / "profile", d.rank),
+                self.requests, self.save_clock, self.data_resets, self.warm_start, self.validator, self.step_log,
+                *samples, self.membership, self.watchdog, Profiler(t.profile_steps, self.run_dir / "profile", d.rank),
                 CollectorPause(t.gc_every), ThreadTuner(t.threads, d.device, self.log, self.event)]
 
     def _hook(self, name: str, *args) -> list[Any]:
@@ -152,7 +174,16 @@ class Trainer:
         return self.schedule.lr(step) * self.escalation.lr_factor(step)
 
     def resume(self):
-        return self.checkpointer.resume(self.cfg.train, self.data_resets)
+        """Resume this run's newest checkpoint; with none, start from train.init_from's weights if it is set."""
+        resumed = self.checkpointer.resume(self.cfg.train, self.data_resets)
+        if resumed is None and self.cfg.train.init_from:
+            record = start_from(self.checkpointer, self.cfg, self.tokenizer_sha)
+            self.warm_start.started(record)
+            if self.d.is_main:
+                what = "weights and optimizer state" if record["optimizer"] else "weights"
+                self.log(f"starting from {record['checkpoint']} (step {record['checkpoint_step']}; its {what}; "
+                         f"manifest sha256 {record['sha256'][:16]}…)")
+        return resumed
 
     def save(self, reason: str = "schedule") -> None:
         self.checkpointer.save(reason)

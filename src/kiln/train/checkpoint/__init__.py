@@ -13,6 +13,7 @@ package, bottom up (each module imports only those above it in this list):
   resume.py        the checks before a run trains: prepared data, the run folder's lock, resuming onto its own data
   checkpointer.py  `TrainState` and `Checkpointer`: save, resume and roll back, as the loop asks; `SaveClock`:
                    checkpoint.every_seconds
+  init_from.py     train.init_from: a new run starts from another run's checkpoint, read as a resume reads it
 A new checkpoint format is a module beside full.py and sharded.py with the same four methods (gather, write,
 read, load), chosen in checkpointer.checkpoint_format and read back in read.load_checkpoint.
 """

@@ -124,6 +124,27 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
 
 
+def checkpoint_root(path: Path) -> tuple[Path, Path | None]:
+    """(the checkpoints folder `path` names, the checkpoint folder itself when `path` is one, else None),
+    nothing verified yet: `path` is a checkpoint folder, a checkpoints/ folder, a run folder or an out_dir. A path
+    that names no checkpoint is a one-line KilnError."""
+    if not path.exists():
+        raise KilnError(f"{path} does not exist; pass a checkpoint folder (run/checkpoints/step-NNNNNNNN) "
+                        "or a run folder ({out_dir}/run)")
+    if not path.is_dir():
+        raise KilnError(f"{path} is a file; pass a checkpoint folder (run/checkpoints/step-NNNNNNNN) "
+                        "or a run folder ({out_dir}/run)")
+    if (path / "state.json").is_file() and (path / MANIFEST).is_file():
+        return path.parent, path
+    for root in (path, path / "checkpoints", path / "run" / "checkpoints"):
+        if list_checkpoints(root):
+            return root, None
+    if (path / "config.json").is_file() and list(path.glob("*.safetensors")):
+        raise KilnError(f"{path} is a Hugging Face model folder, not a Kiln checkpoint; "
+                        f"bring it in with `kiln import --hf {path} --config CONFIG`")
+    raise KilnError(f"{path}: no checkpoints here or under checkpoints/ or run/checkpoints/; "
+                    "train first (`kiln train CONFIG`), or pass a checkpoint folder (run/checkpoints/step-NNNNNNNN)")
+
 
 def retain(root: Path, keep_last: int, keep_every: int | None, best_step: int | None) -> list[Path]:
     """Delete committed checkpoints that no rule keeps: the last K, every M-th, the best. Returns the deleted."""

@@ -142,7 +142,9 @@ def _check_pipeline(degrees: Degrees, cfg: Config, micro_batch: int) -> None:
                    "last stages would share one weight)"), (bool(m.moe.n_experts), "an MoE model"),
                    (p.compile, "parallel.compile"), (bool(cfg.eval.tasks), "eval.tasks"),
                    (bool(cfg.train.fp32_modules), "train.fp32_modules"),
-                   (cfg.train.dtype == "fp16", "train.dtype=fp16 (the schedule's backward takes no GradScaler)")]
+                   (cfg.train.dtype == "fp16", "train.dtype=fp16 (the schedule's backward takes no GradScaler)"),
+                   (m.document_masking, "model.document_masking (a later stage sees hidden states, not the tokens "
+                    "its documents are read from)")]
     for on, what in unsupported:
         if on:
             raise ConfigError(f"parallel.pp>1 does not combine with {what} yet; turn one of them off")

@@ -67,9 +67,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     for block in model.layers:
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
-            # (x, cos, sin): x is gathered along the sequence; the rotary tables are plain tensors, left alone
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
+            # (x, cos, sin, documents): x is gathered along the sequence; the rotary tables and the document
+            # mask (model.document_masking) are plain, whole-sequence values, left alone
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None)),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
