@@ -25,6 +25,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from kiln import __version__
 from kiln.errors import IntegrityError, KilnError
+from kiln.names import check_name, resolve_name
 
 MANIFEST = "manifest.json"
 
@@ -186,7 +187,7 @@ def expand_file_table(manifest: dict[str, Any], data: bytes, where: Path | str) 
         lines = data.decode("utf-8").splitlines()
         for line in lines:
             row = json.loads(line)
-            entry = row.pop("name")
+            entry = check_name(row.pop("name"), where)
             for path in row.pop("in", []):
                 _at(manifest, path).append(entry)
             files[entry] = row
@@ -230,10 +231,15 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         raise IntegrityError(f"{path}: has no 'files' table; the folder is corrupt, re-run the stage")
     if FILE_TABLE in manifest:  # the files are listed beside it (write_manifest's `table`)
         name = table_name(manifest, path)
-        table = Path(folder) / name
+        table = resolve_name(folder, name, path)
         if not table.is_file():
             raise IntegrityError(f"{table}: listed in {MANIFEST} but missing; re-run the stage")
         manifest = expand_file_table(manifest, table.read_bytes(), table)
+        where = table
+    else:
+        where = path
+    for name in manifest["files"]:  # every name a reader may open: plain, inside the folder (kiln.names)
+        resolve_name(folder, name, where)
     return manifest
 
 
@@ -409,7 +415,10 @@ def _local_paths(inputs: Iterable[Any]) -> Iterator[Path]:
             continue
         text = text.removeprefix("file://")
         for match in (glob.glob(text) if glob.has_magic(text) else [text]):
-            yield Path(match).resolve()
+            try:
+                yield Path(match).resolve()
+            except (RuntimeError, OSError):  # a symlink loop: not a folder to protect (the input check names it)
+                continue
 
 
 def remove_stale_staging(final: Path, stage: str | None) -> list[Path]:
