@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from kiln.terminal import console
 
 
 class DataProgress:
@@ -16,7 +17,7 @@ class DataProgress:
         self.bar = Progress(
             TextColumn("data"), BarColumn(), TextColumn("{task.completed:,.0f}/{task.total:,.0f} B"),
             TextColumn("{task.fields[rate]}"), TimeRemainingColumn(),
-            console=Console(stderr=True), transient=False,
+            console=console(), transient=False,
         )
         self.job = self.bar.add_task("data", total=max(total_bytes, 1), rate=f"0/{tasks} tasks")
         self.tasks, self.done, self.records, self.kept, self.bytes = tasks, 0, 0, 0, 0

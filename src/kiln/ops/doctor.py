@@ -325,9 +325,9 @@ def run_doctor(
         print(json.dumps({"fingerprint": fp, "checks": [c.as_dict() for c in checks], "ok": not failed,
                           **({"against": diffs} if diffs is not None else {})}, indent=1))
     else:
-        from rich.console import Console
+        from kiln.terminal import console
 
-        Console(highlight=False).print(
+        console(stderr=False).print(
             "environment: " + ", ".join(f"{k}={v}" for k, v in fp.items() if v not in (None, []))
         )
         print_checks(checks)

@@ -162,9 +162,9 @@ class PackProgress:
     """A rich progress line (documents, MB, MB/s); yields the `advance(documents, text_bytes)` callback or None."""
 
     def __init__(self, show: bool | None) -> None:
-        from rich.console import Console
+        from kiln.terminal import console
 
-        self.console = Console(stderr=True)
+        self.console = console()
         self.show = self.console.is_terminal if show is None else show
         self.bar = None
 

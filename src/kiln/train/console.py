@@ -46,11 +46,11 @@ class TrainConsole:
         self.smoothed: float | None = None
         self.live = None
         if stderr_is_terminal() if live is None else live:
-            from rich.console import Console
             from rich.live import Live
 
+            from kiln.terminal import console
             # redirect_stderr: the trainer's own lines (evals, saves) print above the live line.
-            self.live = Live(console=Console(stderr=True, highlight=False), auto_refresh=False, transient=True,
+            self.live = Live(console=console(), auto_refresh=False, transient=True,
                              redirect_stderr=True, redirect_stdout=False)
             self.live.start()
 
@@ -118,11 +118,12 @@ def stage_progress(label: str, show: bool | None = None) -> Iterator[None]:
         with nullcontext():
             yield
         return
-    from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    bar = Progress(SpinnerColumn(finished_text="✓"), TextColumn(label), TimeElapsedColumn(),
-                   console=Console(stderr=True), transient=False)
+    from kiln.terminal import console
+
+    bar = Progress(SpinnerColumn(finished_text="✓"), TextColumn(label, markup=False), TimeElapsedColumn(),
+                   console=console(), transient=False)
     task = bar.add_task(label, total=1)
     with bar:
         yield
