@@ -49,9 +49,9 @@ def _explicit_overrides(argv: list[str]) -> tuple[list[str], list[str] | None]:
 
 
 def _console():
-    from rich.console import Console
+    from kiln.terminal import console
 
-    return Console(stderr=True, highlight=False, soft_wrap=True)
+    return console(soft_wrap=True)
 
 
 def cmd_run(args) -> int:
@@ -62,10 +62,11 @@ def cmd_run(args) -> int:
     cfg = load_config(args.config, args.overrides)
     console = _console()
     result = run_all(cfg, log=console.print, until=args.until)
-    from rich.console import Console
+    from kiln.terminal import console as plain_console
 
-    again = shlex.join([args.config, *(o for o in args.overrides if not o.startswith("train.max_steps="))])
-    print_summary(result, Console(stderr=True, highlight=False, width=max(console.width, 110)), config=again)
+    config = shlex.join([args.config, *(o for o in args.overrides if not o.startswith("train.max_steps="))])
+    same = shlex.join([args.config, *args.overrides])  # every stage, as typed: resumes a stopped run
+    print_summary(result, plain_console(width=max(console.width, 110)), config=config, again=same)
     return 0
 
 
@@ -121,9 +122,14 @@ def cmd_tokenizer_train(args) -> int:
     from kiln.config import load_config
     from kiln.data.docs import read_docs
     from kiln.data.rejections import docs_stats, few_documents_message
-    from kiln.tokenizer import train_tokenizer
+    from kiln.tokenizer import train_tokenizer, use_tokenizer
 
     cfg = load_config(args.config, args.overrides)
+    if cfg.tokenizer.path:  # the user's own tokenizer, committed as it is (as `kiln run` does): nothing trained
+        tok = use_tokenizer(Path(args.out), cfg.tokenizer)
+        print(json.dumps({"tokenizer": str(Path(args.out) / "tokenizer.json"), "vocab_size": tok.get_vocab_size(),
+                          "source": cfg.tokenizer.path}))
+        return 0
     stats = Path(args.docs_dir) / "stats.json"
     if stats.is_file() and (few := few_documents_message(docs_stats(args.docs_dir), Path(args.docs_dir))):
         raise KilnError(few)

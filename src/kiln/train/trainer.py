@@ -71,6 +71,7 @@ class Trainer:
         self.spikes, self.escalation = SpikeGuard(cfg.guards), Escalation(cfg.guards)
         model = build_model(cfg.model, int(self.train_set.manifest["vocab_size"]), cfg.pack.seq_len).to(self.d.device)
         self.flops_per_token = model.flops_per_token(cfg.pack.seq_len)
+        self.params = sum(p.numel() for p in model.parameters())  # the whole model's, before a pipeline splits it
         parallel = parallelize(model, self.d, cfg.parallel, Precision.of(t), next_token_loss, self.mesh, self.pad_id)
         if self.d.device.type == "cuda":
             # fp32 matmuls on tensor cores (TF32), which is what the peak table's fp32 figures assume.
@@ -251,8 +252,9 @@ class Trainer:
     def summary(self, stopped: str | None = None) -> dict[str, Any]:
         last = ckpt.list_checkpoints(self.checkpointer.ckpt_dir)
         vals = self.validator.val_loss
+        end = max((int(s) for s in vals if int(s) <= self.step), default=None)  # the last eval (a stop between evals)
         return {"steps": self.step, "tokens_seen": self.state.tokens_seen,
                 "skipped_steps": self.escalation.skipped_steps, "rollbacks": self.escalation.rollbacks,
-                "stopped": stopped, "val_loss_start": vals.get("0"), "val_loss_end": vals.get(str(self.step)),
-                "checkpoint": str(last[-1]) if last else None,
-                "params": sum(p.numel() for p in self.model.parameters())}
+                "stopped": stopped, "val_loss_start": vals.get("0"),
+                "val_loss_end": None if end is None else vals[str(end)], "val_loss_end_step": end,
+                "checkpoint": str(last[-1]) if last else None, "params": self.params}
