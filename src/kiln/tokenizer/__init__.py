@@ -87,6 +87,7 @@ def special_tokens_in(tok: Tokenizer) -> list[str]:
     return [t.content for _, t in sorted(tok.get_added_tokens_decoder().items()) if t.special]
 
 
+@writes_folder("tokenizer", out="out")
 def use_tokenizer(out: Path, cfg: TokenizerConfig, fingerprint: str = "") -> Tokenizer:
     """Commit `out` with the user's own tokenizer.json (tokenizer.path, copied byte for byte, so it stays the
     same file as a Hub model's) and the names of its special tokens (tokenizer.eos_token, ...).
