@@ -414,7 +414,7 @@ def _local_paths(inputs: Iterable[Any]) -> Iterator[Path]:
         if "://" in text and not text.startswith("file://"):
             continue
         text = text.removeprefix("file://")
-        for match in (glob.glob(text) if glob.has_magic(text) else [text]):
+        for match in (glob.glob(text) if glob.has_magic(text) and not os.path.lexists(text) else [text]):
             try:
                 yield Path(match).resolve()
             except (RuntimeError, OSError):  # a symlink loop: not a folder to protect (the input check names it)
@@ -453,7 +453,12 @@ def writing_folder(folder: Path, stage: str, inputs: Iterable[Any] = ()) -> Iter
     with OutputLock(folder, f"`{stage}` writer"):
         check_replaceable(folder, stage, inputs)
         remove_stale_staging(folder, stage)
-        yield
+        try:
+            yield
+        except OSError as exc:  # a full disk that names no file (a C writer's): it is this output's filesystem
+            if is_disk_full(exc):
+                raise KilnError(disk_full_message(folder, exc)) from None
+            raise
 
 
 def writes_folder(stage: str, out: str, inputs: tuple[str, ...] = ()) -> Callable:

@@ -56,7 +56,8 @@ from kiln.errors import KilnError
 from kiln.manifest import staging_dir, write_atomic, write_manifest, writes_folder
 
 # Settings that change how the work runs, never what it outputs (storage_options may hold secrets).
-EXECUTION_KEYS = {"inputs", "workers", "executor", "ray_address", "task_bytes", "storage_options"}
+EXECUTION_KEYS = {"inputs", "workers", "executor", "ray_address", "ray_connect_timeout_s", "task_bytes",
+                  "storage_options"}
 WORK_LAYOUT = 3  # what a task writes to the work folder (3: its outcome and dedup signatures, vouched by its marker)
 STEPS = ("read", "extract", "language", "gates")
 
@@ -281,7 +282,7 @@ def _run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None
     cfg = prepare_semantic(cfg, files, work)  # vectors trained on the corpus, when the semantic gate needs them
 
     workers = workers or cfg.workers
-    with engine(cfg.executor, workers, cfg.ray_address):
+    with engine(cfg.executor, workers, cfg.ray_address, cfg.ray_connect_timeout_s):
         todo = unfinished(work, tasks, cfg, workers)
         with _progress_sink(progress, tasks, todo) as on_done:
             for summary in run_tasks(run_task, [(t, cfg, str(work)) for t in todo], workers, cfg.executor,

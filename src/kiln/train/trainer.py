@@ -21,7 +21,7 @@ from kiln import env
 from kiln.config import Config
 from kiln.errors import KilnError
 from kiln.eval.mc import DownstreamTasks
-from kiln.manifest import remove_stale_staging, write_atomic
+from kiln.manifest import disk_full_message, is_disk_full, remove_stale_staging, write_atomic
 from kiln.model.build import build_model
 from kiln.model.loss import next_token_loss
 from kiln.tokenizer import tokenizer_sha256
@@ -166,6 +166,10 @@ class Trainer:
                 for name in {p.name.split(".")[0] for p in ckpt_dir.glob("step-*.*-*")}:  # a killed save's
                     remove_stale_staging(ckpt_dir / name, "checkpoint")  # staging folders
             return self._run()
+        except OSError as exc:  # a full disk that names no file (a C writer's): it is the run folder's filesystem
+            if is_disk_full(exc):
+                raise KilnError(disk_full_message(self.run_dir, exc)) from None
+            raise
         finally:
             if lock is not None:
                 lock.release()
