@@ -48,9 +48,9 @@ def load_eval_model(folder: Path):
     from kiln.tokenizer import load_tokenizer
     from kiln.train.checkpoint import checkpoint_config, load_checkpoint
 
+    weights = load_checkpoint(folder)["model"]  # verified first: every file read below is one its manifest lists
     cfg = checkpoint_config(folder)
     tok = load_tokenizer(Path(folder) / "tokenizer.json")
-    weights = load_checkpoint(folder)["model"]
     # The embedding's rows, not the tokenizer's size: the model may pad its vocabulary.
     model = build_model(cfg.model, weights["tok_embeddings.weight"].shape[0], cfg.pack.seq_len)
     model.load_state_dict(weights)

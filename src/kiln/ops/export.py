@@ -256,9 +256,9 @@ def export_hf(checkpoint: Path, out_dir: Path) -> dict:
     from kiln.train.checkpoint import check_loads, checkpoint_config
     from kiln.train.sharded_checkpoint import CheckpointWeights
 
-    cfg = checkpoint_config(checkpoint)
-    verify_folder(checkpoint)
+    verify_folder(checkpoint)  # first: every file read below is one its manifest lists, inside it (kiln.names)
     check_loads(checkpoint)
+    cfg = checkpoint_config(checkpoint)
     tok = load_tokenizer(Path(checkpoint) / "tokenizer.json")
     with CheckpointWeights(checkpoint) as weights, staging_dir(out_dir) as tmp:
         config = hf_config(cfg, weights.shape("tok_embeddings.weight")[0], tok, checkpoint)
@@ -436,14 +436,15 @@ def import_hf(hf_dir: Path, cfg: Config) -> Path:
                             "tokenizer.json and model.safetensors (or shards listed in model.safetensors.index.json)")
     weight_files = safetensors_files(hf_dir)
     hf = _read_hf_config(hf_dir)
-    run_tok = cfg.out / "tokenizer" / "tokenizer.json"
-    if not run_tok.is_file() or tokenizer_sha256(run_tok) != tokenizer_sha256(hf_dir / "tokenizer.json"):
+    run_tok = cfg.out / "tokenizer" / "tokenizer.json"  # both folders' tokenizer.json read through their manifests
+    if not run_tok.is_file() or tokenizer_sha256(run_tok.parent) != tokenizer_sha256(hf_dir):
         raise KilnError(
             f"{run_tok} is missing or differs from {hf_dir / 'tokenizer.json'}; the run's shards must be packed "
             f"with the model's own tokenizer: set tokenizer.path: {hf_dir} (and tokenizer.eos_token to its "
             "end-of-text token) in the config, then `kiln run CONFIG --until pack`"
         )
-    mismatches = _config_mismatches(hf, hf_config(cfg, int(hf.get("vocab_size", 0)), load_tokenizer(run_tok), hf_dir))
+    expected = hf_config(cfg, int(hf.get("vocab_size", 0)), load_tokenizer(run_tok.parent), hf_dir)
+    mismatches = _config_mismatches(hf, expected)
     if mismatches:
         raise KilnError(f"{hf_dir / 'config.json'} does not match the config's model section: {'; '.join(mismatches)}; "
                         "set the model.* keys to the folder's sizes")

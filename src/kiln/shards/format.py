@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from kiln.errors import IntegrityError, KilnError
-from kiln.manifest import read_manifest, verify_folder
+from kiln.manifest import MANIFEST, read_manifest, verify_folder
+from kiln.names import listed_name
 from kiln.shards.remote import RemoteFolder, ShardCache, is_url
 from kiln.shards.verify import SplitVerifier
 
@@ -135,7 +136,7 @@ def verify_shards(folder: Path) -> dict:
     for split, info in manifest["splits"].items():
         total = 0
         for name in info["files"]:
-            path = folder / name
+            path = listed_name(folder, name, manifest["files"], folder / MANIFEST)
             header = read_header(path)
             if (header.tokenizer_sha256, header.vocab_size, header.sample_len) != (
                     manifest["tokenizer_sha256"], manifest["vocab_size"], manifest["sample_len"]):
