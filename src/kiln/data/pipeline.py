@@ -34,7 +34,8 @@ from kiln.data.dedup import LEDGER, write_ledger
 from kiln.data.dedup.index import add_run, runs_before, use_index
 from kiln.data.dedup.stages import STAGE_DIR, Signer, Verdicts, dedup_layout, run_stages
 from kiln.data.docs import PartWriter, read_part
-from kiln.data.gates.distribution import Composition, SpilledProfiles, profile_part, record_field, source_group
+from kiln.data.gates.distribution import (Composition, SpilledProfiles, check_groups, profile_part, record_field,
+                                         source_group)
 from kiln.data.document import Document, ReadReport
 from kiln.data.executor import engine, run_tasks
 from kiln.data.gates.semantic import REVIEW as SEMANTIC_REVIEW
@@ -298,6 +299,7 @@ def _run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None
         t_dedup = time.perf_counter() - t0 - t_process
         cpu.append(cpu_seconds())
         source_weights = source_profiles(work, summaries, layout, verdicts, cfg, workers)
+        check_groups(source_weights, cfg.distribution.source_key)
     t_profiles = time.perf_counter() - t0 - t_process - t_dedup
     cpu.append(cpu_seconds())
 

@@ -25,6 +25,7 @@ from typing import IO, Any, Iterator
 import zstandard
 
 from kiln.data.document import Document, ReadReport
+from kiln.data.gates.distribution import missing_group
 from kiln.errors import KilnError
 
 _JSONL = (".jsonl", ".ndjson", ".json")
@@ -271,7 +272,7 @@ def _record_doc(rec: Any, source: str, offset: int, length: int, where: str, fie
     raw_id = _field(rec, id_field)
     doc.id, doc.record_id, doc.url = raw_id or doc.id, raw_id, _field(rec, url_field)
     if group_field:  # data.distribution.source_key field:NAME; a record without it is its own source
-        doc.source_group = _field(rec, group_field) or f"(no {group_field})"
+        doc.source_group = _field(rec, group_field) or missing_group(f"field:{group_field}")
     text = rec.get(text_field)
     if not isinstance(text, str):
         return doc.reject(
