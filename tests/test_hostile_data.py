@@ -178,6 +178,24 @@ def test_a_changed_input_rerun_into_the_same_docs_with_an_index_is_refused(tmp_p
     assert stats["dedup"]["removed_against_index"] == 30 and stats["documents"]["kept"] == 1
 
 
+def test_the_same_inputs_into_a_second_docs_folder_on_one_index_are_refused(tmp_path):
+    # before: the second folder was taken for a rerun of the first (the same index key), deduplicated against
+    # nothing, and kept all 30 documents again: training on both folders saw each twice
+    src = write_jsonl(tmp_path / "a.jsonl", 0, 30)
+    index = tmp_path / "index"
+    assert kiln("data", str(src), "--out", str(tmp_path / "docs"), *QUIET, f"data.dedup.index={index}").returncode == 0
+    r = kiln("data", str(src), "--out", str(tmp_path / "again"), *QUIET, f"data.dedup.index={index}")
+    assert r.returncode == 2
+    assert error_line(r) == (f"kiln: error: data.dedup.index: run-00000 of {index} holds these same inputs and "
+                             f"settings, written to {tmp_path / 'docs'}; a second docs folder of them would keep every "
+                             "document again (training on both would see each twice): run into "
+                             f"{tmp_path / 'docs'} (it resumes or is skipped), or use another index folder")
+    assert not (tmp_path / "again").exists()
+    r = kiln("data", str(src), "--out", str(tmp_path / "docs"), *QUIET, f"data.dedup.index={index}")
+    assert r.returncode == 0, r.stderr  # the rerun into its own folder is still a rerun
+    assert len(json.loads((index / "index.json").read_text())["runs"]) == 1
+
+
 def test_kiln_run_refuses_a_changed_input_into_the_same_docs_with_an_index(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", 0, 25)
     (tmp_path / "crawl.yaml").write_text("out_dir: out\ndata: {inputs: [a.jsonl], workers: 1, dedup: {index: index}}\n")
@@ -544,7 +562,7 @@ def test_the_same_run_finds_its_entry_after_the_index_folder_moved(tmp_path):
     r = kiln("data", str(src), "--out", str(tmp_path / "first"), *QUIET, f"data.dedup.index={tmp_path / 'index'}")
     assert r.returncode == 0, r.stderr
     (tmp_path / "index").rename(tmp_path / "moved")
-    r = kiln("data", str(src), "--out", str(tmp_path / "again"), *QUIET, f"data.dedup.index={tmp_path / 'moved'}")
+    r = kiln("data", str(src), "--out", str(tmp_path / "first"), *QUIET, f"data.dedup.index={tmp_path / 'moved'}")
     assert r.returncode == 0, r.stderr
-    assert json.loads((tmp_path / "again" / "stats.json").read_text())["documents"]["kept"] == 10
+    assert json.loads((tmp_path / "first" / "stats.json").read_text())["documents"]["kept"] == 10
     assert len(json.loads((tmp_path / "moved" / "index.json").read_text())["runs"]) == 1

@@ -17,8 +17,9 @@ settings (method, bands, rows, seed, ngram, tokens, hamming) must be those the i
 Each run folder is checked against its manifest before it is used (sizes when the fingerprint is taken,
 sha256 when the dedup layout is made), so a cut or changed index file stops the run naming it instead of
 silently deduplicating against damaged signatures. `check_use` refuses, before any work, an index inside
-the docs folder (or the docs folder inside the index) and an index whose earlier run wrote this same docs
-folder from other inputs or settings: deduplicating against it would remove every document the two share.
+the docs folder (or the docs folder inside the index), an index whose earlier run wrote this same docs
+folder from other inputs or settings (deduplicating against it would remove every document the two share),
+and the same inputs and settings into a second docs folder while the first exists (both would keep everything).
 Memory: one task's files at a time. One writer at a time: `use_index` holds the index's lock for the run.
 """
 
@@ -136,6 +137,11 @@ def _check_docs(cfg: DedupConfig, index: dict[str, Any] | None, docs: Path, key:
     docs = Path(docs).resolve()
     runs = (index or {}).get("runs", [])
     own = next((k for k, run in enumerate(runs) if run["key"] == key), len(runs))
+    if own < len(runs) and (first := runs[own].get("docs")) and Path(first).resolve() != docs and Path(first).exists():
+        raise ConfigError(
+            f"data.dedup.index: {runs[own]['name']} of {cfg.index} holds these same inputs and settings, written to "
+            f"{first}; a second docs folder of them would keep every document again (training on both would see "
+            f"each twice): run into {first} (it resumes or is skipped), or use another index folder")
     for run in runs[:own]:
         if run.get("docs") and Path(run["docs"]).resolve() == docs:
             raise ConfigError(
