@@ -64,7 +64,7 @@ def writing_atomic(path: Path) -> Iterator[BinaryIO]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException:  # any failure (Ctrl-C too) leaves no temporary file; re-raised
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)

@@ -78,7 +78,7 @@ class StorageWatch:
         except OSError as exc:
             self.error = exc
             raise
-        except Exception as exc:
+        except Exception as exc:  # a filesystem library's own error type for a failed read (class docstring)
             self.error = StorageReadError(f"{type(exc).__name__}: {exc}")
             raise self.error from exc
 

@@ -152,7 +152,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise KilnError(f"no tokenizer at {file}; run `kiln tokenizer train DOCS_DIR --out DIR` first")
     try:
         tok = Tokenizer.from_file(str(file))
-    except Exception as exc:
+    except Exception as exc:  # tokenizers raises a bare Exception for a file that is not a tokenizer
         raise KilnError(f"{file}: not a valid tokenizer.json ({str(exc)[:120]})") from None
     return _literal_specials(tok)
 

@@ -159,7 +159,7 @@ class Watchdog:
         if store is not None:
             try:
                 store.set("dump", json.dumps(report))
-            except Exception:
+            except Exception:  # the store is going away with the group: this rank still dumps and exits below
                 pass
         self._dump_and_exit(report)
 
