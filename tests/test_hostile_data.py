@@ -416,9 +416,9 @@ def test_a_reader_that_closes_the_pipe_is_no_traceback(built):
 # --- the work folder of an interrupted run (the lead's files) -------------------------------------
 
 def stop_before_merge(root: Path, cfg: DataConfig) -> Path:
-    """In `root`, with relative paths (so a copy of the folder resumes as the original would): a run of a.jsonl
-    and b.jsonl into docs/ stopped after its tasks and dedup stages, before the merge (its work folder kept),
-    and the same run uninterrupted into whole/. Returns the work folder."""
+    """In `root`: a run of a.jsonl and b.jsonl into docs/ stopped after its tasks and dedup stages, before the
+    merge (its work folder kept), and the same run uninterrupted into whole/. Returns the work folder; the folder
+    as it was then is kept beside it (`root.pristine`) for `rerun_after` to start each test from."""
 
     class Stopped(Exception):
         pass
@@ -437,6 +437,7 @@ def stop_before_merge(root: Path, cfg: DataConfig) -> Path:
         pipeline._merge = merge
         os.chdir(cwd)
     (work,) = root.glob(".docs-work-*")
+    shutil.copytree(root, root.with_name(f"{root.name}.pristine"))  # copy2: the inputs keep their mtimes
     return work
 
 
@@ -449,14 +450,16 @@ def stopped(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def rerun_after(stopped, tmp_path: Path, damage, *overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
-    """Copy the stopped run (inputs with their mtimes, the work folder), damage the copy, run `kiln data` again."""
+    """Put the stopped run back where it ran (its inputs are named by their absolute paths, as in any run: the
+    work folder resumes there), damage its work folder, run `kiln data` again; its docs/ copied to `tmp_path`."""
     root, work = stopped
-    for name in ("a.jsonl", "b.jsonl"):
-        shutil.copy2(root / name, tmp_path / name)
-    shutil.copytree(work, tmp_path / work.name)
-    damage(tmp_path / work.name)
+    shutil.rmtree(root)
+    shutil.copytree(root.with_name(f"{root.name}.pristine"), root)
+    damage(work)
     r = kiln("data", "a.jsonl", "b.jsonl", "--out", "docs", "--", "data.workers=1", "data.docs_per_part=20",
-             *overrides, cwd=tmp_path)
+             *overrides, cwd=root)
+    if (root / "docs").exists():
+        shutil.copytree(root / "docs", tmp_path / "docs")
     return r, tmp_path / "docs"
 
 
