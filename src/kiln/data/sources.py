@@ -24,8 +24,7 @@ from typing import IO, Any, Iterator
 
 import zstandard
 
-from kiln.data.document import Document, ReadReport
-from kiln.data.gates.distribution import missing_group
+from kiln.data.document import Document, ReadReport, missing_group
 from kiln.errors import KilnError
 
 _JSONL = (".jsonl", ".ndjson", ".json")

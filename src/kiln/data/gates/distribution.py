@@ -35,30 +35,15 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from kiln.data.gates.text import words
+from kiln.data.document import NO_HOST, missing_group
 from kiln.errors import KilnError
-
-# data.distribution.source_key for a document without the URL or field it names: one source for all of them
-NO_HOST = "(no host)"
-
-
-def record_field(source_key: str) -> str:
-    """The JSONL/Parquet field that `field:NAME` names ("" for file and host): the reader keeps its value."""
-    return source_key[len("field:"):] if source_key.startswith("field:") else ""
-
-
-def missing_group(source_key: str) -> str | None:
-    """The group of the documents that lack what `source_key` names (no URL, no such field); None for file."""
-    if source_key == "host":
-        return NO_HOST
-    return f"(no {record_field(source_key)})" if record_field(source_key) else None
-
 
 def check_groups(weights: dict[str, dict[str, float | int]], source_key: str) -> None:
     """Refuse a source_key that put every kept document in the one group of those lacking it (a field name's
     typo, `host` on records without URLs): the gate would compare the corpus with itself and do nothing."""
     missing = missing_group(source_key)
     if missing is not None and list(weights) == [missing]:
-        what = "a URL (data.url_field)" if source_key == "host" else f"the field {record_field(source_key)!r}"
+        what = "a URL (data.url_field)" if source_key == "host" else f"the field {source_key[len('field:'):]!r}"
         raise KilnError(f"data.distribution.source_key={source_key}: none of the {weights[missing]['docs']:,} kept "
                         f"documents has {what}, so they would all be one source and the distribution gate would do "
                         "nothing; fix the key (file, host or field:NAME of a field the records have), or set "
