@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from conftest import ROOT, tiny_config
 from kiln.cli import main as kiln
 from kiln.errors import IntegrityError
-from kiln.manifest import read_manifest
+from kiln.manifest import read_manifest, write_manifest
 from kiln.train.checkpoint import checkpoint_table, latest_valid, list_checkpoints, load_checkpoint, verify_checkpoint
 from kiln.train.checkpoint.storage import Piece, PieceIndex, write_index, write_pieces, write_safetensors
 from kiln.train.trainer import Trainer
@@ -44,6 +44,7 @@ def _split(folder: Path, full: torch.Tensor, rows: list[int], cols: list[int]) -
             write_index(folder / f"index-{rank:05d}.json",
                         {"model": {"w": Piece(file, (r0, c0), (r1 - r0, c1 - c0), tuple(full.shape), "float32")}})
             names.append(f"index-{rank:05d}.json")
+    write_manifest(folder)  # PieceIndex reads only files a manifest lists (kiln.names)
     return names
 
 

@@ -59,7 +59,9 @@ import torch.distributed as dist
 from torch import nn
 
 from kiln.errors import IntegrityError, KilnError
-from kiln.manifest import STAGING_MARK, read_manifest, sha256_file, staging_dir, write_atomic, write_manifest
+from kiln.manifest import (MANIFEST, STAGING_MARK, read_manifest, sha256_file, staging_dir, write_atomic,
+                           write_manifest)
+from kiln.names import listed_name
 from kiln.train.checkpoint.folder import check_manifest, loads_safely, read_small_files, sign_manifest, step_dir
 from kiln.train.checkpoint.saver import Saver, all_finite, snapshot
 from kiln.train.checkpoint.storage import (FROM_SAFETENSORS, Piece, PieceIndex, dtype_name, rank_file, write_index,
@@ -452,8 +454,10 @@ def _write_small_files(tmp: Path, small: dict, hashed: dict[str, dict], signing_
 
 # --- reading ---------------------------------------------------------------------------------
 
-def read_index(folder: Path) -> dict[str, Any]:
-    path = Path(folder) / INDEX
+def read_index(folder: Path, files: dict[str, Any] | None = None) -> dict[str, Any]:
+    """index.json, a file the folder's manifest lists (`files`: its files, read from the folder when not given)."""
+    files = read_manifest(folder)["files"] if files is None else files
+    path = listed_name(folder, INDEX, files, Path(folder) / MANIFEST)
     try:
         index = json.loads(path.read_text())
         if index.get("format") != FORMAT or not isinstance(index.get("index_files"), list):
@@ -465,7 +469,8 @@ def read_index(folder: Path) -> dict[str, Any]:
 
 def pieces(folder: Path, kind: str = "model") -> PieceIndex:
     """The pieces of `kind` in a sharded checkpoint folder (use as a context manager: it keeps files open)."""
-    return PieceIndex(folder, read_index(folder)["index_files"], kind)
+    files = read_manifest(folder)["files"]
+    return PieceIndex(folder, read_index(folder, files)["index_files"], kind, files)
 
 
 def check_loads(folder: Path) -> None:
@@ -473,7 +478,7 @@ def check_loads(folder: Path) -> None:
     (key, shape, dtype in its file), that the pieces tile each tensor exactly, rng.pt and state.json."""
     folder = Path(folder)
     manifest = read_manifest(folder)
-    index = read_index(folder)
+    index = read_index(folder, manifest["files"])
     for name in (*index["index_files"], "rng.pt", "state.json"):
         if name not in manifest["files"]:
             raise IntegrityError(f"{folder}: {name} is not in manifest.json; the checkpoint is incomplete")
@@ -554,14 +559,15 @@ def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, d, ti
     group = checkpoint_group(d, timeout_s)
     error, index, optim_sd = None, {}, {"param_groups": []}
     try:
-        index = read_index(folder)
-        with torch.no_grad(), PieceIndex(folder, index["index_files"], "model") as p:
+        files = read_manifest(folder)["files"]
+        index = read_index(folder, files)
+        with torch.no_grad(), PieceIndex(folder, index["index_files"], "model", files) as p:
             model_sd = get_model_state_dict(model)
             for key, t in model_sd.items():
                 _fill(p, "model", key, t, slices)
         set_model_state_dict(model, model_sd)
         optim_sd = get_optimizer_state_dict(model, optimizer)  # builds the state to fill (a zero step)
-        with torch.no_grad(), PieceIndex(folder, index["index_files"], "optimizer") as p:
+        with torch.no_grad(), PieceIndex(folder, index["index_files"], "optimizer", files) as p:
             for fqn, entries in optim_sd["state"].items():
                 for name, t in entries.items():
                     _fill(p, "optimizer", f"{fqn}/{name}", t, slices)
