@@ -208,3 +208,42 @@ def test_a_full_disk_names_the_output_and_its_free_space_not_the_working_folder(
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith(f"kiln: error: no space left on the device writing {out} (")
+
+
+# --- the last resort ------------------------------------------------------------------------------------------
+
+def test_an_unexpected_error_is_one_line_with_its_traceback_in_a_log_in_the_output_folder(small_jsonl, tmp_path,
+                                                                                          capsys, monkeypatch):
+    import kiln.data.pipeline as pipeline
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("a bug Kiln has no message for\nwith a second line")
+
+    monkeypatch.setattr(pipeline, "_run_data", bug)
+    monkeypatch.delenv("KILN_DEBUG", raising=False)
+    out = tmp_path / "out" / "docs"
+    assert kiln(["data", str(small_jsonl), "--out", str(out)]) == 3
+    line = one_line(capsys.readouterr().err)
+    [log] = (tmp_path / "out").glob("kiln-error-*.log")
+    assert line == (f"kiln: error: unexpected RuntimeError: a bug Kiln has no message for with a second line (the "
+                    f"traceback is in {log}); run with KILN_DEBUG=1 for the traceback")
+    text = log.read_text()
+    assert "Traceback (most recent call last)" in text and "in bug" in text and "with a second line" in text
+    monkeypatch.setenv("KILN_DEBUG", "1")
+    with pytest.raises(RuntimeError, match="a bug Kiln has no message for"):
+        kiln(["data", str(small_jsonl), "--out", str(out)])
+
+
+def test_an_unexpected_error_of_a_run_logs_in_its_out_dir(workdir, tmp_path, capsys, monkeypatch):
+    import kiln.flow as flow
+
+    def bug(*args, **kwargs):
+        raise KeyError("surprise")
+
+    monkeypatch.setattr(flow, "run_all", bug)
+    config = tmp_path / "c.yaml"
+    config.write_text(tiny_config(workdir).to_yaml())
+    assert kiln(["run", str(config)]) == 3
+    line = one_line(capsys.readouterr().err)
+    [log] = workdir.glob("kiln-error-*.log")
+    assert line.startswith("kiln: error: unexpected KeyError: 'surprise' (the traceback is in ") and str(log) in line

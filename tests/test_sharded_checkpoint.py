@@ -547,3 +547,60 @@ def test_uneven_fsdp_shards_round_trip_exactly(tmp_path):
     emb = [json.loads((folder / f"index-{r:05d}.json").read_text())["pieces"]["model"]["tok_embeddings.weight"]
            for r in (0, 1)]
     assert [e["shape"][0] for e in emb] == [34, 33] and emb[1]["offsets"] == [34, 0]
+
+
+KILLED_RANK_SCRIPT = """
+import os, signal, sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from kiln.errors import KilnError
+from kiln.model.build import build_model
+from kiln.model.config import ModelConfig
+from kiln.train import parallel
+from kiln.train.parallel.parallelize import apply_fsdp
+from kiln.train.checkpoint import sharded
+from kiln.train.checkpoint import Saver, rng_state
+
+dist.init_process_group("gloo")
+d = parallel.Dist(rank=dist.get_rank(), world=dist.get_world_size())
+model = build_model(ModelConfig(dim=16, n_layers=1, n_heads=2), vocab_size=64, max_seq_len=8)
+apply_fsdp(model, d, None, None)
+opt = torch.optim.AdamW(model.parameters())
+root, tok = Path(sys.argv[1]), Path(sys.argv[1]).parent / "tokenizer.json"
+if d.rank == 1:  # this rank is killed while it writes its pieces
+    sharded.write_pieces = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
+try:
+    sharded.save(root, 3, model, opt, d, Saver(False), state={"step": 3}, rng=rng_state(), config_yaml="",
+                 tokenizer_file=tok, manifest_fields={}, signing_key=None, timeout_s=60)
+except KilnError as exc:
+    print(f"kiln: error: {exc}")
+"""
+
+
+def test_a_rank_killed_during_a_sharded_save_is_named_in_one_line(tmp_path):
+    """SIGKILL to rank 1 while it writes its pieces: rank 0 (launched on its own, so no launcher ends it first, as
+    torchrun would race to) says which rank was lost and that nothing was committed, instead of gloo's
+    "Connection closed by peer" traceback; no checkpoint and no staging folder stay."""
+    import socket
+
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_RANK_SCRIPT)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    root = tmp_path / "checkpoints"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(root)], env={**env, "RANK": str(r)}, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    out, err = procs[0].communicate(timeout=180)
+    procs[1].communicate(timeout=60)
+    assert procs[1].returncode == -9
+    assert "Traceback" not in err, err[-3000:]
+    [line] = [ln for ln in out.splitlines() if ln.startswith("kiln: error: ")]
+    assert line.startswith(f"kiln: error: {root / 'step-00000003'}: rank 1 stopped answering during the sharded save "
+                           "(rank 0 saw: ")
+    assert line.endswith("the checkpoint was not committed (nothing of it is kept): run the same command again, it "
+                         "resumes from the newest committed checkpoint")
+    assert not list(root.iterdir())  # no step-00000003, no step-00000003.tmp-*

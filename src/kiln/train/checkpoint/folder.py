@@ -188,7 +188,7 @@ def loads_safely(folder: Path) -> Iterator[None]:
     ...) is an IntegrityError naming the folder."""
     try:
         yield
-    except Exception as exc:
+    except Exception as exc:  # whatever a loader raises for bytes it cannot take: one IntegrityError
         raise IntegrityError(f"{folder}: cannot be loaded safely ({type(exc).__name__}: {str(exc)[:200]})") from None
 
 

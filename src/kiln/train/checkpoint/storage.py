@@ -216,7 +216,7 @@ class PieceIndex:
         if name not in self._files:
             try:
                 self._files[name] = safe_open(str(self.folder / name), framework="pt").__enter__()
-            except Exception as exc:
+            except Exception as exc:  # SafetensorError, OSError: not a safetensors file
                 raise IntegrityError(f"{self.folder / name}: cannot be opened as safetensors "
                                      f"({type(exc).__name__}: {str(exc)[:160]})") from None
         return self._files[name]

@@ -128,8 +128,8 @@ class Watchdog:
                     for r in range(self.d.world):
                         if r != self.d.rank and store.check([f"hb/{r}"]):
                             beats[r] = json.loads(store.get(f"hb/{r}"))
-            except Exception:
-                pass  # the store going away means the group is being torn down; torchrun handles it
+            except Exception:  # the store going away means the group is being torn down; torchrun handles it
+                pass
             for r, beat in beats.items():
                 for seen, value in ((progress, beat["progress"]), (ticks, beat["tick"])):
                     if r not in seen or seen[r][0] != value:
