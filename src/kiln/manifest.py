@@ -313,7 +313,7 @@ def staging_dir(final: Path, stage: str | None = None) -> Iterator[Path]:
         written = json.loads((tmp / MANIFEST).read_text()).get("stage") if (tmp / MANIFEST).is_file() else None
         check_replaceable(final, written or stage)
         (tmp / STAGING_MARK).unlink()
-    except BaseException as exc:
+    except BaseException as exc:  # any failure (Ctrl-C too) removes the staging folder; re-raised
         shutil.rmtree(tmp, ignore_errors=True)  # frees the space a full disk needs back
         if is_disk_full(exc):
             raise KilnError(disk_full_message(final, exc)) from None
