@@ -433,8 +433,9 @@ def test_fsdp_checkpoint_resumes_under_tensor_parallel(fsdp_run, tmp_path):
         "layers.0.attention.wo.weight"]["offsets"] == [0, 32]  # tp's column half, not FSDP2's rows
 
 
-FAILING_RANK_SCRIPT = """
-import errno, sys
+# Two gloo ranks, an FSDP2 model and its optimizer, about to save into sys.argv[1]: what the scripts below share.
+TWO_RANK_SAVE = """
+import errno, os, signal, sys
 from pathlib import Path
 import torch
 import torch.distributed as dist
@@ -452,6 +453,9 @@ model = build_model(ModelConfig(dim=16, n_layers=1, n_heads=2), vocab_size=64, m
 apply_fsdp(model, d, None, None)
 opt = torch.optim.AdamW(model.parameters())
 root, tok = Path(sys.argv[1]), Path(sys.argv[1]).parent / "tokenizer.json"
+"""
+
+FAILING_RANK_SCRIPT = TWO_RANK_SAVE + """
 if d.rank == 1:  # this rank's disk fills up while it writes its pieces
     def full(*_):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -549,25 +553,7 @@ def test_uneven_fsdp_shards_round_trip_exactly(tmp_path):
     assert [e["shape"][0] for e in emb] == [34, 33] and emb[1]["offsets"] == [34, 0]
 
 
-KILLED_RANK_SCRIPT = """
-import os, signal, sys
-from pathlib import Path
-import torch
-import torch.distributed as dist
-from kiln.errors import KilnError
-from kiln.model.build import build_model
-from kiln.model.config import ModelConfig
-from kiln.train import parallel
-from kiln.train.parallel.parallelize import apply_fsdp
-from kiln.train.checkpoint import sharded
-from kiln.train.checkpoint import Saver, rng_state
-
-dist.init_process_group("gloo")
-d = parallel.Dist(rank=dist.get_rank(), world=dist.get_world_size())
-model = build_model(ModelConfig(dim=16, n_layers=1, n_heads=2), vocab_size=64, max_seq_len=8)
-apply_fsdp(model, d, None, None)
-opt = torch.optim.AdamW(model.parameters())
-root, tok = Path(sys.argv[1]), Path(sys.argv[1]).parent / "tokenizer.json"
+KILLED_RANK_SCRIPT = TWO_RANK_SAVE + """
 if d.rank == 1:  # this rank is killed while it writes its pieces
     sharded.write_pieces = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
 try:
