@@ -76,8 +76,8 @@ def test_warnings_and_errors_print_markup_as_typed(tmp_path, capsys):
     assert kiln(["data", str(missing), "--out", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err
     assert str(missing) in err and len(err.strip().splitlines()) == 1
-    from kiln.cli import _console  # what `kiln run` and `kiln train` log through (stage lines, warnings)
+    from kiln.commands.args import console  # what `kiln run` and `kiln train` log through (stage lines, warnings)
 
     line = f"warning: {MARKUP} in {missing}" + " long" * 30
-    _console().print(line)
+    console().print(line)
     assert capsys.readouterr().err == line + "\n"  # as typed, and not wrapped
