@@ -247,3 +247,19 @@ def test_an_unexpected_error_of_a_run_logs_in_its_out_dir(workdir, tmp_path, cap
     line = one_line(capsys.readouterr().err)
     [log] = workdir.glob("kiln-error-*.log")
     assert line.startswith("kiln: error: unexpected KeyError: 'surprise' (the traceback is in ") and str(log) in line
+
+
+def test_the_ray_address_check_lets_a_real_cluster_through(monkeypatch):
+    """The check before ray.init accepts a real Ray head: its GCS answers the gRPC hello (a real local Ray, started
+    as `kiln data` starts one)."""
+    ray = pytest.importorskip("ray")
+    from kiln.data.executor import check_ray_address
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        start = time.monotonic()
+        check_ray_address(ray.get_runtime_context().gcs_address, 10)
+        assert time.monotonic() - start < 5
+    finally:
+        ray.shutdown()
