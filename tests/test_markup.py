@@ -53,8 +53,9 @@ def test_kiln_run_prints_paths_overrides_ids_and_urls_as_typed(prepared, tmp_pat
 
 
 def test_the_summary_keeps_markup_and_long_paths_whole_in_a_file():
+    from rich.console import Console
+
     from kiln.summary import print_summary
-    from kiln.terminal import console
 
     data = {"documents": {"read": 10, "kept": 8, "rejected": 2}, "rejected_by_reason": {"quality/[bold]": 2},
             "kept_by_lang": {"en": 8}, "file_errors": [], "truncated": []}
@@ -62,8 +63,8 @@ def test_the_summary_keeps_markup_and_long_paths_whole_in_a_file():
     train = {"steps": 20, "tokens_seen": 100, "skipped_steps": 0, "params": 5, "val_loss_start": 7.0,
              "val_loss_end": 6.0, "checkpoint": ckpt}
     out = StringIO()
-    print_summary({"data": data, "train": train, "timings_s": {"data": 3.25}}, console(file=out, width=80),
-                  config="'c [/x].yaml'")
+    console = Console(file=out, width=80, markup=False)  # a file, 80 columns: what `kiln run 2> log` gets
+    print_summary({"data": data, "train": train, "timings_s": {"data": 3.25}}, console, config="'c [/x].yaml'")
     text = out.getvalue()
     assert ckpt in text and "quality/[bold]" in text  # whole, on one line, not cut or folded at 80 columns
     run = str(Path(ckpt).parent.parent)
