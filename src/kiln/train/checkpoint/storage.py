@@ -128,10 +128,11 @@ class PieceIndex:
     """Every piece of every tensor of one kind (model, optimizer) of a sharded checkpoint folder, read from the
     ranks' index files.
 
-    Every index file and every piece's `file` must be a plain name inside the folder that the folder's manifest
-    lists with its size and sha256 (`kiln.names.listed_name`; `files`: the manifest's files, read from the
-    folder when not given), so the hashes that `kiln ckpt verify` checks cover every byte loaded; anything else
-    is an IntegrityError naming the index and the entry, before any tensor file is opened."""
+    Every index file and every piece's `file` (of every kind: a tampered optimizer file stops eval too) must be a
+    plain name inside the folder that the folder's manifest lists with its size and sha256 (`kiln.names.
+    listed_name`; `files`: the manifest's files, read from the folder when not given), so the hashes that `kiln
+    ckpt verify` checks cover every byte loaded; anything else is an IntegrityError naming the index and the
+    entry, before any tensor file is opened."""
 
     def __init__(self, folder: Path, index_files: Iterable[str], kind: str,
                  files: Mapping[str, Any] | None = None) -> None:
@@ -143,15 +144,18 @@ class PieceIndex:
             path = listed_name(self.folder, name, files, self.folder / "index.json")
             try:
                 data = json.loads(path.read_text())
-                entries = data["pieces"][kind]
-                for key, given in entries.items():
-                    for e in given if isinstance(given, list) else [given]:
-                        if e["file"] not in listed:
-                            listed_name(self.folder, e["file"], files, path)
-                            listed.add(e["file"])
-                        self.pieces.setdefault(key, []).append(Piece(
-                            e["file"], tuple(e["offsets"]), tuple(e["shape"]), tuple(e["global_shape"]), e["dtype"],
-                            e.get("stored", "")))
+                for of_kind, entries in data["pieces"].items():  # every kind's files checked, this kind's kept
+                    for key, given in entries.items():
+                        for e in given if isinstance(given, list) else [given]:
+                            if e["file"] not in listed:
+                                listed_name(self.folder, e["file"], files, path)
+                                listed.add(e["file"])
+                            if of_kind == kind:
+                                self.pieces.setdefault(key, []).append(Piece(
+                                    e["file"], tuple(e["offsets"]), tuple(e["shape"]), tuple(e["global_shape"]),
+                                    e["dtype"], e.get("stored", "")))
+                if kind not in data["pieces"]:
+                    raise KeyError(kind)
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise IntegrityError(f"{path}: not a readable piece index ({type(exc).__name__}: {exc})") from None
         self._files: dict[str, object] = {}
