@@ -198,3 +198,45 @@ def test_classifier_train_replaces_only_a_model_and_leaves_no_temporary_files(tr
     before = model.stat().st_mtime_ns
     assert kiln(args + [str(model)]) == 0  # an earlier model is replaced
     assert model.stat().st_mtime_ns >= before and not list(tmp.glob(".*tmp-*")) + list(tmp.glob(".*train-*"))
+
+
+@pytest.mark.parametrize("keep", [0.75, 0.99])
+def test_a_cut_model_is_refused_before_any_work_not_scored_zero(trained, tmp_path, capsys, keep):
+    """A model file cut short loads in floret (its loader leaves the missing floats zero) and scored every
+    document 0.0, so `kiln data` kept none of them, exit 0."""
+    tmp, model, warc, _, _ = trained
+    cut = tmp_path / "cut.bin"
+    data = model.read_bytes()
+    cut.write_bytes(data[: int(len(data) * keep)])
+    out = tmp_path / "docs"
+    assert kiln(["data", str(warc), "--out", str(out), f"data.quality.classifier.model={cut}",
+                 "data.quality.classifier.threshold=0.5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kiln: error: data.quality.classifier.model {cut}: the file is cut short or damaged")
+    assert "\n" not in err and not out.exists()
+
+
+def test_classifier_train_refuses_one_file_as_both_classes_and_binary_files(trained, tmp_path, capsys):
+    tmp, _, _, _, _ = trained
+    pos, neg = tmp / "pos.jsonl", tmp / "neg.jsonl"
+    copy = tmp_path / "copy-of-pos.jsonl"
+    copy.write_bytes(pos.read_bytes())
+    blob = tmp_path / "random.bin"
+    blob.write_bytes(random.Random(1).randbytes(50_000))
+    nul = tmp_path / "nul.txt"
+    nul.write_bytes(b"text\0with a NUL\n")
+    fake = tmp_path / "binary.jsonl"
+    fake.write_bytes(random.Random(2).randbytes(20_000))
+    for positive, negative, words in [
+        (pos, pos, f"{pos} (--positive) and {pos} (--negative) are the same file"),
+        (pos, copy, f"{pos} (--positive) and {copy} (--negative) are the same bytes"),
+        (pos, blob, f"{blob}: not UTF-8 text (byte"),
+        (nul, neg, f"{nul}: holds NUL bytes, so it is binary"),
+        (pos, fake, f"{fake}: no JSON record with a \"text\" string"),
+    ]:
+        out = tmp_path / "m.bin"
+        assert kiln(["data", "classifier", "train", "--positive", str(positive), "--negative", str(negative),
+                     "--out", str(out)]) == 2, words
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("kiln: error: ") and words in err and "\n" not in err, err
+        assert not out.exists()

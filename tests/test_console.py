@@ -278,3 +278,51 @@ def test_kiln_run_lines_and_summary_under_a_terminal_and_in_a_file(tmp_path):
     text = "\n".join(lines_of(raw))
     assert summary_value(text, "wall time: data") == "skipped (up to date)" and "0.0 s" not in text
     assert_summary_whole(text, out, kiln, 200)
+
+
+def test_after_sigterm_the_summary_suggests_the_same_command_and_its_last_eval(prepared, tmp_path, capsys):
+    """`kiln run` stopped by SIGTERM between evals: "next:" resumes with the very command typed (shell-quoted,
+    train.max_steps unchanged: the schedule stays), and the last validation loss is shown with its step."""
+    import shlex
+    import shutil
+    import signal
+    import threading
+    import time
+
+    from kiln.cli import main
+    from kiln.install import kiln_command
+
+    out = tmp_path / "my out"
+    shutil.copytree(prepared.out, out)  # docs, tokenizer and shards as `kiln run` left them: only training runs
+    config = tmp_path / "c.yaml"
+    config.write_text(prepared.to_yaml())
+    words = [str(config), f"out_dir={out}", "train.max_steps=40", "train.eval_every=10", "train.log_every=1"]
+    metrics, done = out / "run" / "metrics.jsonl", threading.Event()
+
+    def stop_after_step_13():
+        while not done.is_set():
+            lines = metrics.read_text().splitlines() if metrics.is_file() else []
+            if any('"event": "step"' in ln and json.loads(ln)["step"] >= 13 for ln in lines):
+                os.kill(os.getpid(), signal.SIGTERM)  # the trainer's handler (installed while it trains) takes it
+                return
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=stop_after_step_13, daemon=True)
+    watcher.start()
+    try:
+        assert main(["run", *words]) == 0
+    finally:
+        done.set()
+        watcher.join()
+    err = capsys.readouterr().err
+    stop = next(json.loads(ln) for ln in metrics.read_text().splitlines() if '"event": "stop"' in ln)
+    assert 13 <= stop["step"] < 20
+    val10 = next(json.loads(ln)["val_loss"] for ln in metrics.read_text().splitlines()
+                 if '"event": "eval"' in ln and json.loads(ln)["step"] == 10)
+    assert re.search(rf"validation loss at end\s+│\s+{val10:.4f} \(at step 10\)", err), err
+    nexts = [line.strip() for line in err[err.index("next:"):].splitlines()[1:]]
+    assert nexts[0] == f"{kiln_command()} run {shlex.join(words)}      # resumes from the last checkpoint"
+    assert shlex.split(nexts[0].split("#")[0])[2:] == words  # pastes back into a shell as the same words
+    assert not any("train.max_steps=" in n and "train.max_steps=40" not in n for n in nexts)
+    run = shlex.quote(str(out / "run"))
+    assert f"{kiln_command()} report {run}" in nexts and "'" in run

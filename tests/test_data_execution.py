@@ -315,11 +315,14 @@ def test_dedup_index_dedups_the_next_dump_against_the_last(tmp_path):
     runs = json.loads((index / "index.json").read_text())["runs"]
     assert [r["name"] for r in runs] == ["run-00000", "run-00001"] and runs[1]["documents"] == 1
 
-    # the last dump again: its own entry is found, so it is neither added twice nor deduplicated against itself
-    again = tmp_path / "again" / "docs"
-    run_data([inputs[0]], again, cfg(dedup={"index": str(index)}))
-    assert_same_output(tmp_path / "last" / "docs", again)
+    # the last dump again into its folder: its own entry is found, so it is neither added twice nor deduplicated
+    # against itself; into a second folder (the first still there) it is refused: both would keep every document
+    shutil.copytree(tmp_path / "last" / "docs", tmp_path / "before")
+    run_data([inputs[0]], tmp_path / "last" / "docs", cfg(dedup={"index": str(index)}))
+    assert_same_output(tmp_path / "before", tmp_path / "last" / "docs")
     assert len(json.loads((index / "index.json").read_text())["runs"]) == 2
+    with pytest.raises(ConfigError, match="run-00000 of .* holds these same inputs and settings"):
+        run_data([inputs[0]], tmp_path / "again" / "docs", cfg(dedup={"index": str(index)}))
     with pytest.raises(ConfigError, match="data.dedup.index: .* was built with"):
         run_data([str(nxt)], tmp_path / "other" / "docs", cfg(dedup={"index": str(index), "bands": 10}))
 

@@ -111,8 +111,23 @@ def test_parquet_field_groups_and_a_missing_column_is_one_source(tmp_path):
     pq.write_table(pa.table({"text": [prose(1), prose(2), prose(3)], "site": ["docs", None, "forum"]}), src)
     run_data([str(src)], tmp_path / "docs", data_cfg(source_key="field:site"))
     assert [d["source_group"] for d in read_docs(tmp_path / "docs")] == ["docs", "(no site)", "forum"]
-    run_data([str(src)], tmp_path / "docs2", data_cfg(source_key="field:lang_code"))  # no such column
-    assert {d["source_group"] for d in read_docs(tmp_path / "docs2")} == {"(no lang_code)"}
+    with pytest.raises(KilnError, match="none of the 3 kept documents has the field 'lang_code'"):  # no such column
+        run_data([str(src)], tmp_path / "docs2", data_cfg(source_key="field:lang_code"))
+    assert not (tmp_path / "docs2").exists()
+
+
+@pytest.mark.parametrize("key, what", [("field:nosuch", "the field 'nosuch'"), ("host", "a URL (data.url_field)")])
+def test_a_source_key_no_document_has_stops_instead_of_turning_the_gate_off(tmp_path, key, what):
+    """A typo in the field's name (or `host` on records without URLs) would put every document in one source:
+    the gate would compare the corpus with itself. One line names the key, nothing is committed."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": prose(i, german=i % 3 == 0)} for i in range(6)])
+    with pytest.raises(KilnError) as err:
+        run_data([str(src)], tmp_path / "docs", data_cfg(source_key=key))
+    assert str(err.value) == (
+        f"data.distribution.source_key={key}: none of the 6 kept documents has {what}, so they would all be one "
+        "source and the distribution gate would do nothing; fix the key (file, host or field:NAME of a field the "
+        "records have), or set data.distribution.enabled=false")
+    assert not (tmp_path / "docs").exists()
 
 
 def test_report_shows_the_composition_with_weights():

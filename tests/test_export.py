@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -264,3 +265,68 @@ def test_eval_on_validation_shards_reports_bits_per_byte(trained, capsys):
     assert kiln(["eval", str(ckpt)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert 0 < out["bits_per_byte"] < out["loss"] / math.log(2)  # a token carries more than one byte on average
+
+
+# --- import --hf: names inside the folder, one-line errors --------------------------------------------------
+
+def _hf_copy(exported: Path, root: Path, kiln_manifest: bool = False) -> Path:
+    """A copy of the export as a folder Kiln did not write (no manifest.json), or with it."""
+    hf = root / "hf"
+    shutil.copytree(exported, hf)
+    if not kiln_manifest:
+        (hf / "manifest.json").unlink()
+    return hf
+
+
+def _import(hf: Path, prepared, root: Path, capsys) -> tuple[int, str]:
+    config = root / "run.yaml"
+    config.write_text(tiny_config(fresh_out(prepared, root)).to_yaml())
+    capsys.readouterr()
+    rc = kiln(["import", "--hf", str(hf), "--config", str(config)])
+    return rc, capsys.readouterr().err.strip()
+
+
+@pytest.mark.parametrize("escape", ["../outside/stolen.safetensors", "ABSOLUTE", "/etc/passwd"])
+def test_import_refuses_an_index_naming_weights_outside_the_folder(exported, prepared, tmp_path, capsys, escape):
+    from fs_audit import OpenWatch
+
+    hf = _hf_copy(exported, tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.move(hf / "model.safetensors", outside / "stolen.safetensors")  # real weights, in the wrong place
+    name = str(outside / "stolen.safetensors") if escape == "ABSOLUTE" else escape
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        "model.embed_tokens.weight": name, "model.norm.weight": name}}))
+    with OpenWatch(outside) as watch:
+        rc, err = _import(hf, prepared, tmp_path / "run", capsys)
+    assert rc == 1 and "\n" not in err and "Traceback" not in err
+    assert err.startswith(f"kiln: verification failed: {hf / 'model.safetensors.index.json'}: the entry {name!r}")
+    assert watch.opened() == set()  # nothing outside was read
+    assert not (tmp_path / "run" / "out" / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not safetensors", "truncated, Kiln's own export"])
+def test_import_of_a_damaged_weights_file_is_one_line(exported, prepared, tmp_path, capsys, damage):
+    hf = _hf_copy(exported, tmp_path, kiln_manifest="Kiln's" in damage)
+    weights = hf / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) * 3 // 4] if "truncated" in damage else os.urandom(4096))
+    rc, err = _import(hf, prepared, tmp_path / "run", capsys)
+    assert rc in (1, 2) and "\n" not in err and "Traceback" not in err and str(weights) in err
+    if "Kiln's" in damage:  # its manifest vouches for the size and sha256: checked before it is opened
+        assert err.startswith(f"kiln: verification failed: {weights}: size")
+    else:
+        assert err.startswith(f"kiln: error: {weights}: not a readable safetensors file")
+
+
+@pytest.mark.parametrize("config, words", [
+    ("[1, 2, 3]", "a JSON list, not an object of model settings"),
+    ('{"model_type": "llama", "vocab_size": "abc"}', "vocab_size is 'abc', not a whole number"),
+    ('{"model_type": "llama", "hidden_size": 64.5}', "hidden_size is 64.5, not a whole number"),
+    ("{not json", "not valid JSON"),
+])
+def test_import_of_a_bad_config_json_is_one_line(exported, prepared, tmp_path, capsys, config, words):
+    hf = _hf_copy(exported, tmp_path)
+    (hf / "config.json").write_text(config)
+    rc, err = _import(hf, prepared, tmp_path / "run", capsys)
+    assert rc == 2 and err.startswith(f"kiln: error: {hf / 'config.json'}: ") and words in err and "\n" not in err

@@ -178,6 +178,24 @@ def test_a_changed_input_rerun_into_the_same_docs_with_an_index_is_refused(tmp_p
     assert stats["dedup"]["removed_against_index"] == 30 and stats["documents"]["kept"] == 1
 
 
+def test_the_same_inputs_into_a_second_docs_folder_on_one_index_are_refused(tmp_path):
+    # before: the second folder was taken for a rerun of the first (the same index key), deduplicated against
+    # nothing, and kept all 30 documents again: training on both folders saw each twice
+    src = write_jsonl(tmp_path / "a.jsonl", 0, 30)
+    index = tmp_path / "index"
+    assert kiln("data", str(src), "--out", str(tmp_path / "docs"), *QUIET, f"data.dedup.index={index}").returncode == 0
+    r = kiln("data", str(src), "--out", str(tmp_path / "again"), *QUIET, f"data.dedup.index={index}")
+    assert r.returncode == 2
+    assert error_line(r) == (f"kiln: error: data.dedup.index: run-00000 of {index} holds these same inputs and "
+                             f"settings, written to {tmp_path / 'docs'}; a second docs folder of them would keep every "
+                             "document again (training on both would see each twice): run into "
+                             f"{tmp_path / 'docs'} (it resumes or is skipped), or use another index folder")
+    assert not (tmp_path / "again").exists()
+    r = kiln("data", str(src), "--out", str(tmp_path / "docs"), *QUIET, f"data.dedup.index={index}")
+    assert r.returncode == 0, r.stderr  # the rerun into its own folder is still a rerun
+    assert len(json.loads((index / "index.json").read_text())["runs"]) == 1
+
+
 def test_kiln_run_refuses_a_changed_input_into_the_same_docs_with_an_index(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", 0, 25)
     (tmp_path / "crawl.yaml").write_text("out_dir: out\ndata: {inputs: [a.jsonl], workers: 1, dedup: {index: index}}\n")
@@ -398,9 +416,9 @@ def test_a_reader_that_closes_the_pipe_is_no_traceback(built):
 # --- the work folder of an interrupted run (the lead's files) -------------------------------------
 
 def stop_before_merge(root: Path, cfg: DataConfig) -> Path:
-    """In `root`, with relative paths (so a copy of the folder resumes as the original would): a run of a.jsonl
-    and b.jsonl into docs/ stopped after its tasks and dedup stages, before the merge (its work folder kept),
-    and the same run uninterrupted into whole/. Returns the work folder."""
+    """In `root`: a run of a.jsonl and b.jsonl into docs/ stopped after its tasks and dedup stages, before the
+    merge (its work folder kept), and the same run uninterrupted into whole/. Returns the work folder; the folder
+    as it was then is kept beside it (`root.pristine`) for `rerun_after` to start each test from."""
 
     class Stopped(Exception):
         pass
@@ -419,6 +437,7 @@ def stop_before_merge(root: Path, cfg: DataConfig) -> Path:
         pipeline._merge = merge
         os.chdir(cwd)
     (work,) = root.glob(".docs-work-*")
+    shutil.copytree(root, root.with_name(f"{root.name}.pristine"))  # copy2: the inputs keep their mtimes
     return work
 
 
@@ -431,14 +450,16 @@ def stopped(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def rerun_after(stopped, tmp_path: Path, damage, *overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
-    """Copy the stopped run (inputs with their mtimes, the work folder), damage the copy, run `kiln data` again."""
+    """Put the stopped run back where it ran (its inputs are named by their absolute paths, as in any run: the
+    work folder resumes there), damage its work folder, run `kiln data` again; its docs/ copied to `tmp_path`."""
     root, work = stopped
-    for name in ("a.jsonl", "b.jsonl"):
-        shutil.copy2(root / name, tmp_path / name)
-    shutil.copytree(work, tmp_path / work.name)
-    damage(tmp_path / work.name)
+    shutil.rmtree(root)
+    shutil.copytree(root.with_name(f"{root.name}.pristine"), root)
+    damage(work)
     r = kiln("data", "a.jsonl", "b.jsonl", "--out", "docs", "--", "data.workers=1", "data.docs_per_part=20",
-             *overrides, cwd=tmp_path)
+             *overrides, cwd=root)
+    if (root / "docs").exists():
+        shutil.copytree(root / "docs", tmp_path / "docs")
     return r, tmp_path / "docs"
 
 
@@ -544,7 +565,7 @@ def test_the_same_run_finds_its_entry_after_the_index_folder_moved(tmp_path):
     r = kiln("data", str(src), "--out", str(tmp_path / "first"), *QUIET, f"data.dedup.index={tmp_path / 'index'}")
     assert r.returncode == 0, r.stderr
     (tmp_path / "index").rename(tmp_path / "moved")
-    r = kiln("data", str(src), "--out", str(tmp_path / "again"), *QUIET, f"data.dedup.index={tmp_path / 'moved'}")
+    r = kiln("data", str(src), "--out", str(tmp_path / "first"), *QUIET, f"data.dedup.index={tmp_path / 'moved'}")
     assert r.returncode == 0, r.stderr
-    assert json.loads((tmp_path / "again" / "stats.json").read_text())["documents"]["kept"] == 10
+    assert json.loads((tmp_path / "first" / "stats.json").read_text())["documents"]["kept"] == 10
     assert len(json.loads((tmp_path / "moved" / "index.json").read_text())["runs"]) == 1

@@ -22,6 +22,23 @@ def test_defaults_keep_ddp_and_fsdp_as_before():
     assert degrees(1, mode="fsdp") == Degrees(1, 1, 1, 1, "fsdp")  # FSDP2 on one device, as before
 
 
+def test_mesh_under_mode_auto_is_fsdp2_as_readme_says():
+    assert degrees(2, mesh=[1, 2]) == Degrees(1, 1, 2, 1, "fsdp")
+    assert degrees(4, mesh=[2, 2]) == Degrees(1, 2, 2, 1, "fsdp")
+
+
+def test_a_mesh_that_is_not_the_world_stops_kiln_train_before_any_work(workdir, tmp_path, capsys):
+    from kiln.cli import main
+
+    config = tmp_path / "c.yaml"
+    config.write_text(tiny_config(workdir).to_yaml())
+    assert main(["train", str(config), "parallel.mesh=[2,2]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("kiln: error: parallel.mesh=[2, 2] multiplies to 4, not the 1 ranks; give a [replicate, shard] "
+                   "whose product is that")
+    assert not (workdir / "run" / "metrics.jsonl").exists() and not (workdir / "run" / "checkpoints").exists()
+
+
 def test_mesh_is_the_hsdp_shorthand():
     assert degrees(4, mode="fsdp", mesh=[2, 2]) == degrees(4, mode="fsdp", dp_replicate=2, dp_shard=2)
     assert degrees(4, mode="fsdp", mesh=[2, 2]) == Degrees(1, 2, 2, 1, "fsdp")
@@ -45,6 +62,10 @@ def test_degrees_derive_the_rest_of_the_world():
     (4, {"mode": "ddp", "tp": 2}, "composes with FSDP2, not DDP"),
     (2, {"mode": "fsdp", "mesh": [2, 2]}, "parallel.mesh=[2, 2] multiplies to 4, not the 2 ranks"),
     (4, {"mode": "fsdp", "mesh": [2, 2], "dp_shard": 2}, "parallel.mesh and parallel.dp_replicate/dp_shard"),
+    (2, {"mesh": [3, 5]}, "parallel.mesh=[3, 5] multiplies to 15, not the 2 ranks"),  # mode auto: honoured too
+    (1, {"mesh": [2, 2]}, "parallel.mesh=[2, 2] multiplies to 4, not the 1 ranks"),
+    (2, {"mode": "ddp", "mesh": [1, 2]}, "parallel.mesh=[1, 2] is FSDP2's [replicate, shard] mesh, but "
+                                         "parallel.mode=ddp"),
 ])
 def test_invalid_degrees_are_one_line_config_errors(world, parallel, words):
     with pytest.raises(ConfigError, match=None) as err:
@@ -200,9 +221,10 @@ def test_plain_fsdp_and_hsdp_shard_over_the_one_meshs_data_parallel_dims(tmp_pat
     FSDP2 over 2 ranks, each holding half the rows), [1, 2] and plain fsdp shard the rows over both ranks."""
     seen = _fsdp_meshes(tmp_path, 2, {"fsdp": {"mode": "fsdp"}, "hsdp-2x1": {"mode": "fsdp", "mesh": [2, 1]},
                                       "hsdp-1x2": {"mode": "fsdp", "mesh": [1, 2]},
+                                      "auto-1x2": {"mode": "auto", "mesh": [1, 2]},  # README: mesh means FSDP2
                                       "replicate-2": {"mode": "fsdp", "dp_replicate": 2}})
     half = [list(range(0, 32)), list(range(32, 64))]
-    for name in ("fsdp", "hsdp-1x2"):
+    for name in ("fsdp", "hsdp-1x2", "auto-1x2"):
         assert [r["dims"] for r in seen[name]] == [["dp_shard"]] * 2, name
         assert [r["ranks"] for r in seen[name]] == [[0, 1]] * 2
         assert [r["placements"] for r in seen[name]] == [["Shard"]] * 2

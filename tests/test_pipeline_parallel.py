@@ -130,3 +130,19 @@ def test_pp2_x_dp2_on_four_ranks_trains_and_resumes_bitwise(workdir, tmp_path, d
     a = steps(full)
     assert a[-1]["loss"] < a[0]["loss"]
     resume_from_step_5(tmp_path, full, 4, **sections)
+
+
+def test_pp2_summary_counts_every_stages_parameters(workdir, tmp_path):
+    """The run's summary (`params`, what `kiln run` prints as model parameters) is the whole model's count, not the
+    one stage rank 0 holds."""
+    import json
+
+    from kiln.model.build import build_model
+
+    cfg = tiny_config(workdir, train={"max_steps": 1, "eval_every": 0}, checkpoint={"every": 100})
+    proc = torchrun(tmp_path, workdir, 2, train={"max_steps": 1, "eval_every": 0}, checkpoint={"every": 100},
+                    parallel={"pp": 2})
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    vocab = json.loads((workdir / "shards" / "manifest.json").read_text())["vocab_size"]
+    whole = sum(p.numel() for p in build_model(cfg.model, vocab, cfg.pack.seq_len).parameters())
+    assert summary["params"] == whole

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from conftest import ROOT, tiny_config
 from kiln.cli import main as kiln
 from kiln.errors import IntegrityError
-from kiln.manifest import read_manifest
+from kiln.manifest import read_manifest, write_manifest
 from kiln.train.checkpoint import checkpoint_table, latest_valid, list_checkpoints, load_checkpoint, verify_checkpoint
 from kiln.train.checkpoint.storage import Piece, PieceIndex, write_index, write_pieces, write_safetensors
 from kiln.train.trainer import Trainer
@@ -44,6 +44,7 @@ def _split(folder: Path, full: torch.Tensor, rows: list[int], cols: list[int]) -
             write_index(folder / f"index-{rank:05d}.json",
                         {"model": {"w": Piece(file, (r0, c0), (r1 - r0, c1 - c0), tuple(full.shape), "float32")}})
             names.append(f"index-{rank:05d}.json")
+    write_manifest(folder)  # PieceIndex reads only files a manifest lists (kiln.names)
     return names
 
 
@@ -432,8 +433,9 @@ def test_fsdp_checkpoint_resumes_under_tensor_parallel(fsdp_run, tmp_path):
         "layers.0.attention.wo.weight"]["offsets"] == [0, 32]  # tp's column half, not FSDP2's rows
 
 
-FAILING_RANK_SCRIPT = """
-import errno, sys
+# Two gloo ranks, an FSDP2 model and its optimizer, about to save into sys.argv[1]: what the scripts below share.
+TWO_RANK_SAVE = """
+import errno, os, signal, sys
 from pathlib import Path
 import torch
 import torch.distributed as dist
@@ -451,6 +453,9 @@ model = build_model(ModelConfig(dim=16, n_layers=1, n_heads=2), vocab_size=64, m
 apply_fsdp(model, d, None, None)
 opt = torch.optim.AdamW(model.parameters())
 root, tok = Path(sys.argv[1]), Path(sys.argv[1]).parent / "tokenizer.json"
+"""
+
+FAILING_RANK_SCRIPT = TWO_RANK_SAVE + """
 if d.rank == 1:  # this rank's disk fills up while it writes its pieces
     def full(*_):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -546,3 +551,42 @@ def test_uneven_fsdp_shards_round_trip_exactly(tmp_path):
     emb = [json.loads((folder / f"index-{r:05d}.json").read_text())["pieces"]["model"]["tok_embeddings.weight"]
            for r in (0, 1)]
     assert [e["shape"][0] for e in emb] == [34, 33] and emb[1]["offsets"] == [34, 0]
+
+
+KILLED_RANK_SCRIPT = TWO_RANK_SAVE + """
+if d.rank == 1:  # this rank is killed while it writes its pieces
+    sharded.write_pieces = lambda *_: os.kill(os.getpid(), signal.SIGKILL)
+try:
+    sharded.save(root, 3, model, opt, d, Saver(False), state={"step": 3}, rng=rng_state(), config_yaml="",
+                 tokenizer_file=tok, manifest_fields={}, signing_key=None, timeout_s=60)
+except KilnError as exc:
+    print(f"kiln: error: {exc}")
+"""
+
+
+def test_a_rank_killed_during_a_sharded_save_is_named_in_one_line(tmp_path):
+    """SIGKILL to rank 1 while it writes its pieces: rank 0 (launched on its own, so no launcher ends it first, as
+    torchrun would race to) says which rank was lost and that nothing was committed, instead of gloo's
+    "Connection closed by peer" traceback; no checkpoint and no staging folder stay."""
+    import socket
+
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_RANK_SCRIPT)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    root = tmp_path / "checkpoints"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(root)], env={**env, "RANK": str(r)}, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    out, err = procs[0].communicate(timeout=180)
+    procs[1].communicate(timeout=60)
+    assert procs[1].returncode == -9
+    assert "Traceback" not in err, err[-3000:]
+    [line] = [ln for ln in out.splitlines() if ln.startswith("kiln: error: ")]
+    assert line.startswith(f"kiln: error: {root / 'step-00000003'}: rank 1 stopped answering during the sharded save "
+                           "(rank 0 saw: ")
+    assert line.endswith("the checkpoint was not committed (nothing of it is kept): run the same command again, it "
+                         "resumes from the newest committed checkpoint")
+    assert not list(root.iterdir())  # no step-00000003, no step-00000003.tmp-*

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from kiln.cli import main as kiln
 from kiln.errors import IntegrityError
-from kiln.manifest import read_manifest
+from kiln.manifest import read_manifest, write_manifest
 from kiln.train.checkpoint import list_checkpoints, load_checkpoint, verify_checkpoint
 from kiln.train.checkpoint.storage import Piece, PieceIndex, write_index, write_pieces
 from kiln.train.checkpoint.sharded import local_boxes
@@ -88,6 +88,7 @@ def test_a_share_of_several_boxes_is_stored_and_read_back(tmp_path):
         write_pieces(tmp_path / file, tensors)
         write_index(tmp_path / f"index-{rank:05d}.json", {"model": {"w": pieces}})
         names.append(f"index-{rank:05d}.json")
+    write_manifest(tmp_path)  # PieceIndex reads only files a manifest lists (kiln.names)
     with PieceIndex(tmp_path, names, "model") as p:
         p.check_complete()
         p.check_files()

@@ -320,3 +320,24 @@ def _hf(out: Path):
     if out not in _HF_CACHE:
         _HF_CACHE[out] = PreTrainedTokenizerFast(tokenizer_file=str(out / TOKENIZER_FILE))
     return _HF_CACHE[out]
+
+
+def test_kiln_tokenizer_train_honours_tokenizer_path_as_kiln_run_does(prepared, tmp_path, capsys):
+    """`-- tokenizer.path=MY.json` commits the user's tokenizer byte for byte (nothing is trained); a file that is
+    not a tokenizer (/etc/passwd, say) is a one-line error, not a freshly trained BPE."""
+    from kiln.cli import main
+
+    mine = tmp_path / "mine" / "tokenizer.json"
+    mine.parent.mkdir()
+    mine.write_bytes((prepared.out / "tokenizer" / "tokenizer.json").read_bytes())
+    docs, out = str(prepared.out / "docs"), tmp_path / "tok"
+    assert main(["tokenizer", "train", docs, "--out", str(out), "--", f"tokenizer.path={mine}"]) == 0
+    assert (out / "tokenizer.json").read_bytes() == mine.read_bytes()
+    assert read_manifest(out)["source"] == str(mine) and "training_docs" not in read_manifest(out)
+    capsys.readouterr()
+    passwd = tmp_path / "passwd"
+    passwd.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    assert main(["tokenizer", "train", docs, "--out", str(tmp_path / "tok2"), "--", f"tokenizer.path={passwd}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kiln: error: {passwd}: not a valid tokenizer.json") and "\n" not in err
+    assert not (tmp_path / "tok2").exists()

@@ -233,3 +233,25 @@ def test_ddp_two_gloo_ranks_match_one_process(workdir, tmp_path):
     a, b = final_weights(workdir), final_weights(other)
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-4), k
+
+
+def test_an_unsigned_manifest_edited_to_another_step_is_refused(workdir, tmp_path, capsys):
+    """step-00000006's manifest.json edited to say step 60 (its hashes untouched, so they all still match): verify
+    and list reported step 60, and a resume would have taken it for step 60."""
+    Trainer(tiny_config(workdir, train={"max_steps": 6, "eval_every": 0}, checkpoint={"every": 3}),
+            log=lambda *_: None).run()
+    root = workdir / "run" / "checkpoints"
+    six = root / "step-00000006"
+    manifest = json.loads((six / "manifest.json").read_text())
+    (six / "manifest.json").write_text(json.dumps({**manifest, "step": 60}, indent=1))
+    capsys.readouterr()
+    assert kiln(["ckpt", "verify", str(six)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"kiln: verification failed: {six}: manifest.json says step 60, but the folder is step 6 and "
+                   "state.json says 6; the manifest was changed after Kiln wrote it: restore the checkpoint from a "
+                   "copy, or resume from another (checkpoint.signing_key signs manifests)")
+    assert kiln(["ckpt", "list", str(workdir / "run")]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0].startswith("step-00000003  valid    step 3 ") and rows[1].startswith("step-00000006  INVALID ")
+    assert "says step 60" in rows[1]
+    assert latest_valid(root, log=lambda *_: None) == root / "step-00000003"  # a resume takes the honest one

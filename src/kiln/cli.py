@@ -4,6 +4,7 @@ module per area); the work lives in the stage modules."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -120,14 +121,54 @@ def main(argv: list[str] | None = None) -> int:
         print("kiln: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `kiln shards inspect ... | head`: the reader left; what is left to print goes nowhere
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush raises nothing
         return 141  # what a tool that SIGPIPE ended returns
-    except OSError as exc:
+    except Exception as exc:  # the last resort: whatever no part turned into a KilnError (a bug, or a library's)
         from kiln.manifest import disk_full_message, is_disk_full
 
-        if not is_disk_full(exc):
+        if is_disk_full(exc):
+            print(f"kiln: error: {disk_full_message(_output_folder(args) or Path('.'), exc)}", file=sys.stderr)
+            return 2
+        if os.environ.get("KILN_DEBUG"):
             raise
-        print(f"kiln: error: {disk_full_message(Path('.'), exc)}", file=sys.stderr)
-        return 2
+        print(_unexpected(exc, args), file=sys.stderr)
+        return 3
+
+
+def _output_folder(args: argparse.Namespace) -> Path | None:
+    """Where the command writes: the config's out_dir (run, train, import), else the folder its --out (or
+    OUT_DIR) is made in; None for a command that only reads."""
+    if getattr(args, "config", None) and args.command in ("run", "train", "import", "preflight"):
+        from kiln.config import load_config
+
+        try:
+            return load_config(args.config, args.overrides).out
+        except Exception:  # the config is what failed: the log goes to the next place (the user sees it named)
+            return None
+    out = getattr(args, "out", None) or getattr(args, "out_dir", None)
+    return Path(out).absolute().parent if out else None
+
+
+def _unexpected(exc: BaseException, args: argparse.Namespace) -> str:
+    """One line for a failure Kiln has no message for, its traceback written to a log file in the output folder
+    (or the temporary folder when there is none, or it cannot be written)."""
+    import tempfile
+    import time
+    import traceback
+
+    name = f"kiln-error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    text = "".join(traceback.format_exception(exc))
+    log = None
+    for folder in (_output_folder(args), Path(tempfile.gettempdir())):
+        if folder is None:
+            continue
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_text(f"kiln {' '.join(sys.argv[1:])}\n{text}")
+            log = folder / name
+            break
+        except OSError:
+            continue
+    what = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+    where = f"the traceback is in {log}" if log else "the traceback could not be written"
+    return f"kiln: error: unexpected {what} ({where}); run with KILN_DEBUG=1 for the traceback"

@@ -260,6 +260,10 @@ class DataConfig(Section):
         description="executor=ray: an existing cluster (e.g. ray://head:10001, auto); "
         "null starts a local Ray of data.workers CPUs",
     )
+    ray_connect_timeout_s: float = Field(
+        30, gt=0, description="executor=ray with ray_address: how long the cluster may take to answer before the "
+        "run stops naming the address (a head still starting; Ray alone would retry without end)"
+    )
     task_bytes: int = Field(
         256 << 20,
         ge=1 << 12,

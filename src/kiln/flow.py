@@ -109,6 +109,10 @@ STAGES = {"data": run_data_stage, "tokenizer": run_tokenizer_stage, "pack": run_
 def run_all(cfg: Config, log: Callable[[str], None] = print, until: str = "train") -> dict[str, Any]:
     """Run the stages in order up to and including `until`; returns each stage's result by name, its wall
     time (`timings_s`) and the stages that were already up to date (`skipped`)."""
+    if until == "train":  # what would stop the last stage, before the first one's work
+        from kiln.train.loggers import check_loggers
+
+        check_loggers(cfg.train.loggers)
     results: dict[str, Any] = {"timings_s": {}, "skipped": []}
     for name, stage in STAGES.items():
         start = time.perf_counter()

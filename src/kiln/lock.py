@@ -13,6 +13,7 @@ filesystem (NFS) Linux maps flock to POSIX record locks, which NFS honours acros
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -43,9 +44,8 @@ class OutputLock:
         self.fd: int | None = None
 
     def acquire(self) -> "OutputLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -67,6 +67,18 @@ class OutputLock:
         os.pwrite(fd, json.dumps(info).encode(), 0)
         self.fd = fd
         return self
+
+    def _open(self) -> int:
+        """The lock file, created if need be; a folder Kiln cannot write (a read-only filesystem, no permission)
+        is a one-line error before any work."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR):
+                raise
+            raise KilnError(f"cannot write {self.folder}: {exc.strerror} ({exc.filename or self.path}); "
+                            "give an output on a writable filesystem (or fix its permissions)") from None
 
     def release(self) -> None:
         if self.fd is None:

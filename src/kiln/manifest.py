@@ -25,6 +25,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from kiln import __version__
 from kiln.errors import IntegrityError, KilnError
+from kiln.names import check_name, resolve_name
 
 MANIFEST = "manifest.json"
 
@@ -63,7 +64,7 @@ def writing_atomic(path: Path) -> Iterator[BinaryIO]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException:  # any failure (Ctrl-C too) leaves no temporary file; re-raised
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
@@ -186,7 +187,7 @@ def expand_file_table(manifest: dict[str, Any], data: bytes, where: Path | str) 
         lines = data.decode("utf-8").splitlines()
         for line in lines:
             row = json.loads(line)
-            entry = row.pop("name")
+            entry = check_name(row.pop("name"), where)
             for path in row.pop("in", []):
                 _at(manifest, path).append(entry)
             files[entry] = row
@@ -230,10 +231,15 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         raise IntegrityError(f"{path}: has no 'files' table; the folder is corrupt, re-run the stage")
     if FILE_TABLE in manifest:  # the files are listed beside it (write_manifest's `table`)
         name = table_name(manifest, path)
-        table = Path(folder) / name
+        table = resolve_name(folder, name, path)
         if not table.is_file():
             raise IntegrityError(f"{table}: listed in {MANIFEST} but missing; re-run the stage")
         manifest = expand_file_table(manifest, table.read_bytes(), table)
+        where = table
+    else:
+        where = path
+    for name in manifest["files"]:  # every name a reader may open: plain, inside the folder (kiln.names)
+        resolve_name(folder, name, where)
     return manifest
 
 
@@ -307,7 +313,7 @@ def staging_dir(final: Path, stage: str | None = None) -> Iterator[Path]:
         written = json.loads((tmp / MANIFEST).read_text()).get("stage") if (tmp / MANIFEST).is_file() else None
         check_replaceable(final, written or stage)
         (tmp / STAGING_MARK).unlink()
-    except BaseException as exc:
+    except BaseException as exc:  # any failure (Ctrl-C too) removes the staging folder; re-raised
         shutil.rmtree(tmp, ignore_errors=True)  # frees the space a full disk needs back
         if is_disk_full(exc):
             raise KilnError(disk_full_message(final, exc)) from None
@@ -408,8 +414,11 @@ def _local_paths(inputs: Iterable[Any]) -> Iterator[Path]:
         if "://" in text and not text.startswith("file://"):
             continue
         text = text.removeprefix("file://")
-        for match in (glob.glob(text) if glob.has_magic(text) else [text]):
-            yield Path(match).resolve()
+        for match in (glob.glob(text) if glob.has_magic(text) and not os.path.lexists(text) else [text]):
+            try:
+                yield Path(match).resolve()
+            except (RuntimeError, OSError):  # a symlink loop: not a folder to protect (the input check names it)
+                continue
 
 
 def remove_stale_staging(final: Path, stage: str | None) -> list[Path]:
@@ -444,7 +453,12 @@ def writing_folder(folder: Path, stage: str, inputs: Iterable[Any] = ()) -> Iter
     with OutputLock(folder, f"`{stage}` writer"):
         check_replaceable(folder, stage, inputs)
         remove_stale_staging(folder, stage)
-        yield
+        try:
+            yield
+        except OSError as exc:  # a full disk that names no file (a C writer's): it is this output's filesystem
+            if is_disk_full(exc):
+                raise KilnError(disk_full_message(folder, exc)) from None
+            raise
 
 
 def writes_folder(stage: str, out: str, inputs: tuple[str, ...] = ()) -> Callable:

@@ -97,9 +97,14 @@ def cmd_tokenizer_train(args) -> int:
     from kiln.config import load_config
     from kiln.data.docs import read_docs
     from kiln.data.rejections import docs_stats, few_documents_message
-    from kiln.tokenizer import train_tokenizer
+    from kiln.tokenizer import train_tokenizer, use_tokenizer
 
     cfg = load_config(args.config, args.overrides)
+    if cfg.tokenizer.path:  # the user's own tokenizer, committed as it is (as `kiln run` does): nothing trained
+        tok = use_tokenizer(Path(args.out), cfg.tokenizer)
+        print(json.dumps({"tokenizer": str(Path(args.out) / "tokenizer.json"), "vocab_size": tok.get_vocab_size(),
+                          "source": cfg.tokenizer.path}))
+        return 0
     stats = Path(args.docs_dir) / "stats.json"
     if stats.is_file() and (few := few_documents_message(docs_stats(args.docs_dir), Path(args.docs_dir))):
         raise KilnError(few)

@@ -25,8 +25,9 @@ def cmd_run(args) -> int:
     cfg = load_config(args.config, args.overrides)
     out = console()
     result = run_all(cfg, log=out.print, until=args.until)
-    from rich.console import Console
+    from kiln.terminal import console as plain_console
 
-    again = shlex.join([args.config, *(o for o in args.overrides if not o.startswith("train.max_steps="))])
-    print_summary(result, Console(stderr=True, highlight=False, width=max(out.width, 110)), config=again)
+    config = shlex.join([args.config, *(o for o in args.overrides if not o.startswith("train.max_steps="))])
+    same = shlex.join([args.config, *args.overrides])  # every stage, as typed: resumes a stopped run
+    print_summary(result, plain_console(width=max(out.width, 110)), config=config, again=same)
     return 0

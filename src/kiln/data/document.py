@@ -7,6 +7,16 @@ from typing import Any
 
 
 SCORE_FIELDS = ("quality_score", "semantic_score", "perplexity_bpb")  # record fields that scoring gates write
+# data.distribution.source_key for a document without the URL or field it names: one source for all of them
+NO_HOST = "(no host)"
+
+
+def missing_group(source_key: str) -> str | None:
+    """The source group of the documents that lack what `source_key` names (no URL, no such field; the
+    distribution gate's); None for `file`, which every document has."""
+    if source_key == "host":
+        return NO_HOST
+    return f"(no {source_key[len('field:'):]})" if source_key.startswith("field:") else None
 
 
 @dataclass

@@ -38,7 +38,7 @@ from kiln.data.dedup.index import add_run, runs_before, use_index
 from kiln.data.dedup.signatures import Signer
 from kiln.data.dedup.stages import STAGE_DIR, Verdicts, dedup_layout, run_stages
 from kiln.data.docs import PartWriter, read_part
-from kiln.data.gates.distribution import Composition, SpilledProfiles, profile_part, source_group
+from kiln.data.gates.distribution import Composition, SpilledProfiles, check_groups, profile_part, source_group
 from kiln.data.document import Document, ReadReport
 from kiln.data.executor import engine, run_tasks
 from kiln.data.gates.semantic import REVIEW as SEMANTIC_REVIEW
@@ -231,7 +231,7 @@ def _run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None
     cfg = prepare_semantic(cfg, files, work)  # vectors trained on the corpus, when the semantic gate needs them
 
     workers = workers or cfg.workers
-    with engine(cfg.executor, workers, cfg.ray_address):
+    with engine(cfg.executor, workers, cfg.ray_address, cfg.ray_connect_timeout_s):
         todo = unfinished(work, tasks, cfg, workers)
         with _progress_sink(progress, tasks, todo) as on_done:
             for summary in run_tasks(run_task, [(t, cfg, str(work)) for t in todo], workers, cfg.executor,
@@ -247,6 +247,7 @@ def _run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None
         t_dedup = time.perf_counter() - t0 - t_process
         cpu.append(cpu_seconds())
         source_weights = source_profiles(work, summaries, layout, verdicts, cfg, workers)
+        check_groups(source_weights, cfg.distribution.source_key)
     t_profiles = time.perf_counter() - t0 - t_process - t_dedup
     cpu.append(cpu_seconds())
 

@@ -19,7 +19,8 @@ from kiln.data.read import read_warc, splittable
 from kiln.data.sources import input_format, input_identity, input_size, read_arrow, read_jsonl, read_parquet
 
 # Settings that change how the work runs, never what it outputs (storage_options may hold secrets).
-EXECUTION_KEYS = {"inputs", "workers", "executor", "ray_address", "task_bytes", "storage_options"}
+EXECUTION_KEYS = {"inputs", "workers", "executor", "ray_address", "ray_connect_timeout_s", "task_bytes",
+                  "storage_options"}
 
 
 def index_key(files: list[str], cfg: DataConfig) -> str:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kiln.terminal import stderr_console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from kiln.terminal import stderr_console
 
 
 class DataProgress:

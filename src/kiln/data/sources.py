@@ -15,6 +15,7 @@ the file goes on.
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -25,7 +26,7 @@ from typing import IO, Any, Iterator
 
 import zstandard
 
-from kiln.data.document import Document, ReadReport
+from kiln.data.document import Document, ReadReport, missing_group
 from kiln.errors import KilnError
 
 _JSONL = (".jsonl", ".ndjson", ".json")
@@ -80,7 +81,7 @@ class StorageWatch:
         except OSError as exc:
             self.error = exc
             raise
-        except Exception as exc:
+        except Exception as exc:  # a filesystem library's own error type for a failed read (class docstring)
             self.error = StorageReadError(f"{type(exc).__name__}: {exc}")
             raise self.error from exc
 
@@ -110,7 +111,8 @@ def input_identity(source: str, storage_options: dict[str, Any] | None = None) -
 
 
 def expand_inputs(patterns: list[str], storage_options: dict[str, Any] | None = None) -> list[str]:
-    """Paths, globs and URLs (globs work in URLs too) -> input files, each glob sorted."""
+    """Paths, globs and URLs (globs work in URLs too) -> input files, each glob sorted; a relative local path is
+    made absolute (against the working directory), as a config file's are (`config.PATH_KEYS`)."""
     files: list[str] = []
     for pattern in patterns:
         if is_url(pattern):
@@ -129,19 +131,22 @@ def expand_inputs(patterns: list[str], storage_options: dict[str, Any] | None = 
                 )
             files += [f"{protocol}://{m}" for m in matches]
             continue
-        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        literal = not glob.has_magic(pattern) or os.path.lexists(pattern.removeprefix("file://"))
+        matches = [pattern] if literal else sorted(glob.glob(pattern))  # a file named with [brackets] is itself
         if not matches:
             raise KilnError(f"input {pattern!r} matches no file; check the path or glob")
         for m in matches:
             local = Path(m.removeprefix("file://"))
+            _check_local_name(m, local)
             if local.is_dir():  # a datasets.save_to_disk or Hub dataset folder: its data files (kiln.data.hub)
                 from kiln.data.hub import folder_files
 
-                files += folder_files(local)
+                files += folder_files(Path(os.path.abspath(local)))
                 continue
             if not local.is_file():
                 raise KilnError(f"input {m} does not exist or is not a file")
-            files.append(m)
+            # absolute, as a config's paths are: records name their `source` the same however the run started
+            files.append(m if m.startswith("file://") or os.path.isabs(m) else os.path.normpath(os.path.abspath(m)))
     if not files:
         raise KilnError("no input files given; pass WARC/JSONL/Parquet files or set data.inputs in the config")
     seen: dict[str, str] = {}
@@ -152,6 +157,28 @@ def expand_inputs(patterns: list[str], storage_options: dict[str, Any] | None = 
             raise KilnError(f"input {f} is given twice ({how}, from the paths or globs given); list each input once")
         seen[key] = f
     return files
+
+
+def _check_local_name(given: str, local: Path) -> None:
+    """A local input's name must be one Kiln's records can hold (they name it as `source`, in UTF-8 JSON), and
+    a symlink must lead somewhere; a one-line error before any work otherwise."""
+    try:
+        given.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        byte = os.fsencode(given[exc.start:exc.end])
+        raise KilnError(f"input {given!r}: its file name is not valid UTF-8 (byte {byte.hex(' ')}), and each record "
+                        "names its source file in UTF-8: rename the file to UTF-8 (e.g. convmv -f latin1 -t utf-8 "
+                        "--notest FILE)") from None
+    if local.is_symlink() and not local.exists():
+        try:
+            local.resolve(strict=True)
+            why = "a broken symlink"
+        except RuntimeError:
+            why = "a symlink loop"
+        except OSError as exc:
+            why = "a symlink loop" if exc.errno == errno.ELOOP else "a broken symlink"
+        raise KilnError(f"input {given} is {why} ({local} -> {os.readlink(local)}); point it at the file, or give "
+                        "the file itself")
 
 
 def input_format(source: str) -> str:
@@ -252,7 +279,7 @@ def _record_doc(rec: Any, source: str, offset: int, length: int, where: str, fie
     raw_id = _field(rec, id_field)
     doc.id, doc.record_id, doc.url = raw_id or doc.id, raw_id, _field(rec, url_field)
     if group_field:  # data.distribution.source_key field:NAME; a record without it is its own source
-        doc.source_group = _field(rec, group_field) or f"(no {group_field})"
+        doc.source_group = _field(rec, group_field) or missing_group(f"field:{group_field}")
     text = rec.get(text_field)
     if not isinstance(text, str):
         return doc.reject(

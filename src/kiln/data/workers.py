@@ -67,7 +67,7 @@ def ending_workers(pool) -> Iterator[_Requests]:
     previous = {s: signal.signal(s, requests.note) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
     try:
         yield requests
-    except BaseException:
+    except BaseException:  # any way out (an error, a signal, Ctrl-C) ends the workers; re-raised
         processes = list((getattr(pool, "_processes", None) or {}).values())  # the executor has no public kill
         for process in processes:
             if process.is_alive():

@@ -32,9 +32,9 @@ def load_eval_model(folder: Path):
     from kiln.tokenizer import eos_id, load_tokenizer
     from kiln.train.checkpoint import checkpoint_config, load_checkpoint
 
+    weights = load_checkpoint(folder)["model"]  # verified first: every file read below is one its manifest lists
     cfg = checkpoint_config(folder)
     tok = load_tokenizer(Path(folder) / "tokenizer.json")
-    weights = load_checkpoint(folder)["model"]
     # The embedding's rows, not the tokenizer's size: the model may pad its vocabulary. EOS separates the
     # documents model.document_masking keeps apart.
     eos = eos_id(tok, cfg.tokenizer.eos_token) if cfg.model.document_masking else None

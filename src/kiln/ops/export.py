@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 from kiln.config import Config
 from kiln.errors import KilnError
 from kiln.manifest import read_manifest, staging_dir, verify_folder, write_atomic, write_manifest, writes_folder
-from kiln.tokenizer import NAME_KEYS, load_tokenizer, tokenizer_sha256
+from kiln.names import check_name, listed_name
+from kiln.tokenizer import NAME_KEYS, load_tokenizer, tokenizer_file, tokenizer_sha256
 
 # Kiln name -> Hugging Face LlamaForCausalLM name; {i} is the layer number.
 NAMES = [
@@ -274,9 +275,9 @@ def export_hf(checkpoint: Path, out_dir: Path) -> dict:
     """Write `out_dir` as a transformers Llama (or, for MoE, Mixtral) folder from a verified Kiln checkpoint."""
     from kiln.train.checkpoint import CheckpointWeights, check_loads, checkpoint_config
 
-    cfg = checkpoint_config(checkpoint)
-    verify_folder(checkpoint)
+    verify_folder(checkpoint)  # first: every file read below is one its manifest lists, inside it (kiln.names)
     check_loads(checkpoint)
+    cfg = checkpoint_config(checkpoint)
     tok = load_tokenizer(Path(checkpoint) / "tokenizer.json")
     with CheckpointWeights(checkpoint) as weights, staging_dir(out_dir) as tmp:
         config = hf_config(cfg, weights.shape("tok_embeddings.weight")[0], tok, checkpoint)
@@ -376,22 +377,72 @@ def _config_mismatches(hf: dict, expected: dict) -> list[str]:
 
 
 def safetensors_files(hf_dir: Path) -> list[Path]:
-    """model.safetensors, or the shards that model.safetensors.index.json's weight_map names (each checked)."""
+    """model.safetensors, or the shards that model.safetensors.index.json's weight_map names, each a plain name
+    inside `hf_dir` (`kiln.names`) and, in a folder Kiln exported (its manifest.json), listed and hashed there."""
+    files = _export_manifest_files(hf_dir)
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()), key=str)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise KilnError(f"{index}: not a safetensors index (a JSON object with a weight_map): {exc}") from None
-        missing = [n for n in names if not (hf_dir / n).is_file()]
+        paths = [_weight_file(hf_dir, n, files, index) for n in names]
+        missing = [n for n, p in zip(names, paths) if not p.is_file()]
         if missing:
             raise KilnError(f"{index} names {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
                             f"not in {hf_dir}; download every shard")
-        return [hf_dir / n for n in names]
+        return paths
     if (hf_dir / "model.safetensors").is_file():
-        return [hf_dir / "model.safetensors"]
+        return [_weight_file(hf_dir, "model.safetensors", files, hf_dir)]
     raise KilnError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json; import reads safetensors "
                     "weights (convert a pytorch_model.bin with transformers' save_pretrained)")
+
+
+def _export_manifest_files(hf_dir: Path) -> dict[str, Any] | None:
+    """The files of a folder `kiln export --hf` wrote, verified (sizes and sha256); None for another HF folder."""
+    if not (hf_dir / "manifest.json").exists():
+        return None
+    return verify_folder(hf_dir)["files"]
+
+
+def _weight_file(hf_dir: Path, name: str, files: dict[str, Any] | None, where: Path) -> Path:
+    """A weight file a name in `where` gives. A folder Kiln did not write is the user's (no manifest to list it):
+    its names must still be plain names inside it, but its symlinks are followed (a Hub cache snapshot's point
+    into the cache's blobs/)."""
+    return hf_dir / check_name(name, where) if files is None else listed_name(hf_dir, name, files, where)
+
+
+def _read_hf_config(hf_dir: Path) -> dict[str, Any]:
+    """config.json as a JSON object whose sizes are integers (a one-line error naming the key otherwise)."""
+    path = hf_dir / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise KilnError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(hf, dict):
+        raise KilnError(f"{path}: a JSON {type(hf).__name__}, not an object of model settings; give the config.json "
+                        "of a Hugging Face Llama or Mixtral")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "num_local_experts",
+                "num_experts_per_tok"):
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise KilnError(f"{path}: {key} is {value!r}, not a whole number; the file is not a model config "
+                            "transformers wrote")
+    return hf
+
+
+def _load_weights(files: list[Path]) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            state.update(load_file(str(file)))
+        except (SafetensorError, OSError) as exc:
+            raise KilnError(f"{file}: not a readable safetensors file ({str(exc)[:160]}); the download is cut or "
+                            "the file is another format: download it again (safetensors only)") from None
+    return state
 
 
 def same_tokenizer(run_tokenizer: Path, hf_tokenizer: Path, eos_token: str) -> bool:
@@ -421,25 +472,21 @@ def import_hf(hf_dir: Path, cfg: Config) -> Path:
             raise KilnError(f"{hf_dir}: no {name}; import reads a Hugging Face Llama folder: config.json, "
                             "tokenizer.json and model.safetensors (or shards listed in model.safetensors.index.json)")
     weight_files = safetensors_files(hf_dir)
-    try:
-        hf = json.loads((hf_dir / "config.json").read_text())
-    except json.JSONDecodeError as exc:
-        raise KilnError(f"{hf_dir / 'config.json'}: not valid JSON ({exc})") from None
-    run_tok = cfg.out / "tokenizer" / "tokenizer.json"
-    if not run_tok.is_file() or not same_tokenizer(run_tok, hf_dir / "tokenizer.json", cfg.tokenizer.eos_token):
+    hf = _read_hf_config(hf_dir)
+    run_tok = cfg.out / "tokenizer" / "tokenizer.json"  # both folders' tokenizer.json read through their manifests
+    if not run_tok.is_file() or not same_tokenizer(tokenizer_file(run_tok.parent), tokenizer_file(hf_dir),
+                                                   cfg.tokenizer.eos_token):
         raise KilnError(
             f"{run_tok} is missing or differs from {hf_dir / 'tokenizer.json'}; the run's shards must be packed "
             f"with the model's own tokenizer: set tokenizer.path: {hf_dir} (and tokenizer.eos_token to its "
             "end-of-text token) in the config, then `kiln run CONFIG --until pack`"
         )
-    mismatches = _config_mismatches(hf, hf_config(cfg, int(hf.get("vocab_size", 0)), load_tokenizer(run_tok), hf_dir))
+    expected = hf_config(cfg, int(hf.get("vocab_size", 0)), load_tokenizer(run_tok.parent), hf_dir)
+    mismatches = _config_mismatches(hf, expected)
     if mismatches:
         raise KilnError(f"{hf_dir / 'config.json'} does not match the config's model section: {'; '.join(mismatches)}; "
                         "set the model.* keys to the folder's sizes")
-    state: dict[str, torch.Tensor] = {}
-    for file in weight_files:
-        state.update(load_file(str(file)))
-    weights = {k: v.to(torch.float32) for k, v in from_hf(state, hf_dir).items()}
+    weights = {k: v.to(torch.float32) for k, v in from_hf(_load_weights(weight_files), hf_dir).items()}
     if cfg.model.tie_embeddings:
         weights.setdefault("output.weight", weights["tok_embeddings.weight"])
     ckpt_dir = cfg.out / "run" / "checkpoints"

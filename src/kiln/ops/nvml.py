@@ -25,7 +25,7 @@ def load_nvml():
 
         pynvml.nvmlInit()
         return pynvml
-    except Exception:
+    except Exception:  # ImportError, or pynvml's NVMLError_* for a missing library or driver: no NVML here
         return None
 
 

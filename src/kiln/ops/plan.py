@@ -117,8 +117,9 @@ def plan_memory(cfg: Config, model, device: str) -> dict:
 
 
 def print_plan(plan: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from kiln.terminal import console as plain_console
 
     t = Table("estimate", "value", title="kiln plan")
     t.add_row("compute C = 6·N·D", f"{plan['compute_6ND']:.3e} FLOPs")
@@ -132,7 +133,7 @@ def print_plan(plan: dict) -> None:
     t.add_row("wall time", f"{plan['hours']:.3f} h ({plan['hours'] * 60:.1f} min)")
     t.add_row("device-hours", f"{plan['device_hours']:.3f}")
     t.add_row("cost", f"{plan['cost']:.2f}")
-    console = Console(highlight=False)
+    console = plain_console(stderr=False)
     console.print(t)
     _print_memory(console, plan["memory"])
     console.print("assumptions:\n" + "\n".join(f"  - {a}" for a in plan["assumptions"]))

@@ -431,9 +431,11 @@ def _summary(records: Records) -> list[dict]:
 def _read_yaml(path: Path) -> dict | None:
     from kiln.config import parse_yaml
 
+    import yaml
+
     try:
         data = parse_yaml(path.read_bytes())
-    except Exception:  # a missing or damaged file: the report says so instead of failing
+    except (OSError, ValueError, yaml.YAMLError):  # a missing or damaged file: the report says so instead of failing
         return None
     return data if isinstance(data, dict) else None
 

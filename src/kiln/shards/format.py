@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from kiln.errors import IntegrityError
-from kiln.manifest import verify_folder
+from kiln.manifest import MANIFEST, verify_folder
+from kiln.names import listed_name
 
 FORMAT_VERSION = 1
 FILES_TABLE = "files.jsonl"  # the folder's files and shard lists, beside manifest.json (module docstring)
@@ -133,7 +134,7 @@ def verify_shards(folder: Path) -> dict:
     for split, info in manifest["splits"].items():
         total = 0
         for name in info["files"]:
-            path = folder / name
+            path = listed_name(folder, name, manifest["files"], folder / MANIFEST)
             header = read_header(path)
             if (header.tokenizer_sha256, header.vocab_size, header.sample_len) != (
                     manifest["tokenizer_sha256"], manifest["vocab_size"], manifest["sample_len"]):

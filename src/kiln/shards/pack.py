@@ -33,7 +33,8 @@ from kiln.shards.format import FILES_TABLE, FORMAT_VERSION, ShardHeader, token_d
 from kiln.shards.packing import make_packer
 from kiln.shards.provenance import SUFFIX as PROVENANCE
 from kiln.shards.writer import SplitWriter
-from kiln.tokenizer import TOKENIZER_FILE, eos_id, load_tokenizer, pad_id, special_names, tokenizer_sha256
+from kiln.tokenizer import eos_id, load_tokenizer, pad_id, special_names, tokenizer_sha256
+from kiln.tokenizer import tokenizer_file as tokenizer_file_of
 
 SPLITS = ("train", "val")
 
@@ -117,8 +118,7 @@ def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, 
     pad = pad_id(tok, names["pad_token"]) if has_pad or cfg.mode == "best_fit" else None
     vocab = tok.get_vocab_size()
     dtype = token_dtype(vocab)
-    tokenizer_dir = Path(tokenizer_dir)
-    tokenizer_file = tokenizer_dir / TOKENIZER_FILE if tokenizer_dir.is_dir() else tokenizer_dir
+    tokenizer_file = tokenizer_file_of(tokenizer_dir)
     header = ShardHeader(dtype.itemsize, vocab, cfg.seq_len + 1, 0, tokenizer_sha256(tokenizer_dir))
     train_tokens: dict[str | None, int] = {}
     with staging_dir(out) as tmp, PackProgress(progress) as advance:

@@ -19,6 +19,7 @@ from typing import Any
 
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import FILE_TABLE, MANIFEST, expand_file_table, table_name
+from kiln.names import check_name
 
 _CACHE_ENTRY = re.compile(r"[0-9a-f]{64}")
 
@@ -62,7 +63,7 @@ class RemoteFolder:
             raise IntegrityError(f"{where}: has no 'files' table; re-upload the shards folder")
         self.files = manifest["files"]
         if FILE_TABLE in manifest:  # the files are listed beside it (format.FILES_TABLE), read like the manifest
-            name = table_name(manifest, where)
+            name = check_name(table_name(manifest, where), where)
             try:
                 with self.fs.open(f"{self.root}/{name}", "rb") as f:
                     data = f.read()
@@ -71,6 +72,8 @@ class RemoteFolder:
                                      f"folder") from None
             manifest = expand_file_table(manifest, data, f"{self.url}/{name}")  # checked against its sha256
             self.files = manifest["files"]
+        for name in self.files:  # plain names inside the folder (kiln.names; no symlinks at a URL to resolve)
+            check_name(name, where)
         return manifest
 
     def listed(self, name: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import numpy as np
 
 from kiln.errors import IntegrityError
 from kiln.manifest import MANIFEST, sha256_file
+from kiln.names import listed_name
 
 BLOCK = 8 << 20  # a multiple of every token width, and of the 64-byte header
 
@@ -45,11 +46,8 @@ class SplitVerifier:
         self._lock = threading.Lock()
 
     def _check_size(self, name: str) -> None:
-        path = self.folder / name
-        meta = self.files.get(name)
-        if not isinstance(meta, dict) or "size" not in meta or "sha256" not in meta:
-            raise IntegrityError(f"{path}: not listed in {self.folder / MANIFEST}; the shards folder is not the "
-                                 f"one `kiln pack` wrote, re-run `kiln pack`")
+        path = listed_name(self.folder, name, self.files, self.folder / MANIFEST)
+        meta = self.files[name]
         if not path.is_file():
             raise IntegrityError(f"{path}: listed in {MANIFEST} but missing; re-run `kiln pack`")
         if path.stat().st_size != meta["size"]:

@@ -17,7 +17,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from kiln.config import TokenizerConfig
 from kiln.errors import KilnError
-from kiln.manifest import read_manifest, sha256_file, staging_dir, write_atomic, write_manifest, writes_folder
+from kiln.manifest import MANIFEST, read_manifest, sha256_file, staging_dir, write_atomic, write_manifest, writes_folder
+from kiln.names import listed_name
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD]
@@ -87,14 +88,14 @@ def special_tokens_in(tok: Tokenizer) -> list[str]:
     return [t.content for _, t in sorted(tok.get_added_tokens_decoder().items()) if t.special]
 
 
+@writes_folder("tokenizer", out="out")
 def use_tokenizer(out: Path, cfg: TokenizerConfig, fingerprint: str = "") -> Tokenizer:
     """Commit `out` with the user's own tokenizer.json (tokenizer.path, copied byte for byte, so it stays the
     same file as a Hub model's) and the names of its special tokens (tokenizer.eos_token, ...).
 
     EOS is required (it ends every document in the shards). BOS and PAD are optional: a name left at Kiln's
     default that the tokenizer lacks is recorded as null; one the user set and the tokenizer lacks is an error."""
-    path = Path(cfg.path)
-    file = path / TOKENIZER_FILE if path.is_dir() else path
+    file = tokenizer_file(cfg.path)
     tok = load_tokenizer(file)
     names: dict[str, str | None] = {}
     for key in NAME_KEYS:
@@ -132,22 +133,32 @@ def add_domain_terms(tok: Tokenizer, terms: list[str]) -> None:
     tok.add_tokens([AddedToken(term, normalized=False, special=False) for term in terms])
 
 
+def tokenizer_file(path: str | Path) -> Path:
+    """The tokenizer.json of a tokenizer folder, or `path` itself when it names a file. A folder Kiln committed
+    (it has a manifest.json) is read through its manifest first: its tokenizer.json must be a file the manifest
+    lists, inside the folder (`kiln.names`), before it is opened."""
+    path = Path(path)
+    if path.is_file() or (path.suffix and not path.is_dir()):  # a file (or one that is missing: the caller says so)
+        return path
+    if (path / MANIFEST).is_file():
+        return listed_name(path, TOKENIZER_FILE, read_manifest(path)["files"], path / MANIFEST)
+    return path / TOKENIZER_FILE
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """Load from a tokenizer folder or a tokenizer.json file."""
-    path = Path(path)
-    file = path / TOKENIZER_FILE if path.is_dir() else path
+    file = tokenizer_file(path)
     if not file.is_file():
         raise KilnError(f"no tokenizer at {file}; run `kiln tokenizer train DOCS_DIR --out DIR` first")
     try:
         tok = Tokenizer.from_file(str(file))
-    except Exception as exc:
+    except Exception as exc:  # tokenizers raises a bare Exception for a file that is not a tokenizer
         raise KilnError(f"{file}: not a valid tokenizer.json ({str(exc)[:120]})") from None
     return _literal_specials(tok)
 
 
 def tokenizer_sha256(path: str | Path) -> str:
-    path = Path(path)
-    file = path / TOKENIZER_FILE if path.is_dir() or not path.suffix else path
+    file = tokenizer_file(path)
     if not file.is_file():
         raise KilnError(f"no tokenizer at {file}; prepare the data first: `kiln run CONFIG --until pack` "
                         "(or `kiln tokenizer train DOCS_DIR --out DIR`), or set tokenizer.path to your own "

@@ -126,7 +126,7 @@ def stage_progress(label: str, show: bool | None = None) -> Iterator[None]:
 
     from kiln.terminal import stderr_console
 
-    bar = Progress(SpinnerColumn(finished_text="✓"), TextColumn(label), TimeElapsedColumn(),
+    bar = Progress(SpinnerColumn(finished_text="✓"), TextColumn(label, markup=False), TimeElapsedColumn(),
                    console=stderr_console(), transient=False)
     task = bar.add_task(label, total=1)
     with bar:

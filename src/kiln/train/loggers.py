@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,36 @@ MODULES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
 def check_loggers(loggers: list[str]) -> None:
+    """Before any work (`kiln train`, and `kiln run` before its first stage): each logger asked for is installed,
+    and W&B has what it needs to start (an API key, or a mode that keeps the run on disk)."""
     for name in loggers:
         module = MODULES.get(name)
         if module and importlib.util.find_spec(module) is None:
             raise ConfigError(f"train.loggers asks for {name}, which is not installed: {install_hint(name)}, "
                               f"or remove {name} from train.loggers")
+    if "wandb" in loggers and not _wandb_can_start():
+        raise ConfigError("train.loggers asks for wandb, but no W&B API key is set (WANDB_API_KEY or ~/.netrc): "
+                          "run `wandb login`, or set WANDB_MODE=offline to keep the run on disk (`wandb sync` "
+                          "uploads it later), or remove wandb from train.loggers")
+
+
+def _wandb_can_start() -> bool:
+    """What `wandb.init` needs without a prompt, read as W&B reads it: a mode that needs no account
+    (WANDB_MODE offline/disabled), an API key or identity token in the environment, or ~/.netrc's entry for
+    the W&B host (what `wandb login` writes). No network."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or \
+            os.environ.get("WANDB_DISABLED", "").lower() in ("true", "1"):
+        return True
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC") or None).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def numbers(record: dict[str, Any]) -> dict[str, float]:

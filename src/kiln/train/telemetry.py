@@ -50,7 +50,7 @@ def nvml_handle(nvml, device: torch.device):
     try:
         uuid = str(torch.cuda.get_device_properties(device).uuid)
         return nvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-    except Exception:
+    except Exception:  # NVMLError_* (no such UUID, not supported) or a device without one: by index instead
         return nvml.nvmlDeviceGetHandleByIndex(device.index or 0)
 
 

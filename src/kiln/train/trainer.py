@@ -22,7 +22,7 @@ from kiln import env
 from kiln.config import Config
 from kiln.errors import KilnError
 from kiln.eval.mc import DownstreamTasks
-from kiln.manifest import remove_stale_staging, write_atomic
+from kiln.manifest import disk_full_message, is_disk_full, remove_stale_staging, write_atomic
 from kiln.model.build import build_model
 from kiln.model.loss import next_token_loss
 from kiln.tokenizer import tokenizer_sha256
@@ -82,6 +82,7 @@ class Trainer:
         model = model.to(self.d.device)
         self._log_attention(model)
         self.flops_per_token = model.flops_per_token(cfg.pack.seq_len)
+        self.params = sum(p.numel() for p in model.parameters())  # the whole model's, before a pipeline splits it
         parallel = parallelize(model, self.d, cfg.parallel, Precision.of(t), next_token_loss, self.mesh, self.pad_id)
         if self.d.device.type == "cuda":
             # fp32 matmuls on tensor cores (TF32), which is what the peak table's fp32 figures assume.
@@ -203,6 +204,10 @@ class Trainer:
                 for name in {p.name.split(".")[0] for p in ckpt_dir.glob("step-*.*-*")}:  # a killed save's
                     remove_stale_staging(ckpt_dir / name, "checkpoint")  # staging folders
             return self._run()
+        except OSError as exc:  # a full disk that names no file (a C writer's): it is the run folder's filesystem
+            if is_disk_full(exc):
+                raise KilnError(disk_full_message(self.run_dir, exc)) from None
+            raise
         finally:
             if lock is not None:
                 lock.release()
@@ -291,8 +296,9 @@ class Trainer:
     def summary(self, stopped: str | None = None) -> dict[str, Any]:
         last = ckpt.list_checkpoints(self.checkpointer.ckpt_dir)
         vals = self.validator.val_loss
+        end = max((int(s) for s in vals if int(s) <= self.step), default=None)  # the last eval (a stop between evals)
         return {"steps": self.step, "tokens_seen": self.state.tokens_seen,
                 "skipped_steps": self.escalation.skipped_steps, "rollbacks": self.escalation.rollbacks,
-                "stopped": stopped, "val_loss_start": vals.get("0"), "val_loss_end": vals.get(str(self.step)),
-                "checkpoint": str(last[-1]) if last else None,
-                "params": sum(p.numel() for p in self.model.parameters())}
+                "stopped": stopped, "val_loss_start": vals.get("0"),
+                "val_loss_end": None if end is None else vals[str(end)], "val_loss_end_step": end,
+                "checkpoint": str(last[-1]) if last else None, "params": self.params}

@@ -17,8 +17,9 @@ settings (method, bands, rows, seed, ngram, tokens, hamming) must be those the i
 Each run folder is checked against its manifest before it is used (sizes when the fingerprint is taken,
 sha256 when the dedup layout is made), so a cut or changed index file stops the run naming it instead of
 silently deduplicating against damaged signatures. `check_use` refuses, before any work, an index inside
-the docs folder (or the docs folder inside the index) and an index whose earlier run wrote this same docs
-folder from other inputs or settings: deduplicating against it would remove every document the two share.
+the docs folder (or the docs folder inside the index), an index whose earlier run wrote this same docs
+folder from other inputs or settings (deduplicating against it would remove every document the two share),
+and the same inputs and settings into a second docs folder while the first exists (both would keep everything).
 Memory: one task's files at a time. One writer at a time: `use_index` holds the index's lock for the run.
 """
 
@@ -35,6 +36,7 @@ from kiln.config import DedupConfig
 from kiln.data.dedup.signatures import Part, npy_bytes
 from kiln.errors import ConfigError, IntegrityError
 from kiln.manifest import HASH_THREADS, staging_dir, verify_folder, write_atomic, write_manifest
+from kiln.names import check_name, listed_name, resolve_name
 
 INDEX = "index.json"
 SIGNATURE_KEYS = ("method", "bands", "rows", "seed", "ngram", "tokens", "hamming")
@@ -83,28 +85,42 @@ def runs_before(cfg: DedupConfig, key: str) -> list[dict[str, Any]]:
     runs = index["runs"]
     own = next((k for k, run in enumerate(runs) if run["key"] == key), len(runs))
     for run in runs[:own]:
-        _verify_run(Path(cfg.index) / run["name"], deep=False)  # a cut or missing file: before any work
+        _verify_run(cfg, run, deep=False)  # a cut or missing file: before any work
     return runs[:own]
 
 
-def _verify_run(folder: Path, deep: bool) -> None:
+def _part_files(method: str) -> tuple[str, ...]:
+    """The files of one task a run folder holds (`_kept_files`), by the dedup method."""
+    return ("ids.json", "exact.npy") + {"none": (), "simhash": ("bands.npy", "prints.npy"),
+                                        "minhash": ("bands.npy", "shingles.npy", "spans.npy")}[method]
+
+
+def _verify_run(cfg: DedupConfig, run: dict[str, Any], deep: bool) -> Path:
+    """The run's folder, after checking the names index.json gives it (the run's folder, its parts' files: plain
+    names, listed in the run's manifest; `kiln.names`) and its files against that manifest."""
+    where = Path(cfg.index) / INDEX
+    folder = resolve_name(cfg.index, run["name"], where)
     if not folder.is_dir():
-        raise IntegrityError(f"data.dedup.index: {folder}, listed in {folder.parent / INDEX}, is missing: restore the "
-                             "index folder from a copy, or start a new one")
+        raise IntegrityError(f"data.dedup.index: {folder}, listed in {where}, is missing: restore the index folder "
+                             "from a copy, or start a new one")
     try:
-        verify_folder(folder, deep=deep, workers=HASH_THREADS)
+        files = verify_folder(folder, deep=deep, workers=HASH_THREADS)["files"]
+        for part in run["parts"]:
+            if not (isinstance(part, dict) and isinstance(part.get("count"), int)):
+                raise IntegrityError(f"{where}: the run {run['name']!r} lists a part {part!r} without a name and a "
+                                     "count")
+            for kind in _part_files(cfg.method):
+                listed_name(folder, f"{check_name(part.get('name'), where)}.{kind}", files, where)
     except IntegrityError as exc:
         raise IntegrityError(f"data.dedup.index: {exc}; the index's files changed after Kiln wrote them: restore the "
                              "index folder from a copy, or start a new one") from None
+    return folder
 
 
 def index_parts(cfg: DedupConfig, key: str) -> list:
     """The parts of the runs this run deduplicates against, each run folder verified (sha256) first."""
-    folder = Path(cfg.index) if cfg.index else None
-    runs = runs_before(cfg, key)
-    for run in runs:
-        _verify_run(folder / run["name"], deep=True)
-    return [Part(str(folder / run["name"]), p["name"], p["count"], run["name"]) for run in runs for p in run["parts"]]
+    return [Part(str(_verify_run(cfg, run, deep=True)), p["name"], p["count"], run["name"])
+            for run in runs_before(cfg, key) for p in run["parts"]]
 
 
 def _check_overlap(cfg: DedupConfig, docs: Path) -> None:
@@ -120,6 +136,11 @@ def _check_docs(cfg: DedupConfig, index: dict[str, Any] | None, docs: Path, key:
     docs = Path(docs).resolve()
     runs = (index or {}).get("runs", [])
     own = next((k for k, run in enumerate(runs) if run["key"] == key), len(runs))
+    if own < len(runs) and (first := runs[own].get("docs")) and Path(first).resolve() != docs and Path(first).exists():
+        raise ConfigError(
+            f"data.dedup.index: {runs[own]['name']} of {cfg.index} holds these same inputs and settings, written to "
+            f"{first}; a second docs folder of them would keep every document again (training on both would see "
+            f"each twice): run into {first} (it resumes or is skipped), or use another index folder")
     for run in runs[:own]:
         if run.get("docs") and Path(run["docs"]).resolve() == docs:
             raise ConfigError(

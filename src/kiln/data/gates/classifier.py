@@ -51,10 +51,40 @@ def load_floret(path: str, key: str, missing: str):
         if not Path(path).is_file():
             raise ConfigError(f"{key} {path}: no such file; {missing}")
         try:
-            _MODELS[path] = _floret().load_model(path)
+            model = _floret().load_model(path)
         except ValueError as exc:
             raise ConfigError(f"{key} {path}: not a floret/fastText model ({exc})") from None
+        check_whole(model, Path(path), key)
+        _MODELS[path] = model
     return _MODELS[path]
+
+
+def check_whole(model, path: Path, key: str) -> None:
+    """A model file fastText/floret loaded may still be cut short: their loaders read what is there and leave
+    the rest zero, so a cut model scores every document 0.0. A whole file ends with its output matrix,
+    [quantized flag 0][rows int64][cols int64][rows x cols float32], and that matrix has a row per label
+    (a classifier) or per word (word vectors)."""
+    import struct
+
+    import numpy as np
+
+    try:
+        out = model.get_output_matrix()
+    except ValueError:  # a quantized model (.ftz): its matrices cannot be read back to check
+        return
+    rows, cols = out.shape
+    tail = 1 + 16 + rows * cols * 4
+    with open(path, "rb") as f:
+        f.seek(0, 2)
+        size = f.tell()
+        f.seek(max(size - tail, 0))
+        head = f.read(17)
+    whole = rows > 0 and size >= tail and head[:1] == b"\0" and struct.unpack("<qq", head[1:17]) == (rows, cols)
+    if not whole or not np.isfinite(out).all():
+        raise ConfigError(f"{key} {path}: the file is cut short or damaged ({size:,} bytes; its output matrix "
+                          f"{'is missing' if rows == 0 else f'of {rows} x {cols} does not end the file'}), so it "
+                          "would score every document 0; copy it again, or train it again with "
+                          "`kiln data classifier train`")
 
 
 FASTTEXT_MAGIC = (793712314).to_bytes(4, "little")  # the first 4 bytes of every fastText/floret model file
@@ -168,9 +198,42 @@ def _texts(path: str) -> Iterator[str]:
     elif not p.is_file():
         raise KilnError(f"{path}: no such file or folder; give kiln docs folders, JSONL files or text files")
     elif input_format(path) == "jsonl":
-        yield from (d.text for d in read_jsonl(path, ReadReport(), ("text", "id", "url")) if d.text)
+        n = 0
+        for d in read_jsonl(path, ReadReport(), ("text", "id", "url")):
+            if d.text:
+                n += 1
+                yield d.text
+        if not n:
+            raise KilnError(f"{path}: no JSON record with a \"text\" string; give JSONL records with text, docs "
+                            "folders or UTF-8 text files")
     else:
-        yield p.read_text(encoding="utf-8", errors="replace")
+        data = p.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise KilnError(f"{path}: not UTF-8 text (byte {data[exc.start]:#04x} at {exc.start}); give docs folders, "
+                            "JSONL files or UTF-8 text files") from None
+        if "\0" in text:
+            raise KilnError(f"{path}: holds NUL bytes, so it is binary, not text; give docs folders, JSONL files or "
+                            "UTF-8 text files")
+        yield text
+
+
+def _check_classes(positive: list[str], negative: list[str]) -> None:
+    """The two classes are different files: one given as both (by path, or by content) teaches nothing."""
+    import hashlib
+
+    def identity(path: str) -> str:
+        p = Path(path)
+        return f"sha256:{hashlib.sha256(p.read_bytes()).hexdigest()}" if p.is_file() else str(p.resolve())
+
+    pos = {identity(p): p for p in positive if Path(p).exists()}
+    for n in negative:
+        if Path(n).exists() and identity(n) in pos:
+            same = pos[identity(n)]
+            how = "the same file" if Path(same).resolve() == Path(n).resolve() else "the same bytes"
+            raise KilnError(f"kiln data classifier train: {same} (--positive) and {n} (--negative) are {how}; a "
+                            "classifier learns the difference between the two: give different documents to each")
 
 
 def train(positive: list[str], negative: list[str], out: Path, *, max_chars: int = 10_000, epoch: int = 10,
@@ -184,6 +247,7 @@ def train(positive: list[str], negative: list[str], out: Path, *, max_chars: int
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     counts = {POSITIVE: 0, NEGATIVE: 0}
+    _check_classes(positive, negative)
     if out.exists() and (out.is_dir() or out.read_bytes()[:4] != FASTTEXT_MAGIC):  # before the work, not after
         raise KilnError(f"{out} exists and is not a floret/fastText model; choose another --out or move it away")
     fd, name = tempfile.mkstemp(prefix=f".{out.name}.train-", suffix=".txt", dir=out.parent)

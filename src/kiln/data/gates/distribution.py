@@ -36,9 +36,19 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from kiln.data.gates.text import words
+from kiln.data.document import NO_HOST, missing_group
+from kiln.errors import KilnError
 
-# data.distribution.source_key for a document without the URL or field it names: one source for all of them
-NO_HOST = "(no host)"
+def check_groups(weights: dict[str, dict[str, float | int]], source_key: str) -> None:
+    """Refuse a source_key that put every kept document in the one group of those lacking it (a field name's
+    typo, `host` on records without URLs): the gate would compare the corpus with itself and do nothing."""
+    missing = missing_group(source_key)
+    if missing is not None and list(weights) == [missing]:
+        what = "a URL (data.url_field)" if source_key == "host" else f"the field {source_key[len('field:'):]!r}"
+        raise KilnError(f"data.distribution.source_key={source_key}: none of the {weights[missing]['docs']:,} kept "
+                        f"documents has {what}, so they would all be one source and the distribution gate would do "
+                        "nothing; fix the key (file, host or field:NAME of a field the records have), or set "
+                        "data.distribution.enabled=false")
 
 
 def source_group(source_key: str, source: str, url: str | None, field_value: str | None) -> str:

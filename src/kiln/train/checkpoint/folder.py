@@ -43,6 +43,23 @@ def step_of(folder: Path) -> int:
     return int(STEP_DIR.match(Path(folder).name).group(1))
 
 
+def check_step(folder: Path, manifest: dict[str, Any]) -> None:
+    """The step manifest.json states is the folder's own (`step-NNNNNNNN`) and state.json's: an unsigned manifest
+    edited to say another step (its hashes still match) would have `ckpt verify`, `ckpt list` and a resume
+    report and pick the wrong one. Call after the folder verified (state.json is then the one hashed)."""
+    folder = Path(folder)
+    step = manifest.get("step")
+    named = step_of(folder) if STEP_DIR.match(folder.name) else step
+    try:
+        state = json.loads((folder / "state.json").read_text()).get("step", step)
+    except (OSError, ValueError, AttributeError):
+        state = step  # a missing or unreadable state.json is reported by the load checks
+    if not (isinstance(step, int) and step == named == state):
+        raise IntegrityError(f"{folder}: manifest.json says step {step!r}, but the folder is step {named} and "
+                             f"state.json says {state!r}; the manifest was changed after Kiln wrote it: restore the "
+                             "checkpoint from a copy, or resume from another (checkpoint.signing_key signs manifests)")
+
+
 # --- RNG -------------------------------------------------------------------------------------
 
 def rng_state(device: torch.device | None = None) -> dict[str, Any]:
@@ -192,7 +209,7 @@ def loads_safely(folder: Path) -> Iterator[None]:
     ...) is an IntegrityError naming the folder."""
     try:
         yield
-    except Exception as exc:
+    except Exception as exc:  # whatever a loader raises for bytes it cannot take: one IntegrityError
         raise IntegrityError(f"{folder}: cannot be loaded safely ({type(exc).__name__}: {str(exc)[:200]})") from None
 
 

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from kiln.errors import IntegrityError
 from kiln.manifest import HASH_THREADS, verify_folder
 from kiln.train.checkpoint import full, sharded
-from kiln.train.checkpoint.folder import STEP_DIR, list_checkpoints, step_of, verify_signature
+from kiln.train.checkpoint.folder import STEP_DIR, check_step, list_checkpoints, step_of, verify_signature
 
 
 def load_checkpoint(folder: Path, verify: bool = True, weights: bool = True) -> dict[str, Any]:
@@ -33,6 +33,7 @@ def verify_checkpoint(folder: Path, public_key: str | None = None) -> dict[str, 
     """Sizes and sha256 of every file (HASH_THREADS files at once), the signature when a key is given, then that
     each piece loads without executing code."""
     manifest = verify_folder(folder, workers=HASH_THREADS)
+    check_step(folder, manifest)
     if sharded.is_sharded(folder):
         if public_key:
             verify_signature(folder, public_key)
@@ -56,7 +57,7 @@ def latest_valid_of(folders: list[Path], log: Callable[[str], None] = lambda *_:
                     public_key: str | None = None) -> Path | None:
     for folder in reversed(folders):
         try:
-            verify_folder(folder, workers=HASH_THREADS)
+            check_step(folder, verify_folder(folder, workers=HASH_THREADS))
             if public_key:
                 verify_signature(folder, public_key)
             check_loads(folder)

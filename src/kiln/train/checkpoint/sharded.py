@@ -59,7 +59,9 @@ import torch.distributed as dist
 from torch import nn
 
 from kiln.errors import IntegrityError, KilnError
-from kiln.manifest import STAGING_MARK, read_manifest, sha256_file, staging_dir, write_atomic, write_manifest
+from kiln.manifest import (MANIFEST, STAGING_MARK, read_manifest, sha256_file, staging_dir, write_atomic,
+                           write_manifest)
+from kiln.names import listed_name
 from kiln.train.checkpoint.folder import check_manifest, loads_safely, read_small_files, sign_manifest, step_dir
 from kiln.train.checkpoint.saver import Saver, all_finite, snapshot
 from kiln.train.checkpoint.storage import (FROM_SAFETENSORS, Piece, PieceIndex, dtype_name, rank_file, write_index,
@@ -309,13 +311,19 @@ class ShardedCheckpoint:
         d, (tensors, meta) = self.d, weights
         group = checkpoint_group(d, self.timeout_s)
         final = step_dir(root, step)
-        stage, tmp = _open_stage(d, group, final)
-        index = {"format": FORMAT, "version": 1, "world_size": d.world, "kinds": list(KINDS),
-                 "index_files": [rank_file("index", r, "json") for r in range(d.world)],
-                 "param_groups": meta["param_groups"]}
-        small = {"state": state, "rngs": rngs, "config_yaml": config_yaml, "tokenizer_file": tokenizer_file,
-                 "fields": {**fields, "checkpoint_format": "sharded"}, "index": index, "step": step}
-        _write_job(d, group, tmp, stage, tensors, meta["boxes"], small, signing_key)
+        stage, tmp = None, None
+        try:
+            stage, tmp = _open_stage(d, group, final)
+            index = {"format": FORMAT, "version": 1, "world_size": d.world, "kinds": list(KINDS),
+                     "index_files": [rank_file("index", r, "json") for r in range(d.world)],
+                     "param_groups": meta["param_groups"]}
+            small = {"state": state, "rngs": rngs, "config_yaml": config_yaml, "tokenizer_file": tokenizer_file,
+                     "fields": {**fields, "checkpoint_format": "sharded"}, "index": index, "step": step}
+            _write_job(d, group, tmp, stage, tensors, meta["boxes"], small, signing_key)
+        except RuntimeError as exc:  # a collective failed: gloo's words when a rank went away mid-save
+            if not _peer_gone(exc):
+                raise
+            raise _lost_rank(d, final, stage, tmp, exc) from None
         return final
 
     def read(self, folder: Path, d, every_rank: bool = False) -> dict[str, Any]:
@@ -336,7 +344,7 @@ def _open_stage(d, group, final: Path):
         try:
             stage = staging_dir(final)
             tmp = str(stage.__enter__())
-        except BaseException as exc:
+        except BaseException as exc:  # every rank must hear of it (broadcast below), or they would hang
             tmp = KilnError(f"{final}: cannot create its staging folder ({exc})")
     tmp = broadcast_object(d, tmp, group)
     if isinstance(tmp, KilnError):
@@ -369,6 +377,48 @@ def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimiz
             after_commit()
 
     return time.perf_counter() - t0 + saver.save(write), None
+
+
+_PEER_GONE = ("closed by peer", "reset by peer", "broken pipe", "connection refused", "timed out", "timeout")
+
+
+def _peer_gone(exc: BaseException) -> bool:
+    """A collective's error that means another rank is gone or silent (killed, its host lost), not a bug."""
+    return any(words in str(exc).lower() for words in _PEER_GONE)
+
+
+def _lost_rank(d, final: Path, stage, tmp: Path | None, exc: BaseException) -> KilnError:
+    """One line for a rank lost during a save, instead of gloo's traceback: which rank stopped answering, and
+    whether the checkpoint was committed (rank 0 removes its staging folder; the next run removes what is left)."""
+    if stage is not None and tmp is not None and tmp.exists():
+        try:
+            stage.__exit__(type(exc), exc, exc.__traceback__)  # removes the staging folder, then re-raises
+        except BaseException:  # (the re-raised error: what happened is said below)
+            pass
+    lost = _silent_ranks(d, final.name)
+    who = f"rank {', '.join(map(str, lost))}" if lost else "another rank"
+    said = " ".join(str(exc).split())[:160]
+    committed = final.is_dir() and not (tmp is not None and tmp.exists())
+    return KilnError(f"{final}: {who} stopped answering during the sharded save (rank {d.rank} saw: {said}); "
+                     + ("the checkpoint was committed before that" if committed else
+                        "the checkpoint was not committed (nothing of it is kept)")
+                     + ": run the same command again, it resumes from the newest committed checkpoint")
+
+
+def _silent_ranks(d, tag: str, wait_s: float = 3.0) -> list[int]:
+    """The ranks that do not answer within `wait_s` on the run's rendezvous store: each rank that sees the save
+    fail says so there; the ones that never do are gone (or stuck elsewhere). Empty when the store is gone too."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"kiln/save-failed/{tag}/{d.rank}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            silent = [r for r in range(d.world) if not store.check([f"kiln/save-failed/{tag}/{r}"])]
+            if not silent or time.monotonic() > deadline:
+                return silent
+            time.sleep(0.1)
+    except (RuntimeError, ValueError, OSError, AttributeError):  # no store (it lived in the lost rank)
+        return []
 
 
 def _write_rank_files(d, tmp: Path, tensors: dict, boxes: dict) -> dict[str, dict]:
@@ -420,7 +470,7 @@ def _write_job(d, group, tmp: Path, stage, tensors: dict, boxes: dict, small: di
                                     "checkpoint.format=sharded needs a filesystem every rank shares")
             _write_small_files(tmp, small, hashed, signing_key)
             stage.__exit__(None, None, None)
-        except BaseException as exc:
+        except BaseException as exc:  # broadcast below, so every rank raises it instead of hanging
             outcome = str(exc) or type(exc).__name__
             if stage is not None and tmp.exists():
                 try:
@@ -428,7 +478,7 @@ def _write_job(d, group, tmp: Path, stage, tensors: dict, boxes: dict, small: di
                 except KilnError as plain:  # a full disk, said as staging_dir says it, and on which rank
                     where = "; ".join(e.split(":", 1)[0] for _, e in reports if e) or f"rank 0 on host {d.host}"
                     outcome = f"{where}: {plain}"
-                except BaseException:
+                except BaseException:  # the staging folder is gone either way; the outcome above is what counts
                     pass
     outcome = broadcast_object(d, outcome, group)
     if outcome:
@@ -452,8 +502,10 @@ def _write_small_files(tmp: Path, small: dict, hashed: dict[str, dict], signing_
 
 # --- reading ---------------------------------------------------------------------------------
 
-def read_index(folder: Path) -> dict[str, Any]:
-    path = Path(folder) / INDEX
+def read_index(folder: Path, files: dict[str, Any] | None = None) -> dict[str, Any]:
+    """index.json, a file the folder's manifest lists (`files`: its files, read from the folder when not given)."""
+    files = read_manifest(folder)["files"] if files is None else files
+    path = listed_name(folder, INDEX, files, Path(folder) / MANIFEST)
     try:
         index = json.loads(path.read_text())
         if index.get("format") != FORMAT or not isinstance(index.get("index_files"), list):
@@ -465,7 +517,8 @@ def read_index(folder: Path) -> dict[str, Any]:
 
 def pieces(folder: Path, kind: str = "model") -> PieceIndex:
     """The pieces of `kind` in a sharded checkpoint folder (use as a context manager: it keeps files open)."""
-    return PieceIndex(folder, read_index(folder)["index_files"], kind)
+    files = read_manifest(folder)["files"]
+    return PieceIndex(folder, read_index(folder, files)["index_files"], kind, files)
 
 
 def check_loads(folder: Path) -> None:
@@ -473,7 +526,7 @@ def check_loads(folder: Path) -> None:
     (key, shape, dtype in its file), that the pieces tile each tensor exactly, rng.pt and state.json."""
     folder = Path(folder)
     manifest = read_manifest(folder)
-    index = read_index(folder)
+    index = read_index(folder, manifest["files"])
     for name in (*index["index_files"], "rng.pt", "state.json"):
         if name not in manifest["files"]:
             raise IntegrityError(f"{folder}: {name} is not in manifest.json; the checkpoint is incomplete")
@@ -484,7 +537,7 @@ def check_loads(folder: Path) -> None:
     try:
         torch.load(folder / "rng.pt", map_location="cpu", weights_only=True, mmap=True)
         json.loads((folder / "state.json").read_text())
-    except Exception as exc:
+    except Exception as exc:  # UnpicklingError, RuntimeError (not a zip), ValueError: the file does not load
         raise IntegrityError(f"{folder}: matches its manifest but does not load ({type(exc).__name__}: "
                              f"{str(exc)[:160]})") from None
 
@@ -554,14 +607,15 @@ def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, d, ti
     group = checkpoint_group(d, timeout_s)
     error, index, optim_sd = None, {}, {"param_groups": []}
     try:
-        index = read_index(folder)
-        with torch.no_grad(), PieceIndex(folder, index["index_files"], "model") as p:
+        files = read_manifest(folder)["files"]
+        index = read_index(folder, files)
+        with torch.no_grad(), PieceIndex(folder, index["index_files"], "model", files) as p:
             model_sd = get_model_state_dict(model)
             for key, t in model_sd.items():
                 _fill(p, "model", key, t, slices)
         set_model_state_dict(model, model_sd)
         optim_sd = get_optimizer_state_dict(model, optimizer)  # builds the state to fill (a zero step)
-        with torch.no_grad(), PieceIndex(folder, index["index_files"], "optimizer") as p:
+        with torch.no_grad(), PieceIndex(folder, index["index_files"], "optimizer", files) as p:
             for fqn, entries in optim_sd["state"].items():
                 for name, t in entries.items():
                     _fill(p, "optimizer", f"{fqn}/{name}", t, slices)

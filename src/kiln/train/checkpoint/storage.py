@@ -21,13 +21,16 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kiln.errors import IntegrityError
+from kiln.manifest import read_manifest
+from kiln.names import listed_name
 
 INDEX_VERSION = 1
 
@@ -123,22 +126,37 @@ def write_index(path: Path, pieces: dict[str, dict[str, Piece | list[Piece]]]) -
 
 class PieceIndex:
     """Every piece of every tensor of one kind (model, optimizer) of a sharded checkpoint folder, read from the
-    ranks' index files."""
+    ranks' index files.
 
-    def __init__(self, folder: Path, index_files: Iterable[str], kind: str) -> None:
+    Every index file and every piece's `file` (of every kind: a tampered optimizer file stops eval too) must be a
+    plain name inside the folder that the folder's manifest lists with its size and sha256 (`kiln.names.
+    listed_name`; `files`: the manifest's files, read from the folder when not given), so the hashes that `kiln
+    ckpt verify` checks cover every byte loaded; anything else is an IntegrityError naming the index and the
+    entry, before any tensor file is opened."""
+
+    def __init__(self, folder: Path, index_files: Iterable[str], kind: str,
+                 files: Mapping[str, Any] | None = None) -> None:
         self.folder = Path(folder)
+        files = read_manifest(self.folder)["files"] if files is None else files
         self.pieces: dict[str, list[Piece]] = {}
+        listed: set[str] = set()
         for name in index_files:
-            path = self.folder / name
+            path = listed_name(self.folder, name, files, self.folder / "index.json")
             try:
                 data = json.loads(path.read_text())
-                entries = data["pieces"][kind]
-                for key, listed in entries.items():
-                    for e in listed if isinstance(listed, list) else [listed]:
-                        self.pieces.setdefault(key, []).append(Piece(
-                            e["file"], tuple(e["offsets"]), tuple(e["shape"]), tuple(e["global_shape"]), e["dtype"],
-                            e.get("stored", "")))
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+                for of_kind, entries in data["pieces"].items():  # every kind's files checked, this kind's kept
+                    for key, given in entries.items():
+                        for e in given if isinstance(given, list) else [given]:
+                            if e["file"] not in listed:
+                                listed_name(self.folder, e["file"], files, path)
+                                listed.add(e["file"])
+                            if of_kind == kind:
+                                self.pieces.setdefault(key, []).append(Piece(
+                                    e["file"], tuple(e["offsets"]), tuple(e["shape"]), tuple(e["global_shape"]),
+                                    e["dtype"], e.get("stored", "")))
+                if kind not in data["pieces"]:
+                    raise KeyError(kind)
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise IntegrityError(f"{path}: not a readable piece index ({type(exc).__name__}: {exc})") from None
         self._files: dict[str, object] = {}
 
@@ -202,7 +220,7 @@ class PieceIndex:
         if name not in self._files:
             try:
                 self._files[name] = safe_open(str(self.folder / name), framework="pt").__enter__()
-            except Exception as exc:
+            except Exception as exc:  # SafetensorError, OSError: not a safetensors file
                 raise IntegrityError(f"{self.folder / name}: cannot be opened as safetensors "
                                      f"({type(exc).__name__}: {str(exc)[:160]})") from None
         return self._files[name]

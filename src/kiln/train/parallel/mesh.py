@@ -59,11 +59,16 @@ def resolve_degrees(p: ParallelConfig, world: int) -> Degrees:
                           f"ranks; launch a multiple of {model_parallel} ranks or lower parallel.tp / parallel.pp")
     dp = world // model_parallel
     rep, shard = p.dp_replicate, p.dp_shard
-    # auto: FSDP2 when asked to shard, and under tensor parallel (DDP cannot wrap DTensor parameters).
-    fsdp = p.mode == "fsdp" or (p.mode == "auto" and ((shard or 1) > 1 or (p.tp > 1 and dp > 1 and rep is None)))
+    # auto: FSDP2 when asked to shard (dp_shard, or parallel.mesh: the HSDP shorthand), and under tensor parallel
+    # (DDP cannot wrap DTensor parameters).
+    fsdp = p.mode == "fsdp" or (p.mode == "auto" and (bool(p.mesh) or (shard or 1) > 1
+                                                      or (p.tp > 1 and dp > 1 and rep is None)))
     if p.mode == "ddp" and shard not in (None, 1):
         raise ConfigError(f"parallel.dp_shard={shard} shards with FSDP2, but parallel.mode=ddp; "
                           "set parallel.mode=fsdp (or auto), or parallel.dp_shard=1")
+    if p.mode == "ddp" and p.mesh:
+        raise ConfigError(f"parallel.mesh={list(p.mesh)} is FSDP2's [replicate, shard] mesh, but parallel.mode=ddp; "
+                          "set parallel.mode=fsdp (or auto), or remove parallel.mesh")
     if fsdp:
         if p.mesh and (rep, shard) == (None, None):
             if len(p.mesh) not in (1, 2):

@@ -149,8 +149,8 @@ class Watchdog:
                     for r in range(self.d.world):
                         if r != self.d.rank and store.check([f"hb/{r}"]):
                             beats[r] = json.loads(store.get(f"hb/{r}"))
-            except Exception:
-                pass  # the store going away means the group is being torn down; torchrun handles it
+            except Exception:  # the store going away means the group is being torn down; torchrun handles it
+                pass
             for r, beat in beats.items():
                 for seen, value in ((progress, beat["progress"]), (ticks, beat["tick"])):
                     if r not in seen or seen[r][0] != value:
@@ -182,7 +182,7 @@ class Watchdog:
         if store is not None:
             try:
                 store.set("dump", json.dumps(report))
-            except Exception:
+            except Exception:  # the store is going away with the group: this rank still dumps and exits below
                 pass
         self._dump_and_exit(report)
 
