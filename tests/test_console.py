@@ -180,7 +180,7 @@ def five_file_config(tmp_path: Path) -> tuple[Path, Path]:
     config = tmp_path / "c.yaml"
     config.write_text(json.dumps({
         "out_dir": str(out), "data": {"inputs": [str(crawl / "*.warc.gz")], "min_chars": 200, "workers": 1},
-        "tokenizer": {"vocab_size": 512}, "pack": {"seq_len": 64},
+        "tokenizer": {"vocab_size": 512}, "pack": {"seq_len": 64, "val_fraction": 0.2},  # warcio ids: random
         "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2},
         "train": {"max_steps": 200, "batch_size": 8, "warmup_steps": 2, "eval_every": 0, "threads": 1,
                   "log_every": 100},  # a plain line every 20 steps (a tenth of the run); the live line each step
@@ -225,7 +225,7 @@ def assert_summary_whole(text: str, out: Path, kiln: str, step: int) -> None:
     assert len(str(ckpt)) > 110 and "…" not in text
     assert summary_value(text, "checkpoint") == str(ckpt)  # folded in its cell, never cut
     for command in (f"{kiln} report {out / 'run'}", f"{kiln} export --hf {out / 'run'} {out / 'hf'}"):
-        assert f"\n  {command}\n" in text.replace("\r\n", "\n"), command  # one line each, however long
+        assert f"\n  {command}\n" in text.replace("\r\n", "\n") + "\n", command  # one line each, however long
 
 
 def lines_of(text: str) -> list[str]:
@@ -322,7 +322,8 @@ def test_after_sigterm_the_summary_suggests_the_same_command_and_its_last_eval(p
     assert re.search(rf"validation loss at end\s+│\s+{val10:.4f} \(at step 10\)", err), err
     nexts = [line.strip() for line in err[err.index("next:"):].splitlines()[1:]]
     assert nexts[0] == f"{kiln_command()} run {shlex.join(words)}      # resumes from the last checkpoint"
-    assert shlex.split(nexts[0].split("#")[0])[2:] == words  # pastes back into a shell as the same words
+    prefix = len(shlex.split(kiln_command())) + 1  # the words before the config
+    assert shlex.split(nexts[0].split("#")[0])[prefix:] == words  # pastes back into a shell as the same words
     assert not any("train.max_steps=" in n and "train.max_steps=40" not in n for n in nexts)
     run = shlex.quote(str(out / "run"))
     assert f"{kiln_command()} report {run}" in nexts and "'" in run

@@ -15,10 +15,28 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from kiln.config import MoEConfig, TrainConfig
+from kiln.config import Config, MoEConfig, TrainConfig
+from kiln.errors import KilnError
 from kiln.train.clip import clip, layer_groups
 from kiln.train.parallel.dist import Dist, all_reduce_
 from kiln.train.parallel.parallelize import Parallelized
+
+
+def attention_kernel_line(cfg: Config, model: torch.nn.Module, device: torch.device) -> str | None:
+    """The line saying which kernel keeps attention inside documents (model.document_masking), or None when it
+    is off; a one-line KilnError for a combination that cannot run, before any work."""
+    if not cfg.model.document_masking:
+        return None
+    if model.eos_id is None:
+        raise KilnError(f"{cfg.out / 'shards'}: the manifest names no eos_id, which model.document_masking "
+                        "reads documents by; re-run `kiln pack`")
+    kernel = model.attention_kernel(device)
+    if kernel == "flex" and device.type == "cpu":
+        raise KilnError(f"model.document_attention=flex: torch {torch.__version__} has no flex_attention "
+                        "backward on a CPU; use model.document_attention=sdpa (or auto)")
+    what = {"flex": "flex_attention (compiled)", "sdpa": "scaled_dot_product_attention with an exact mask"}
+    chosen = cfg.model.document_attention
+    return f"document masking: {what[kernel]} on {device.type} (model.document_attention={chosen})"
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:

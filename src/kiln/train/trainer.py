@@ -34,7 +34,7 @@ from kiln.train.console import TrainConsole, warnings_for
 from kiln.train.cpu_memory import keep_freed_memory
 from kiln.train.data import open_splits
 from kiln.train.determinism import layout, set_deterministic
-from kiln.train.engine import Engine
+from kiln.train.engine import attention_kernel_line, Engine
 from kiln.train.loader import Loader
 from kiln.train.loggers import check_loggers, open_sinks
 from kiln.train.metrics import MetricsLog, peak_tflops
@@ -80,7 +80,9 @@ class Trainer:
         manifest = self.train_set.manifest
         model = build_model(cfg.model, int(manifest["vocab_size"]), cfg.pack.seq_len, manifest.get("eos_id"))
         model = model.to(self.d.device)
-        self._log_attention(model)
+        kernel = attention_kernel_line(cfg, model, self.d.device)  # document masking's kernel, or None
+        if kernel and self.d.is_main:
+            self.log(kernel)
         self.flops_per_token = model.flops_per_token(cfg.pack.seq_len)
         self.params = sum(p.numel() for p in model.parameters())  # the whole model's, before a pipeline splits it
         parallel = parallelize(model, self.d, cfg.parallel, Precision.of(t), next_token_loss, self.mesh, self.pad_id)
@@ -98,22 +100,6 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.state, self.engine, self.d, inputs,
                                          cfg.to_yaml(), self.validator.best_step, self.event, log, self.watchdog,
                                          clock=self.save_clock)
-
-    def _log_attention(self, model) -> None:
-        """Say which kernel keeps attention inside documents (model.document_masking), before any work."""
-        if not self.cfg.model.document_masking:
-            return
-        if model.eos_id is None:
-            raise KilnError(f"{self.cfg.out / 'shards'}: the manifest names no eos_id, which model.document_masking "
-                            "reads documents by; re-run `kiln pack`")
-        kernel = model.attention_kernel(self.d.device)
-        if kernel == "flex" and self.d.device.type == "cpu":
-            raise KilnError(f"model.document_attention=flex: torch {torch.__version__} has no flex_attention "
-                            "backward on a CPU; use model.document_attention=sdpa (or auto)")
-        what = {"flex": "flex_attention (compiled)", "sdpa": "scaled_dot_product_attention with an exact mask"}
-        if self.d.is_main:
-            self.log(f"document masking: {what[kernel]} on {self.d.device.type} (model.document_attention="
-                     f"{self.cfg.model.document_attention})")
 
     def _open_data(self) -> None:
         cfg, t = self.cfg, self.cfg.train
