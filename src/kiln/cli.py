@@ -297,6 +297,48 @@ def cmd_import(args) -> int:
     return 0
 
 
+def cmd_ablate(args) -> int:
+    """`kiln ablate FILE [--only ARMS] [--until STEP] [--plan]`, or `kiln ablate report DIR`."""
+    from kiln import ablate
+
+    console = _console()
+    log = lambda text: console.print(text, markup=False)  # noqa: E731  (arm names and paths are the user's)
+    words = args.file
+    if words[0] == "report" and len(words) == 2:
+        data = ablate.report(words[1], log)
+    elif len(words) != 1:
+        raise KilnError("kiln ablate: give one ablation file (kiln ablate ABLATION.yaml), or `kiln ablate report DIR`")
+    elif args.plan:
+        from kiln.ablate.estimate import print_estimates
+
+        print_estimates(words[0], args.gpus, args.gpu)
+        return 0
+    else:
+        only = [a for a in (args.only or "").split(",") if a] or None
+        data = ablate.ablate(words[0], log, until=args.until, only=only)
+    if data is not None:
+        from kiln.ablate.report import print_verdicts
+
+        print_verdicts(data, console)
+        print(Path(data["out_dir"]) / "ablation.json")
+    return 0
+
+
+def add_ablate(sub) -> None:
+    s = sub.add_parser("ablate", help="train proxy models on data recipes (arms) and say, with confidence, which is "
+                       "better: ablation.json and ablation.html; `kiln ablate report DIR` compares what has finished")
+    s.add_argument("file", nargs="+", metavar="ABLATION.yaml", help="the ablation file (or: report DIR)")
+    s.add_argument("--only", metavar="ARM[,ARM]", help="pack, train and measure only these arms (one job per arm); "
+                   "every arm's data and the shared tokenizer come first")
+    s.add_argument("--until", choices=["data", "tokenizer", "pack", "train"], default="train",
+                   help="stop after this step (tokenizer: also the eval-overlap check)")
+    s.add_argument("--plan", action="store_true", help="print what each proxy scale would cost, here (measured) "
+                   "and on GPUs (kiln plan), and stop")
+    s.add_argument("--gpus", type=int, default=8, metavar="N", help="--plan: GPUs to plan for")
+    s.add_argument("--gpu", default="H100", metavar="NAME", help="--plan: the GPU (a name kiln plan knows)")
+    s.set_defaults(fn=cmd_ablate)
+
+
 CHECKPOINT_HELP = "a checkpoint folder, or a run folder or out_dir (its newest valid checkpoint, named on stderr)"
 OVERRIDES_HELP = ("config overrides, e.g. train.lr=3e-4 (or --set KEY=VALUE, or every word after --); "
                   "`kiln config show CONFIG` lists the keys")
@@ -321,6 +363,20 @@ EXAMPLES = {
     "report": "kiln report out/tiny/run",
     "export": "kiln export --hf out/tiny/run out/tiny/hf",
     "import": "kiln import --hf path/to/llama --config my.yaml      (tokenizer.path: path/to/llama in my.yaml)",
+    "ablate": "kiln ablate examples/ablation.yaml      (then: kiln ablate report out/ablation)\n\n"
+              "an ablation file (paths relative to it):\n"
+              "  base: tiny.yaml                 # the Kiln config every arm starts from\n"
+              "  out_dir: ../out/ablation\n"
+              "  seeds: [1, 2, 3]                # each arm is trained once per seed\n"
+              "  baseline: default               # every other arm is compared with it\n"
+              "  proxy: cpu-tiny                 # cpu-tiny | 20m | 150m | 400m | 1b (null: the base's model)\n"
+              "  arms:\n"
+              "    - {name: default, set: {}}    # dotted overrides of the base config\n"
+              "    - {name: no-fineweb, set: {data.quality.fineweb.enabled: false}}\n"
+              "    - {name: default-again, set: {}, seeds: [4, 5, 6]}   # an A/A check\n"
+              "  eval:\n"
+              "    text: {reference: eval/reference.jsonl}       # bits per byte on each named set\n"
+              "    tasks: [{name: mini-mc, path: eval/mc.jsonl}]  # kiln eval --mc's format",
 }
 
 
@@ -502,6 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     s.set_defaults(fn=cmd_import)
+    add_ablate(sub)
     _add_examples(p)
     return p
 
