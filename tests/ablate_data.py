@@ -8,19 +8,19 @@
   shuffled from the eval domain's own words *lowers* the reference bits per byte; junk must carry none of them;
 - GATES_OFF: every gate off (language ID's threshold too, or junk with no real word is dropped whole as
   language/low_lang_score), so each arm trains on exactly the text it names;
-- a multiple-choice task from the reference text: a line's first words, its true ending against three endings
-  of other lines.
+- a multiple-choice task from the reference text, built as the example's is (scripts/make_ablation_eval.py).
 """
 
 from __future__ import annotations
 
 import base64
+import importlib.util
 import json
 import random
 import re
 from pathlib import Path
 
-from conftest import english_pages
+from conftest import ROOT, english_pages
 
 HELD_OUT = ("ch09.en.html", "pr01.en.html", "apa.en.html")
 GATES_OFF = {"data.languages": None, "data.lang_threshold": 0.0, "data.min_chars": 0, "data.max_dup_line_frac": 1.0,
@@ -83,19 +83,11 @@ def junk(n_chars: int, avoid: set[str], seed: int = 0) -> list[str]:
 
 
 def questions(reference: list[str], n: int = 40, seed: int = 0) -> list[dict]:
-    """Complete a line of the reference text: its true ending against three endings of other lines."""
-    rng = random.Random(seed)
-    lines = [ln.split() for doc in reference for ln in doc.splitlines() if len(ln.split()) >= 8]
-    rng.shuffle(lines)
-    rows = []
-    for i, words in enumerate(lines[:n]):
-        cut = len(words) // 2
-        others = [" ".join(o[len(o) // 2:]) for o in rng.sample(lines[n:], 3)]
-        right = " ".join(words[cut:])
-        choices = others + [right]
-        rng.shuffle(choices)
-        rows.append({"context": " ".join(words[:cut]), "choices": choices, "answer": choices.index(right)})
-    return rows
+    """The example's task builder (scripts/make_ablation_eval.py) on the reference text."""
+    spec = importlib.util.spec_from_file_location("make_ablation_eval", ROOT / "scripts" / "make_ablation_eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.questions(reference, n, seed)
 
 
 def write_jsonl(path: Path, texts: list[str]) -> Path:

@@ -305,7 +305,7 @@ def cmd_ablate(args) -> int:
     log = lambda text: console.print(text, markup=False)  # noqa: E731  (arm names and paths are the user's)
     words = args.file
     if words[0] == "report" and len(words) == 2:
-        data = ablate.report(words[1], log)
+        data = ablate.report_finished(words[1], log)
     elif len(words) != 1:
         raise KilnError("kiln ablate: give one ablation file (kiln ablate ABLATION.yaml), or `kiln ablate report DIR`")
     elif args.plan:
@@ -314,6 +314,12 @@ def cmd_ablate(args) -> int:
         print_estimates(words[0], args.gpus, args.gpu)
         return 0
     else:
+        import os
+
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise KilnError("kiln ablate runs as one process; to train runs on several GPUs: `kiln ablate FILE "
+                            "--until pack`, then `torchrun ... -m kiln train OUT/ARM/seed-N/config.yaml` for each "
+                            "run (one job each), then `kiln ablate FILE` measures and compares them")
         only = [a for a in (args.only or "").split(",") if a] or None
         data = ablate.ablate(words[0], log, until=args.until, only=only)
     if data is not None:

@@ -14,7 +14,7 @@ seeds and eval documents (Holm-corrected): `better`, `worse` or `no detectable d
     report.py    ablation.html
     estimate.py  `kiln ablate --plan`: what each proxy scale costs here and on GPUs
 
-This module holds what the command calls: `load`, `ablate`, `report`.
+This module holds what the command calls: `load`, `ablate`, `report_finished`.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def ablate(path: str | Path, log: Callable[[str], None], until: str = "train",
     return run_ablation(plan, sets, log, until=until, only=only)
 
 
-def report(out_dir: str | Path, log: Callable[[str], None]) -> dict[str, Any]:
+def report_finished(out_dir: str | Path, log: Callable[[str], None]) -> dict[str, Any]:
     """`kiln ablate report DIR`: compare whatever runs of the ablation in DIR have finished."""
     from kiln.ablate.evalsets import OVERLAP, find_overlap, kept_units, load_eval_sets
     from kiln.ablate.plan import make_plan

@@ -193,18 +193,18 @@ def find_overlap(docs: Path, sets: list[EvalSet], dedup: DedupConfig, out: Path,
 
 
 def kept_units(sets: list[EvalSet], overlaps: dict[str, list[dict[str, Any]]]) -> dict[str, list[int]]:
-    """Per set, the indices no arm trained on; an emptied set is a one-line error naming it and the arm."""
-    dropped: dict[str, dict[int, str]] = {}
+    """Per set, the indices no arm trained on; an emptied set is a one-line error naming it and the arms."""
+    dropped: dict[str, dict[int, set[str]]] = {}
     for arm, rows in overlaps.items():
         for row in rows:
-            dropped.setdefault(row["set"], {}).setdefault(row["index"], arm)
+            dropped.setdefault(row["set"], {}).setdefault(row["index"], set()).add(arm)
     keep = {}
     for s in sets:
         gone = dropped.get(s.name, {})
         keep[s.name] = [i for i in range(len(s.ids)) if i not in gone]
         if not keep[s.name]:
-            arms = sorted(set(gone.values()))
+            arms = sorted(set().union(*gone.values()))
+            names = ("arm " if len(arms) == 1 else "arms ") + ", ".join(repr(a) for a in arms)
             raise KilnError(f"eval set {s.name!r} ({s.path}): all {len(s.ids):,} of its documents are in the training "
-                            f"data of arm {', '.join(repr(a) for a in arms)} (exact or near duplicates); evaluate on "
-                            "text no arm trains on")
+                            f"data of {names} (exact or near duplicates); evaluate on text no arm trains on")
     return keep

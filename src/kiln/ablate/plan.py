@@ -113,12 +113,14 @@ def _unfair(arm: Config, baseline: Config) -> tuple[str, Any, Any] | None:
 
 def proxy_settings(spec: AblationSpec, base: dict[str, Any]) -> dict[str, Any] | None:
     """The proxy's overrides of the base config (model, pack.seq_len, train.batch_size/max_steps/lr/
-    warmup_steps/eval_every) and its figures: N, tokens per run, steps. None without a proxy."""
+    warmup_steps (5%)/eval_every (the end only), cpu-tiny's train.threads) and its figures: N, tokens per run,
+    steps. None without a proxy."""
     if spec.proxy is None:
         return None
     p = PROXIES[spec.proxy]
     tree = {"model": {**p["model"], "ffn_hidden": None}, "pack": {"seq_len": p["seq_len"]},
-            "train": {"batch_size": p["batch_size"], "lr": p["lr"]}}
+            "train": {"batch_size": p["batch_size"], "lr": p["lr"], **({"threads": p["threads"]} if "threads" in p
+                                                                         else {})}}
     cfg = build_config(merge(base, tree))
     n = count_parameters(cfg)
     tokens = spec.proxy_tokens or TOKENS_PER_PARAM * n

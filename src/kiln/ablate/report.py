@@ -54,6 +54,7 @@ def plot_metric(metric: dict, comparisons: list[dict], baseline: str):
                     color=color, capsize=4)
     ax.axvline(0, color="black", lw=0.8)
     ax.set_yticks(y, [c["arm"] for c in rows])
+    ax.set_ylim(-0.6, len(rows) - 0.4)
     ax.set_xlabel(f"{metric['name']}: arm minus {baseline} ({metric['better']} is better), 95% interval")
     return fig
 

@@ -129,7 +129,7 @@ def arm_summary(plan: Plan, arm: ArmPlan, sets: list[EvalSet], keep: dict[str, l
                   for metric, _ in metric_names(sets)} if m else None
         runs.append({"seed": run.seed, "folder": str(run.folder), "shared_with": None if run.owner == arm.name
                      else run.owner, "finished": m is not None,
-                     **({k: m[k] for k in ("checkpoint", "checkpoint_sha256", "config_hash", "data_fingerprint")}
+                     **({k: m[k] for k in ("checkpoint", "fingerprint", "weights_sha256")}
                         if m else {}), "metrics": values})
     means = {metric: float(np.mean([r["metrics"][metric] for r in runs if r["metrics"]]))
              for metric, _ in metric_names(sets) if any(r["metrics"] for r in runs)}

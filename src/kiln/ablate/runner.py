@@ -6,7 +6,9 @@
 3. overlap: every eval document checked against every arm's kept documents (`evalsets.find_overlap`);
    what any arm contains is dropped from that evaluation for all arms;
 4. pack: each arm's tokenizer (a committed copy of the shared one) and shards (`run_tokenizer_stage`,
-   `run_pack_stage`);
+   `run_pack_stage`); each run's tokenizer copy and its resolved config, ARM/seed-N/config.yaml, so a run can
+   also be trained on its own (`torchrun --nproc_per_node=8 -m kiln train ARM/seed-N/config.yaml`, on any
+   machine that sees out_dir): the next `kiln ablate` finds it finished and measures it;
 5. runs: each arm x seed trained (`run_train_stage`, which resumes from the newest valid checkpoint) and
    measured on its final checkpoint (`measure.measure_checkpoint`) into ARM/seed-N/eval.json.
 
@@ -31,9 +33,10 @@ from kiln.data.docs import read_docs
 from kiln.data.rejections import few_documents_message
 from kiln.errors import KilnError
 from kiln.flow import run_data_stage, run_pack_stage, run_tokenizer_stage, run_train_stage
-from kiln.manifest import MANIFEST, is_complete, sha256_file, write_atomic
+from kiln.manifest import MANIFEST, is_complete, read_manifest, sha256_file, write_atomic
 
 EVAL = "eval.json"
+CONFIG = "config.yaml"  # a run's resolved config: `kiln train ARM/seed-N/config.yaml` trains it by hand
 MEASURE_VERSION = 1  # in eval.json's fingerprint: a change in how runs are measured measures them again
 STEPS = ("data", "tokenizer", "pack", "train")
 
@@ -95,16 +98,23 @@ def finished_checkpoint(run: RunPlan) -> Path | None:
     return latest if latest is not None and step_of(latest) >= run.cfg.train.max_steps else None
 
 
-def run_record(checkpoint: Path) -> dict[str, Any]:
-    """What identifies a finished run: its final checkpoint, that checkpoint's manifest hash, the data and config
-    fingerprints the checkpoint recorded, and the validation loss the loop measured at that step."""
+def run_record(run: RunPlan, checkpoint: Path) -> dict[str, Any]:
+    """What identifies a finished run: its final checkpoint (and its manifest's hash, which eval.json checks),
+    the validation loss the loop measured at that step, and two content hashes that are the same whenever the
+    run is (stats.json's timings, which reach the shards' manifest, do not): `fingerprint` of the config hash
+    the checkpoint recorded, the seed, the shard files and the tokenizer; `weights_sha256` of its weights."""
     from kiln.train.checkpoint import checkpoint_table
 
     manifest = json.loads((checkpoint / MANIFEST).read_text())
     row = next(r for r in checkpoint_table(checkpoint.parent) if Path(r["path"]).name == checkpoint.name)
+    shards = read_manifest(Path(run.cfg.loader.sources[0].path))["files"]
+    weights = sorted((n, m["sha256"]) for n, m in manifest["files"].items() if n.startswith("model"))
     return {"checkpoint": checkpoint.name, "step": manifest.get("step", row["step"]),
-            "checkpoint_sha256": sha256_file(checkpoint / MANIFEST), "config_hash": manifest.get("config_hash"),
-            "data_fingerprint": manifest.get("data_fingerprint"), "val_loss": row.get("val_loss")}
+            "checkpoint_sha256": sha256_file(checkpoint / MANIFEST),
+            "fingerprint": _hash(manifest.get("config_hash"), run.seed, sorted((n, m["sha256"]) for n, m in
+                                                                                 shards.items()),
+                                 manifest["files"].get("tokenizer.json", {}).get("sha256")),
+            "weights_sha256": hashlib.sha256(json.dumps(weights).encode()).hexdigest(), "val_loss": row.get("val_loss")}
 
 
 def measure_run(run: RunPlan, sets: list[EvalSet], keep: dict[str, list[int]], log: Callable[[str], None]) -> dict:
@@ -121,17 +131,17 @@ def measure_run(run: RunPlan, sets: list[EvalSet], keep: dict[str, list[int]], l
         if checkpoint is None:
             raise KilnError(f"{run.folder}: training stopped before train.max_steps={run.cfg.train.max_steps} "
                             "(see its run/metrics.jsonl); run the same command again to resume it")
-    record = run_record(checkpoint)
+    record = run_record(run, checkpoint)
     fingerprint = _hash(MEASURE_VERSION, record["checkpoint_sha256"], [s.digest(keep[s.name]) for s in sets])
     if out.is_file():
         try:
             done = json.loads(out.read_text())
-            if done.get("fingerprint") == fingerprint:
+            if done.get("measure_fingerprint") == fingerprint:
                 return done
         except ValueError:
             pass  # a damaged eval.json is measured again
     log(f"measure: {run.folder.name} of {run.owner} on {len(sets)} eval set(s)")
-    result = {"fingerprint": fingerprint, **record, **measure_checkpoint(checkpoint, sets, keep)}
+    result = {"measure_fingerprint": fingerprint, **record, **measure_checkpoint(checkpoint, sets, keep)}
     write_atomic(out, json.dumps(result))
     return result
 
@@ -156,6 +166,10 @@ def prepare(plan: Plan, sets: list[EvalSet], log: Callable[[str], None], timer: 
         for arm in plan.data_arms(only):
             run_tokenizer_stage(arm.cfg, log)
             run_pack_stage(arm.cfg, log)
+        for run in plan.runs(only):  # each run ready for `kiln train ARM/seed-N/config.yaml` (under torchrun too)
+            run_tokenizer_stage(run.cfg, log)
+            if not (run.folder / CONFIG).is_file() or (run.folder / CONFIG).read_text() != run.cfg.to_yaml():
+                write_atomic(run.folder / CONFIG, run.cfg.to_yaml())
     return keep
 
 

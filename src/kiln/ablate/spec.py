@@ -21,12 +21,13 @@ RESERVED = {"tokenizer"}  # out_dir/tokenizer is the shared tokenizer
 # Keys an arm may not set: the ablation sets them (out_dir per run, seed from `seeds`).
 NOT_PER_ARM = ("out_dir", "seed")
 
-# Proxy scales: the model, the sequence length, the batch (sequences per step) and the peak learning rate.
+# Proxy scales: the model, the sequence length, the batch (sequences per step), the peak learning rate (and for
+# cpu-tiny the torch threads).
 # The token budget is about 20 tokens per parameter (Chinchilla; DCLM's "1x"), parameters counted as
 # `kiln plan` counts N (non-embedding, the output projection included), unless `proxy_tokens` is given.
 PROXIES: dict[str, dict[str, Any]] = {
     "cpu-tiny": {"model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2}, "seq_len": 128,
-                 "batch_size": 8, "lr": 3e-3},
+                 "batch_size": 8, "lr": 3e-3, "threads": 1},  # one thread: a tiny step holds up on a busy CPU
     "20m": {"model": {"dim": 384, "n_layers": 12, "n_heads": 6, "n_kv_heads": 6}, "seq_len": 1024,
             "batch_size": 64, "lr": 3e-3},
     "150m": {"model": {"dim": 1024, "n_layers": 12, "n_heads": 16, "n_kv_heads": 8}, "seq_len": 2048,
