@@ -1,7 +1,8 @@
 """Known-answer data for `kiln ablate` tests, made from the bundled sample crawl (nothing fetched).
 
 - clean prose: the English pages of examples/data/sample.warc.gz (resiliparse main content), cut into
-  documents of about 1,500 characters at paragraph breaks; `HELD_OUT` pages are the reference eval set,
+  documents of about 1,500 characters at paragraph breaks as the example's eval sets are
+  (scripts/make_ablation_eval.py); `HELD_OUT` pages are the reference eval set,
   the rest the clean training text;
 - junk: boilerplate menus, base64 blobs and shuffled words, its words made up (seeded) and checked to share
   none with the reference set's vocabulary. NOTES.md: a tiny model learns word statistics first, so junk
@@ -29,14 +30,12 @@ GATES_OFF = {"data.languages": None, "data.lang_threshold": 0.0, "data.min_chars
                                                             "noise", "residue", "pii")}}
 
 
-def _chunks(text: str, size: int = 1500) -> list[str]:
-    out, current = [], ""
-    for para in re.split(r"\n\s*\n", text):
-        if current and len(current) + len(para) > size:
-            out.append(current)
-            current = ""
-        current = f"{current}\n\n{para}" if current else para
-    return out + ([current] if current.strip() else [])
+def example_builder():
+    """scripts/make_ablation_eval.py, which builds the example's eval sets: its `chunks` and `questions`."""
+    spec = importlib.util.spec_from_file_location("make_ablation_eval", ROOT / "scripts" / "make_ablation_eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def prose() -> tuple[list[str], list[str]]:
@@ -46,7 +45,7 @@ def prose() -> tuple[list[str], list[str]]:
     train, reference = [], []
     for url, body in english_pages():
         text = extract_plain_text(body.decode("utf-8", "replace"), main_content=True)
-        (reference if url.rsplit("/", 1)[-1] in HELD_OUT else train).extend(_chunks(text))
+        (reference if url.rsplit("/", 1)[-1] in HELD_OUT else train).extend(example_builder().chunks(text))
     return train, reference
 
 
@@ -83,11 +82,8 @@ def junk(n_chars: int, avoid: set[str], seed: int = 0) -> list[str]:
 
 
 def questions(reference: list[str], n: int = 40, seed: int = 0) -> list[dict]:
-    """The example's task builder (scripts/make_ablation_eval.py) on the reference text."""
-    spec = importlib.util.spec_from_file_location("make_ablation_eval", ROOT / "scripts" / "make_ablation_eval.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.questions(reference, n, seed)
+    """The example's task builder on the reference text."""
+    return example_builder().questions(reference, n, seed)
 
 
 def write_jsonl(path: Path, texts: list[str]) -> Path:
