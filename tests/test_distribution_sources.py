@@ -23,7 +23,7 @@ from kiln.data.docs import read_docs
 from kiln.data.pipeline import run_data
 from kiln.errors import ConfigError, KilnError
 from kiln.ops.report import composition_table
-from kiln.shards.format import ShardSet
+from kiln.shards.reader import ShardSet
 from kiln.train.data import open_splits
 from kiln.train.loader import Loader
 

@@ -47,19 +47,12 @@ def document_bits(model, tok, eos: int, texts: list[str], seq_len: int, device: 
 
 
 def task_hits(model, tok, questions: list, seq_len: int, device: torch.device, eos_token: str) -> dict[str, list]:
-    """Per question, 1.0 when the metric picks the right choice: {"acc": [...], "acc_norm": [...], ...}."""
-    from kiln.eval.mc import choice_scores, choice_tokens
+    """Per question, 1.0 when the metric picks the right choice: {"acc": [...], "acc_norm": [...], ...}
+    (kiln.eval.mc.question_results, lm-eval's definitions)."""
+    from kiln.eval.mc import METRICS, question_results
 
-    eos = eos_id(tok, eos_token or EOS)
-    out: dict[str, list] = {"acc": [], "acc_norm": [], "acc_bytes": []}
-    for q in questions:
-        rows, lengths = choice_tokens(tok, eos, q)
-        scores = choice_scores(model, rows, lengths, seq_len, device)
-        for metric, divisors in (("acc", None), ("acc_norm", [len(c) for c in q.choices]),
-                                 ("acc_bytes", [len(c.encode("utf-8")) for c in q.choices])):
-            values = scores if divisors is None else [s / d for s, d in zip(scores, divisors)]
-            out[metric].append(float(max(range(len(values)), key=values.__getitem__) == q.answer))
-    return out
+    results = question_results(model, tok, questions, seq_len, device, eos_token=eos_token)
+    return {metric: [float(r.correct(metric)) for r in results] for metric in METRICS}
 
 
 def measure_checkpoint(checkpoint: Path, sets: list, keep: dict[str, list[int]]) -> dict[str, Any]:

@@ -22,9 +22,9 @@ import numpy as np
 from kiln.ablate import stats
 from kiln.ablate.evalsets import OVERLAP, EvalSet
 from kiln.ablate.plan import ArmPlan, Plan
+from kiln.eval.mc import METRICS as TASK_METRICS
 from kiln.manifest import MANIFEST, read_manifest, sha256_file, write_atomic
 
-TASK_METRICS = ("acc", "acc_norm", "acc_bytes")
 RESULTS, PAGE = "ablation.json", "ablation.html"
 
 

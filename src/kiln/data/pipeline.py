@@ -23,7 +23,7 @@ import resource
 import shutil
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -32,31 +32,23 @@ import zstandard
 from kiln.config import DataConfig
 from kiln.data.dedup import LEDGER, write_ledger
 from kiln.data.dedup.index import add_run, runs_before, use_index
-from kiln.data.dedup.stages import STAGE_DIR, Signer, Verdicts, dedup_layout, run_stages
+from kiln.data.dedup.signatures import Signer
+from kiln.data.dedup.stages import STAGE_DIR, Verdicts, dedup_layout, run_stages
 from kiln.data.docs import PartWriter, read_part
-from kiln.data.gates.distribution import Composition, SpilledProfiles, profile_part, record_field, source_group
+from kiln.data.gates.distribution import Composition, SpilledProfiles, profile_part, source_group
 from kiln.data.document import Document, ReadReport
 from kiln.data.executor import engine, run_tasks
 from kiln.data.gates.semantic import REVIEW as SEMANTIC_REVIEW
 from kiln.data.gates.semantic import prepare as prepare_semantic
 from kiln.data.language import check_model
-from kiln.data.read import read_warc, splittable
+from kiln.data.plan import Task, index_key, plan_tasks, read_task
 from kiln.data.shape import CorpusShape
 from kiln.data.steps import StepTimer, merge_steps, run_steps, task_steps
 from kiln.data.vouch import matches, record
-from kiln.data.sources import (
-    expand_inputs as _expand,
-    input_format,
-    input_identity,
-    input_size,
-    read_jsonl,
-    read_parquet,
-)
+from kiln.data.sources import expand_inputs as _expand
 from kiln.errors import KilnError
 from kiln.manifest import staging_dir, write_atomic, write_manifest, writes_folder
 
-# Settings that change how the work runs, never what it outputs (storage_options may hold secrets).
-EXECUTION_KEYS = {"inputs", "workers", "executor", "ray_address", "task_bytes", "storage_options"}
 WORK_LAYOUT = 3  # what a task writes to the work folder (3: its outcome and dedup signatures, vouched by its marker)
 STEPS = ("read", "extract", "language", "gates")
 
@@ -73,57 +65,12 @@ def fingerprint(files: list[str], cfg: DataConfig) -> str:
     return hashlib.sha256(json.dumps([base, runs]).encode()).hexdigest()[:16] if runs else base
 
 
-def index_key(files: list[str], cfg: DataConfig) -> str:
-    """The fingerprint without the index: the name of this run's entry in data.dedup.index."""
-    # data.dedup.index is left out: the same run finds its own entry wherever the index folder has moved
-    settings = cfg.model_dump(mode="json", exclude={**dict.fromkeys(EXECUTION_KEYS, True),
-                                                    "dedup": {"bucket_docs", "index"}})
-    ident = [input_identity(str(f), cfg.storage_options) for f in files]
-    return hashlib.sha256(json.dumps([ident, settings], sort_keys=True).encode()).hexdigest()[:16]
-
-
 # --- tasks --------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Task:
-    index: int  # position in the canonical order
-    source: str
-    start: int = 0  # byte range of a split gzipped WARC: records whose member starts in [start, end)
-    end: int | None = None
-    bytes: int = 0  # input bytes this task covers (for the progress bar)
-
-    @property
-    def name(self) -> str:
-        return f"task-{self.index:05d}"
-
-
-def plan_tasks(files: list[str], cfg: DataConfig) -> list[Task]:
-    tasks: list[Task] = []
-    for source in files:
-        size = input_size(source, cfg.storage_options)
-        if size > cfg.task_bytes and input_format(source) == "warc" and splittable(source, cfg.storage_options):
-            for start in range(0, size, cfg.task_bytes):
-                end = min(start + cfg.task_bytes, size)
-                tasks.append(Task(len(tasks), source, start, None if end == size else end, end - start))
-        else:
-            tasks.append(Task(len(tasks), source, bytes=size))
-    return tasks
-
 
 def work_key(data_fingerprint: str, tasks: list[Task]) -> str:
     """Names the work folder: finished tasks are reused only for the same inputs, settings and plan."""
     plan = [(t.source, t.start, t.end) for t in tasks]
     return hashlib.sha256(json.dumps([data_fingerprint, plan, WORK_LAYOUT]).encode()).hexdigest()[:16]
-
-
-def read_task(task: Task, cfg: DataConfig, report: ReadReport) -> Iterator[Document]:
-    kind = input_format(task.source)
-    fields = (cfg.text_field, cfg.id_field, cfg.url_field, record_field(cfg.distribution.source_key))
-    if kind == "jsonl":
-        return read_jsonl(task.source, report, fields, cfg.storage_options, cfg.max_record_bytes)
-    if kind == "parquet":
-        return read_parquet(task.source, report, fields, cfg.storage_options, cfg.max_record_bytes)
-    return read_warc(task.source, report, task.start, task.end, cfg.storage_options)
 
 
 def process_task(task: Task, cfg: DataConfig, report: ReadReport, timer: StepTimer) -> Iterator[Document]:
@@ -137,7 +84,7 @@ READ_ATTEMPTS = 3
 def run_task(args: tuple[Task, DataConfig, str]) -> dict[str, Any]:
     """One task, start to end, in a worker; returns its summary. The worker writes the task's files into the
     work folder (each atomically): the zstd JSONL of every document's outcome (`jsonl.zst`) and the kept
-    documents' dedup signatures (`stages.Signer`). The driver writes the completion marker when the summary
+    documents' dedup signatures (`signatures.Signer`). The driver writes the completion marker when the summary
     comes back (`_commit`), so files without a marker are a task to redo. The files do not pass through the
     driver: its memory holds no task's outcome, and on Ray the work folder is on storage every node mounts,
     as the dedup stages already need.
@@ -454,25 +401,13 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
     rejected = sum(reasons.values())
     assert read == kept + rejected, "accounting broke: every document must be kept or rejected"
 
-    by_type: Counter[str] = Counter()
-    steps: Counter[str] = Counter()
-    for s in summaries:
-        by_type.update(s["records_by_type"])
-        steps.update(s["steps_s"])
-    errors: dict[str, str] = {}
-    for s in summaries:
-        if s["error"]:
-            errors.setdefault(s["source"], s["error"])
     stages: Counter[str] = Counter()
     for reason, n in reasons.items():
         stages[reason.split("/")[0]] += n
+    totals = _task_totals(summaries)
+    steps = totals.pop("steps")
     return {
-        "files": len({s["source"] for s in summaries}),
-        "file_errors": [{"source": src, "error": err} for src, err in errors.items()],
-        "truncated": [
-            {"source": s["source"], "offset": s["truncated_at"]} for s in summaries if s["truncated_at"] is not None
-        ],
-        "warc_records": {"total": sum(by_type.values()), "by_type": dict(sorted(by_type.items()))},
+        **totals,
         "documents": {"read": read, "kept": kept, "rejected": rejected},
         "rejected_by_reason": dict(sorted(reasons.items())),
         "rejected_by_stage": dict(sorted(stages.items())),
@@ -492,4 +427,27 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
                 "dedup": round(timer.own().get("dedup", 0.0) + verdicts.seconds + steps["signatures"], 3),
             }
         },
+    }
+
+
+def _task_totals(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the tasks' summaries add up to: the stats' files, file_errors, truncated and warc_records, and the
+    steps' seconds ("steps", for the timings)."""
+    by_type: Counter[str] = Counter()
+    steps: Counter[str] = Counter()
+    for s in summaries:
+        by_type.update(s["records_by_type"])
+        steps.update(s["steps_s"])
+    errors: dict[str, str] = {}
+    for s in summaries:
+        if s["error"]:
+            errors.setdefault(s["source"], s["error"])
+    return {
+        "files": len({s["source"] for s in summaries}),
+        "file_errors": [{"source": src, "error": err} for src, err in errors.items()],
+        "truncated": [
+            {"source": s["source"], "offset": s["truncated_at"]} for s in summaries if s["truncated_at"] is not None
+        ],
+        "warc_records": {"total": sum(by_type.values()), "by_type": dict(sorted(by_type.items()))},
+        "steps": steps,
     }
