@@ -42,10 +42,11 @@ def chunks(text: str, size: int = 1500) -> list[str]:
 
 
 def questions(texts: list[str], n: int, seed: int = 0) -> list[dict]:
-    """Complete a line: its first half, its true second half against those of three other lines, drawn among
-    the ten whose second halves are nearest it in length (so that length alone does not give the answer away)."""
+    """Complete a line (of 8 to 24 words: a choice fits a small model's window): its first half, its true second
+    half against those of three other lines, drawn among the ten whose second halves are nearest it in length
+    (so that length alone does not give the answer away)."""
     rng = random.Random(seed)
-    lines = [ln.split() for doc in texts for ln in doc.splitlines() if len(ln.split()) >= 8]
+    lines = [ln.split() for doc in texts for ln in doc.splitlines() if 8 <= len(ln.split()) <= 24]
     rng.shuffle(lines)
     endings = [" ".join(o[len(o) // 2:]) for o in lines[n:]]
     rows = []

@@ -27,9 +27,9 @@ from kiln.cli import main as kiln
 
 CHROMIUM = Path("/usr/bin/chromium")
 TINY = {"seed": 7, "data": {"workers": 1}, "tokenizer": {"vocab_size": 300, "max_docs": 20},
-        "pack": {"seq_len": 32, "val_fraction": 0.1},
+        "pack": {"seq_len": 128, "val_fraction": 0.1},
         "model": {"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1},
-        "train": {"max_steps": 12, "batch_size": 4, "lr": 3e-3, "warmup_steps": 2, "eval_every": 0,
+        "train": {"max_steps": 12, "batch_size": 1, "lr": 3e-3, "warmup_steps": 2, "eval_every": 0,
                   "eval_batches": 2, "log_every": 6, "threads": 1},
         "checkpoint": {"every": 4, "keep_last": 2}, "watchdog": {"enabled": False}}
 
@@ -114,7 +114,7 @@ def test_every_arm_and_seed_is_a_run_folder_with_one_tokenizer_and_one_budget(sm
     assert len(sampled) == 20 and all(s.startswith("clean-") for s in sampled[:10])
     assert sum(s.startswith("junk-") for s in sampled[10:]) >= 5
     budgets = {a["name"]: a["data"]["tokens_per_run"] for a in data["arms"]}
-    assert budgets == {"clean": 12 * 4 * 32, "junk": 12 * 4 * 32}
+    assert budgets == {"clean": 12 * 1 * 128, "junk": 12 * 1 * 128}
     epochs = {a["name"]: a["data"]["epochs"] for a in data["arms"]}
     assert epochs["junk"] < epochs["clean"] and all(a["data"]["train_tokens"] > 0 for a in data["arms"])
 
@@ -314,6 +314,19 @@ def test_an_eval_set_inside_an_arms_training_data_is_one_line_after_the_data_sta
                    "the training data of arms 'clean', 'junk' (exact or near duplicates); evaluate on text no arm "
                    "trains on")
     assert not list((corpus / "out-inside").glob("*/seed-*"))  # nothing trained
+
+
+def test_a_choice_longer_than_the_window_is_one_line_before_training(corpus, capsys):
+    long = " ".join(["package"] * 300)
+    (corpus / "eval" / "long.jsonl").write_text(json.dumps({"context": "Debian", "choices": ["a b", long],
+                                                            "answer": 0}) + "\n")
+    path = write_ablation(corpus, "long.yaml", eval={"tasks": [{"name": "long", "path": "eval/long.jsonl"}]})
+    capsys.readouterr()
+    assert kiln(["ablate", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"kiln: error: {corpus / 'eval' / 'long.jsonl'}:1: choice 1 is ") and \
+        "more than the model's window of 128 (pack.seq_len)" in err
+    assert not list((corpus / "out-long").glob("*/seed-*"))  # nothing trained
 
 
 def test_an_out_dir_that_is_not_an_ablations_is_refused(corpus, capsys):

@@ -29,6 +29,8 @@ from kiln.config import Config, build_config, merge
 from kiln.errors import ConfigError
 
 FAIR_SECTIONS = ("model", "pack", "train", "tokenizer")
+EVAL = "eval.json"  # in a run's folder: its measurement (kiln.ablate.runner writes it, results reads it)
+CONFIG = "config.yaml"  # in a run's folder: its resolved config, so `kiln train ARM/seed-N/config.yaml` trains it
 
 
 @dataclass

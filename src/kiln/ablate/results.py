@@ -21,7 +21,7 @@ import numpy as np
 
 from kiln.ablate import stats
 from kiln.ablate.evalsets import OVERLAP, EvalSet
-from kiln.ablate.plan import ArmPlan, Plan
+from kiln.ablate.plan import EVAL, ArmPlan, Plan
 from kiln.eval.mc import METRICS as TASK_METRICS
 from kiln.manifest import MANIFEST, read_manifest, sha256_file, write_atomic
 
@@ -56,8 +56,6 @@ def unit_weights(sets: list[EvalSet], keep: dict[str, list[int]], metric: str) -
 
 def read_measurement(run_folder: Path, sets: list[EvalSet], keep: dict[str, list[int]]) -> dict | None:
     """A run's eval.json when it measured the run's final checkpoint on these eval units, else None."""
-    from kiln.ablate.runner import EVAL
-
     path = run_folder / EVAL
     try:
         measured = json.loads(path.read_text())

@@ -3,8 +3,9 @@
 1. data: each arm's data stage (`kiln.flow.run_data_stage`) into ARM/docs;
 2. tokenizer: one tokenizer for every arm, trained (`kiln.tokenizer.train_tokenizer`) on a seeded sample drawn
    evenly from every arm's kept documents into out_dir/tokenizer (or the base config's own tokenizer.path);
-3. overlap: every eval document checked against every arm's kept documents (`evalsets.find_overlap`);
-   what any arm contains is dropped from that evaluation for all arms;
+3. overlap: every task's choices checked to fit the model's window under that tokenizer, and every eval
+   document against every arm's kept documents (`evalsets.find_overlap`); what any arm contains is dropped
+   from that evaluation for all arms;
 4. pack: each arm's tokenizer (a committed copy of the shared one) and shards (`run_tokenizer_stage`,
    `run_pack_stage`); each run's tokenizer copy and its resolved config, ARM/seed-N/config.yaml, so a run can
    also be trained on its own (`torchrun --nproc_per_node=8 -m kiln train ARM/seed-N/config.yaml`, on any
@@ -28,15 +29,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kiln.ablate.evalsets import OVERLAP, EvalSet, find_overlap, kept_units
-from kiln.ablate.plan import Plan, RunPlan
+from kiln.ablate.plan import CONFIG, EVAL, Plan, RunPlan
 from kiln.data.docs import read_docs
 from kiln.data.rejections import few_documents_message
 from kiln.errors import KilnError
 from kiln.flow import run_data_stage, run_pack_stage, run_tokenizer_stage, run_train_stage
 from kiln.manifest import MANIFEST, is_complete, read_manifest, sha256_file, write_atomic
 
-EVAL = "eval.json"
-CONFIG = "config.yaml"  # a run's resolved config: `kiln train ARM/seed-N/config.yaml` trains it by hand
 MEASURE_VERSION = 1  # in eval.json's fingerprint: a change in how runs are measured measures them again
 STEPS = ("data", "tokenizer", "pack", "train")
 
@@ -88,6 +87,23 @@ def shared_tokenizer(plan: Plan, log: Callable[[str], None]) -> None:
         f"{len(arms)} arm(s) -> {out}")
     sample = itertools.chain.from_iterable(sample_documents(read_docs(a.data / "docs"), share, cfg.seed) for a in arms)
     train_tokenizer(sample, out, settings, cfg.seed, fingerprint=fp)
+
+
+def check_tasks(plan: Plan, sets: list[EvalSet]) -> None:
+    """Every task's choices fit the model's window under the shared tokenizer: a one-line error now, not after
+    the first run has trained (kiln.eval.mc.choice_tokens raises it)."""
+    from kiln.eval.mc import choice_tokens
+    from kiln.tokenizer import eos_id, load_tokenizer
+
+    tasks = [s for s in sets if s.kind == "task"]
+    if not tasks:
+        return
+    cfg = plan.baseline.cfg
+    tok = load_tokenizer(plan.tokenizer)
+    eos = eos_id(tok, cfg.tokenizer.eos_token)
+    for task in tasks:
+        for question in task.questions:
+            choice_tokens(tok, eos, question, cfg.pack.seq_len)
 
 
 def finished_checkpoint(run: RunPlan) -> Path | None:
@@ -156,6 +172,7 @@ def prepare(plan: Plan, sets: list[EvalSet], log: Callable[[str], None], timer: 
         return None
     with timer("tokenizer"):
         shared_tokenizer(plan, log)
+    check_tasks(plan, sets)
     with timer("overlap"):
         dedup = plan.baseline.cfg.data.dedup  # one test for every arm, whatever dedup an arm ablates
         overlaps = {a.name: find_overlap(a.data / "docs", sets, dedup, a.data / OVERLAP, log) for a in plan.data_arms()}
