@@ -29,7 +29,8 @@ PLAN_FILE = "plan.json"  # in out_dir: the ablation as resolved, what `kiln abla
 
 
 def load(path: str | Path):
-    """(plan, eval sets) of an ablation file: every key, arm, override and eval set checked, before any work."""
+    """(plan, eval sets, base config mapping) of an ablation file: every key, arm, override and eval set
+    checked, before any work."""
     from kiln.ablate.evalsets import load_eval_sets
     from kiln.ablate.plan import make_plan
     from kiln.ablate.spec import read_spec

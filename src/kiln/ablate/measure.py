@@ -8,7 +8,8 @@
   (kiln.eval.mc).
 - The final validation loss, as the training loop measured it at its last step (the checkpoint's history).
 
-Everything runs on the CPU in fp32 (or the first GPU when there is one), windows in batches of 16.
+Everything runs on the CPU in fp32 (or the first GPU when there is one), windows in batches of 16. Memory: the
+model, and one eval set's token windows (an eval set is a benchmark's size, held whole by kiln.ablate.evalsets).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from kiln.ablate import stats
 from kiln.ablate.evalsets import OVERLAP, EvalSet
 from kiln.ablate.plan import EVAL, ArmPlan, Plan
 from kiln.eval.mc import METRICS as TASK_METRICS
+from kiln.lock import OutputLock
 from kiln.manifest import MANIFEST, read_manifest, sha256_file, write_atomic
 
 RESULTS, PAGE = "ablation.json", "ablation.html"
@@ -181,6 +182,7 @@ def write_results(plan: Plan, sets: list[EvalSet], keep: dict[str, list[int]], t
     from kiln.ablate.report import write_page
 
     data = results(plan, sets, keep, timings)
-    write_atomic(plan.out / RESULTS, json.dumps(data, indent=1, ensure_ascii=False))
-    write_page(plan, data, plan.out / PAGE)
+    with OutputLock(plan.out / RESULTS, "`kiln ablate`"):  # one writer of the two files at a time
+        write_atomic(plan.out / RESULTS, json.dumps(data, indent=1, ensure_ascii=False))
+        write_page(plan, data, plan.out / PAGE)
     return data

@@ -25,8 +25,9 @@ import hashlib
 import itertools
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from kiln.ablate.evalsets import OVERLAP, EvalSet, find_overlap, kept_units
 from kiln.ablate.plan import CONFIG, EVAL, Plan, RunPlan
@@ -162,12 +163,22 @@ def measure_run(run: RunPlan, sets: list[EvalSet], keep: dict[str, list[int]], l
     return result
 
 
+@contextmanager
+def arm_context(name: str) -> Iterator[None]:
+    """A stage's one-line error says which arm it was running for."""
+    try:
+        yield
+    except KilnError as exc:
+        raise type(exc)(f"arm {name!r}: {exc}") from None
+
+
 def prepare(plan: Plan, sets: list[EvalSet], log: Callable[[str], None], timer: Timer, until: str,
             only: list[str] | None) -> dict[str, list[int]] | None:
     """Steps 1-4; returns the eval units every arm is measured on (None when `until` stops before them)."""
     with timer("data"):
         for arm in plan.data_arms():
-            run_data_stage(arm.cfg, log)
+            with arm_context(arm.name):
+                run_data_stage(arm.cfg, log)
     if until == "data":
         return None
     with timer("tokenizer"):
@@ -181,8 +192,9 @@ def prepare(plan: Plan, sets: list[EvalSet], log: Callable[[str], None], timer: 
         return None
     with timer("pack"):
         for arm in plan.data_arms(only):
-            run_tokenizer_stage(arm.cfg, log)
-            run_pack_stage(arm.cfg, log)
+            with arm_context(arm.name):
+                run_tokenizer_stage(arm.cfg, log)
+                run_pack_stage(arm.cfg, log)
         for run in plan.runs(only):  # each run ready for `kiln train ARM/seed-N/config.yaml` (under torchrun too)
             run_tokenizer_stage(run.cfg, log)
             if not (run.folder / CONFIG).is_file() or (run.folder / CONFIG).read_text() != run.cfg.to_yaml():
@@ -202,7 +214,8 @@ def run_ablation(plan: Plan, sets: list[EvalSet], log: Callable[[str], None], un
         return None
     with timer("train and measure"):
         for run in plan.runs(only):
-            measure_run(run, sets, keep, log)
+            with arm_context(run.owner):
+                measure_run(run, sets, keep, log)
     if only:
         log(f"done: {', '.join(only)}; `kiln ablate report {plan.out}` compares the runs finished so far")
         return None
