@@ -259,6 +259,19 @@ def test_kill_9_mid_ablation_then_the_same_command_gives_the_uninterrupted_json(
     assert without_timings(json.loads((small / "ablation.json").read_text())) == without_timings(whole)
 
 
+def test_runs_of_an_edited_arm_are_refused_not_measured(small, corpus, capsys):
+    """The same out_dir with the clean arm edited (its data, hence the shared tokenizer, change): the runs
+    trained before are refused with the trainer's message, never measured as if they were the new arm's."""
+    path = write_ablation(corpus, "edited.yaml", out_dir="out-ablation", arms=[
+        {"name": "clean", "set": {"data.inputs": ["clean.jsonl"], "data.min_chars": 600}},
+        {"name": "junk", "set": {"data.inputs": ["clean.jsonl", "junk.jsonl"]}}])
+    capsys.readouterr()
+    assert kiln(["ablate", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"kiln: error: arm 'clean': {small / 'clean' / 'seed-1' / 'run' / 'checkpoints'}") and \
+        "was trained on other data: the shards changed" in err and "the tokenizer changed" in err, err
+
+
 # --- bad input: one line, before any work -------------------------------------------------------------------------
 
 BAD = {

@@ -108,11 +108,23 @@ def check_tasks(plan: Plan, sets: list[EvalSet]) -> None:
 
 
 def finished_checkpoint(run: RunPlan) -> Path | None:
-    """The run's newest valid checkpoint when it reached train.max_steps, else None."""
-    from kiln.train.checkpoint import latest_valid, step_of
+    """The run's newest valid checkpoint when it reached train.max_steps on this run's data and settings, else
+    None. One trained on other shards, tokenizer or model settings (an arm edited since) is refused with the
+    trainer's own message: the ablation never measures, or replaces, a run it did not plan."""
+    from kiln.train.checkpoint import config_hash, latest_valid, step_of
+    from kiln.train.checkpoint.resume import check_resume_data
 
     latest = latest_valid(run.cfg.out / "run" / "checkpoints", log=lambda *_: None)
-    return latest if latest is not None and step_of(latest) >= run.cfg.train.max_steps else None
+    if latest is None or step_of(latest) < run.cfg.train.max_steps:
+        return None
+    manifest = json.loads((latest / MANIFEST).read_text())
+    shards = Path(run.cfg.loader.sources[0].path) / MANIFEST  # one local source: its manifest's hash, as the trainer
+    check_resume_data(manifest, latest, sha256_file(shards), sha256_file(run.cfg.out / "tokenizer" / "tokenizer.json"),
+                      False, lambda *_: None)
+    if manifest.get("config_hash") != config_hash(run.cfg):
+        raise KilnError(f"{latest} was trained with other model, pack or tokenizer settings; move {run.folder} away "
+                        "to train this run again")
+    return latest
 
 
 def run_record(run: RunPlan, checkpoint: Path) -> dict[str, Any]:
