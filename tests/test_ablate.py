@@ -366,6 +366,47 @@ def test_arms_with_equal_settings_share_data_and_runs(corpus):
     assert len(plan.runs()) == 3 and len(plan.data_arms()) == 1
 
 
+def test_a_proxy_sets_the_model_and_about_20_tokens_per_parameter(corpus):
+    from kiln.ablate import load
+    from kiln.ablate.plan import count_parameters
+
+    plan, _, _ = load(write_ablation(corpus, "proxy.yaml", proxy="cpu-tiny"))
+    cfg = plan.runs()[0].cfg
+    n = count_parameters(cfg)
+    assert (cfg.model.dim, cfg.model.n_layers, cfg.pack.seq_len, cfg.train.batch_size, cfg.train.threads) == \
+        (64, 2, 128, 8, 1)
+    assert plan.proxy["params"] == n and 20 * n <= plan.proxy["tokens"] < 20 * n + 8 * 128
+    assert cfg.train.max_steps == plan.proxy["steps"] == plan.proxy["tokens"] // (8 * 128)
+    assert all(r.cfg.train.max_steps == cfg.train.max_steps for r in plan.runs())  # the same budget for all
+    plan, _, _ = load(write_ablation(corpus, "proxy-tokens.yaml", proxy="cpu-tiny", proxy_tokens=10_000))
+    assert plan.proxy["steps"] == 10 and plan.runs()[0].cfg.train.max_steps == 10
+
+
+def test_plan_prints_each_scale_measured_here_extrapolated_and_on_gpus(corpus, monkeypatch, capsys):
+    """--plan's arithmetic with the step measurement stubbed (the real one times 20m steps; the benchmark
+    runs it): cpu-tiny and 20m measured, the larger scales from 20m's FLOP rate, GPUs from kiln plan."""
+    from kiln.ablate import estimate
+
+    monkeypatch.setattr(estimate, "step_seconds", lambda cfg: (1e-4 if cfg.model.dim == 64 else 1e-3,
+                                                               estimate.flops_per_token(cfg)))
+    rows = {r["scale"]: r for r in estimate.estimates(write_ablation(corpus, "plan.yaml"), 8, "H100")}
+    assert list(rows) == ["base config (this file)", "cpu-tiny", "20m", "150m", "400m", "1b"]
+    assert rows["20m"]["here"] == "measured" and rows["150m"]["here"] == "from 20m's FLOP/s"
+    rate = estimate.flops_per_token(estimate.make_plan(*_spec_with_proxy(corpus, "20m")).runs()[0].cfg) / 1e-3
+    big = estimate.make_plan(*_spec_with_proxy(corpus, "1b")).runs()[0].cfg
+    assert rows["1b"]["here_hours"] == pytest.approx(
+        estimate.flops_per_token(big) / rate * rows["1b"]["tokens_per_run"] * 4 / 3600)
+    assert rows["1b"]["runs"] == 4 and rows["1b"]["gpu_hours"] > rows["400m"]["gpu_hours"] > rows["150m"]["gpu_hours"]
+    assert kiln(["ablate", str(corpus / "plan.yaml"), "--plan"]) == 0 and "400m" in capsys.readouterr().out
+
+
+def _spec_with_proxy(corpus, proxy):
+    from kiln.ablate.spec import read_spec
+
+    spec, base = read_spec(corpus / "plan.yaml")
+    return spec.model_copy(update={"proxy": proxy}), base, corpus / "plan.yaml"
+
+
 # --- known answers (real runs: slow) ------------------------------------------------------------------------------
 
 @pytest.mark.slow

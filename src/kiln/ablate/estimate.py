@@ -88,7 +88,7 @@ def estimates(path: str | Path, gpus: int, gpu: str) -> list[dict]:
             how = "measured"
             flop_rate = flops / per_token if scale == MEASURED[-1] else flop_rate
         else:
-            per_token, how = flops_per_token(cfg) / flop_rate, f"extrapolated from {MEASURED[-1]}'s FLOP rate"
+            per_token, how = flops_per_token(cfg) / flop_rate, f"from {MEASURED[-1]}'s FLOP/s"
         mine = " (this file)" if scale == (spec.proxy or "base config") else ""
         rows.append({"scale": scale + mine, "params": (plan.proxy or {}).get("params"), "tokens_per_run": tokens,
                      "runs": len(runs), "here_hours": per_token * tokens * len(runs) / 3600, "here": how,
@@ -110,6 +110,7 @@ def print_estimates(path: str | Path, gpus: int, gpu: str) -> None:
             r["scale"], f"{r['params']:,}" if r["params"] else "", f"{r['tokens_per_run']:,}", r["runs"],
             _duration(r["here_hours"]), r["here"], _duration(r["gpu_hours"]))))
     console = Console(highlight=False)
+    console.width = max(console.width, 120)  # a log file gets the whole table
     console.print(table)
     console.print(Text("training only: the data stage, packing and measuring come on top; a GPU figure is "
                        "kiln plan's (datasheet peak x plan.mfu), one run after another"))
