@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ablate_data import GATES_OFF, junk, prose, questions, vocabulary, write_jsonl
 from conftest import ROOT
@@ -316,6 +318,30 @@ def test_bad_input_is_one_line_before_any_work(corpus, case, capsys):
     assert err.count("\n") == 1 and err.startswith("kiln: error: "), err
     assert message.format(corpus=corpus) in err, err
     assert not (corpus / f"out-{path.stem}").exists()
+
+
+VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.text(max_size=8), st.lists(st.integers(0, 9),
+                                                                                          max_size=3))
+KEYS = st.sampled_from(["base", "out_dir", "seeds", "baseline", "arms", "eval", "proxy", "proxy_tokens", "statistics",
+                        "name", "set", "text", "tasks", "bogus"])
+TREES = st.recursive(VALUES, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                     st.dictionaries(KEYS, inner, max_size=5)), max_leaves=12)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tree=st.dictionaries(KEYS, TREES, max_size=8))
+def test_any_ablation_file_is_read_or_refused_in_one_line(corpus, tree):
+    """Hostile or broken ablation files (random keys, values and nesting): a ConfigError naming the file, or a
+    valid spec; never a traceback."""
+    from kiln.ablate.spec import read_spec
+    from kiln.errors import ConfigError
+
+    path = corpus / "random.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    try:
+        read_spec(path)
+    except ConfigError as exc:
+        assert "\n" not in str(exc) and (str(path) in str(exc) or "config file" in str(exc)), str(exc)
 
 
 def test_an_eval_set_inside_an_arms_training_data_is_one_line_after_the_data_stage(corpus, capsys):
