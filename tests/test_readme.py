@@ -9,7 +9,7 @@ Each fenced block's info string says what happens to it (README.md, "Development
 - `sh dry-run`: `make -n TARGET` (running the test suite from a test would recurse);
 - `sh cluster`: needs GPUs, several nodes or a cluster service: every `kiln` subcommand and `KEY=VALUE` key
   in it must exist;
-- `yaml`: a config snippet, validated against the config's types.
+- `yaml`: a config snippet, validated against the config's types; `yaml ablation`: an ablation file's.
 Any other sh or console block fails the test, so a new command cannot slip in unchecked.
 """
 
@@ -28,6 +28,7 @@ import yaml
 from pydantic import BaseModel
 
 from conftest import ROOT
+from kiln.ablate.spec import AblationSpec
 from kiln.cli import build_parser
 from kiln.config import Config, build_config, load_config
 
@@ -146,6 +147,8 @@ def test_readme_commands_run_on_the_bundled_sample(sandbox):
                                capture_output=True)
         elif info == "yaml":
             build_config(yaml.safe_load(body))
+        elif info == "yaml ablation":
+            AblationSpec(**yaml.safe_load(body))
     assert ran >= 5
     assert (sandbox / "out" / "tiny" / "run" / "report.html").is_file()
     assert (sandbox / "out" / "tiny" / "hf" / "model.safetensors").is_file()

@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 
 from kiln import __version__
-from kiln.commands import data, flow, ops, train
+from kiln.commands import ablate, data, flow, ops, train
 from kiln.errors import IntegrityError, KilnError
 
 # The commands in the order `kiln --help` lists them: each adds its parser (kiln/commands/).
 COMMANDS = (flow.add_run, data.add_data, data.add_tokenizer, data.add_pack, train.add_train, train.add_eval,
             train.add_generate, train.add_ckpt, data.add_shards, ops.add_doctor, ops.add_preflight, ops.add_plan,
-            ops.add_config, ops.add_report, train.add_export, train.add_import)
+            ops.add_config, ops.add_report, train.add_export, train.add_import, ablate.add_ablate)
 OVERRIDES_HELP = ("config overrides, e.g. train.lr=3e-4 (or --set KEY=VALUE, or every word after --); "
                   "`kiln config show CONFIG` lists the keys")
 

@@ -13,7 +13,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
@@ -716,63 +716,88 @@ class Config(Section):
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     """["train.lr=3e-4", "seed=1"] -> {"train": {"lr": 3e-4}, "seed": 1} (values parsed as YAML)."""
-    tree: dict[str, Any] = {}
+    items, typed = {}, {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {pair!r} is not KEY=VALUE; write e.g. train.max_steps=20")
+        typed[key.strip()] = pair
+        try:
+            items[key.strip()] = parse_yaml(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            items[key.strip()] = raw
+    return dotted_tree(items, typed)
+
+
+def dotted_tree(items: dict[str, Any], typed: dict[str, str] | None = None) -> dict[str, Any]:
+    """{"train.lr": 3e-4, "seed": 1} -> {"train": {"lr": 3e-4}, "seed": 1}: dotted keys with typed values
+    (an ablation arm's `set:`), as the nested tree `build_config` merges; `typed`: how the user wrote each key."""
+    tree: dict[str, Any] = {}
+    for key, value in items.items():
         node = tree
-        parts = key.strip().split(".")
+        parts = str(key).split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"override {pair!r}: {part!r} is a value, not a section")
-        try:
-            node[parts[-1]] = parse_yaml(raw) if raw.strip() else None
-        except yaml.YAMLError:
-            node[parts[-1]] = raw
+                raise ConfigError(f"override {(typed or {}).get(key, key)!r}: {part!r} is a value, not a section")
+        node[parts[-1]] = value
     return tree
 
 
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `extra`'s keys set over it, section by section."""
     out = dict(base)
     for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
-def _section_at(loc: tuple) -> type[BaseModel] | None:
-    model: type[BaseModel] | None = Config
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The section class a field holds: itself, or inside list[...], dict[str, ...] or Optional[...]."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        if (model := _model_of(arg)) is not None:
+            return model
+    return None
+
+
+def _section_at(loc: tuple, root: type[BaseModel] = None) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = root or Config
     for part in loc:
+        if part.isdigit():  # an item of a list of sections: the same section
+            continue
         field = model.model_fields.get(part) if model else None
-        ann = field.annotation if field else None
-        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        model = _model_of(field.annotation) if field else None
     return model
 
 
-def _explain(err: ValidationError) -> str:
+def explain_error(err: ValidationError, root: type[BaseModel] = None, noun: str = "config key") -> str:
+    """One line for the first error: an unknown key with the closest valid one, or the bad value and why."""
     first = err.errors()[0]
     loc = tuple(str(p) for p in first["loc"])
     key = ".".join(loc) or "(top level)"
     if first["type"] == "extra_forbidden":
-        parent = _section_at(loc[:-1])
+        parent = _section_at(loc[:-1], root)
         names = list(parent.model_fields if parent else {})
         close = difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.5)
         hint = f"did you mean {'.'.join(loc[:-1] + (close[0],))}?" if close else f"valid keys here: {', '.join(names)}"
-        return f"unknown config key {key!r}: {hint}"
+        return f"unknown {noun} {key!r}: {hint}"
+    if not loc and first["type"] == "value_error":  # a check across keys says which keys itself
+        return first["msg"].removeprefix("Value error, ")
     more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
     got = f"; got {first['input']!r}" if "input" in first and not isinstance(first["input"], dict) else ""
-    return f"bad value for config key {key!r}: {first['msg']}{got}{more}"
+    return f"bad value for {noun} {key!r}: {first['msg']}{got}{more}"
 
 
 def build_config(data: dict[str, Any], overrides: list[str] | None = None) -> Config:
     """`data` as given; relative paths in `overrides` (typed by a user) are made absolute against the working
     directory, so a saved config.yaml means the same wherever it is read."""
-    merged = _merge(data, resolve_paths(parse_overrides(overrides or []), Path.cwd()))
+    merged = merge(data, resolve_paths(parse_overrides(overrides or []), Path.cwd()))
     try:
         return Config(**merged)
     except ValidationError as err:
-        raise ConfigError(_explain(err)) from None
+        raise ConfigError(explain_error(err)) from None
 
 
 # Config keys holding paths ("[]" = each item; "[].path" = each item's `path`). In a config file, a relative
@@ -814,10 +839,8 @@ def resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
     return data
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Load a YAML config (or defaults when path is None) and apply dotted overrides."""
-    if path is None:
-        return build_config({}, overrides)
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML config file as a mapping, its relative paths made relative to its folder (one line on any error)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist; pass a YAML file such as examples/tiny.yaml")
@@ -830,4 +853,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys, got {type(data).__name__}")
-    return build_config(resolve_paths(data, path.resolve().parent), overrides)
+    return resolve_paths(data, path.resolve().parent)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML config (or defaults when path is None) and apply dotted overrides."""
+    return build_config({} if path is None else read_config_file(path), overrides)

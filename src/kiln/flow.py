@@ -59,7 +59,9 @@ def run_data_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
 
 def run_tokenizer_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
     docs, out = cfg.out / "docs", cfg.out / "tokenizer"
-    if few := few_documents_message(json.loads((docs / "stats.json").read_text()), docs):
+    # The user's own tokenizer needs no documents: an out_dir with no docs/ (an ablation's run) gets it too.
+    if (not cfg.tokenizer.path or (docs / "stats.json").is_file()) and \
+            (few := few_documents_message(json.loads((docs / "stats.json").read_text()), docs)):
         raise KilnError(few)
     if cfg.tokenizer.path:  # the user's own: committed as it is, with the names of its special tokens
         fp = _hash(tokenizer_sha256(cfg.tokenizer.path), cfg.section_hash("tokenizer"))

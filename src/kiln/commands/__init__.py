@@ -6,4 +6,5 @@ adders in the order `kiln --help` shows them; a new command is an adder and a ru
   data.py   data (explain, classifier train), tokenizer train, pack, shards verify / inspect
   train.py  train, eval, generate, ckpt verify / list, export, import
   ops.py    doctor, preflight, plan, config show, report
+  ablate.py ablate (and ablate report)
 """

@@ -1,0 +1,73 @@
+"""One run of an ablation measured, per eval unit, on its final checkpoint (what the statistics resample).
+
+- Text sets: each document's summed loss in bits. Its tokens follow an <|eos|> as in training and are cut into
+  windows of pack.seq_len + 1 tokens sharing one token with the next (`kiln.eval.text_windows`), so every token
+  is predicted once; bits per byte of a set is the sum over its documents of bits over the sum of their UTF-8
+  bytes (tokenizer-independent; every arm shares the tokenizer anyway).
+- Tasks: for every question, whether lm-eval's `acc`, `acc_norm` and `acc_bytes` pick the right choice
+  (kiln.eval.mc).
+- The final validation loss, as the training loop measured it at its last step (the checkpoint's history).
+
+Everything runs on the CPU in fp32 (or the first GPU when there is one), windows in batches of 16. Memory: the
+model, and one eval set's token windows (an eval set is a benchmark's size, held whole by kiln.ablate.evalsets).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kiln.eval import load_eval_model, row_losses, text_windows
+from kiln.tokenizer import EOS, eos_id
+
+BATCH = 16
+
+
+@torch.no_grad()
+def document_bits(model, tok, eos: int, texts: list[str], seq_len: int, device: torch.device) -> np.ndarray:
+    """Each document's summed next-token loss in bits (its first token predicted from <|eos|>)."""
+    windows: list[tuple[int, list[int]]] = []
+    for k, text in enumerate(texts):
+        ids = [eos] + tok.encode(text, add_special_tokens=False).ids
+        windows += [(k, w[0].tolist()) for w in text_windows(ids, seq_len + 1)]
+    bits = np.zeros(len(texts))
+    for start in range(0, len(windows), BATCH):
+        chunk = windows[start:start + BATCH]
+        width = max(len(w) for _, w in chunk)
+        batch = torch.zeros(len(chunk), width, dtype=torch.long)
+        for i, (_, w) in enumerate(chunk):
+            batch[i, :len(w)] = torch.tensor(w)
+        lengths = torch.tensor([len(w) for _, w in chunk])
+        nats = row_losses(model, batch.to(device), lengths.to(device)).double().cpu().numpy()
+        np.add.at(bits, [k for k, _ in chunk], nats / math.log(2))
+    return bits
+
+
+def task_hits(model, tok, questions: list, seq_len: int, device: torch.device, eos_token: str) -> dict[str, list]:
+    """Per question, 1.0 when the metric picks the right choice: {"acc": [...], "acc_norm": [...], ...}
+    (kiln.eval.mc.question_results, lm-eval's definitions)."""
+    from kiln.eval.mc import METRICS, question_results
+
+    results = question_results(model, tok, questions, seq_len, device, eos_token=eos_token)
+    return {metric: [float(r.correct(metric)) for r in results] for metric in METRICS}
+
+
+def measure_checkpoint(checkpoint: Path, sets: list, keep: dict[str, list[int]]) -> dict[str, Any]:
+    """{"text": {set: {"bits": [...]}}, "tasks": {task: {metric: [...]}}} over the kept units of each set."""
+    model, tok, cfg = load_eval_model(checkpoint)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device)
+    eos = eos_id(tok, cfg.tokenizer.eos_token or EOS)
+    out: dict[str, Any] = {"text": {}, "tasks": {}}
+    for s in sets:
+        if s.kind == "text":
+            bits = document_bits(model, tok, eos, [s.texts[i] for i in keep[s.name]], cfg.pack.seq_len, device)
+            out["text"][s.name] = {"bits": bits.tolist()}
+        else:
+            out["tasks"][s.name] = task_hits(model, tok, [s.questions[i] for i in keep[s.name]], cfg.pack.seq_len,
+                                             device, cfg.tokenizer.eos_token)
+    return out
