@@ -128,10 +128,37 @@ def test_gopher_quality_is_the_word_by_word_gate(text, lang, min_words, min_stop
 
 
 @settings(max_examples=150, deadline=None)
-@given(text=texts)
-def test_language_id_is_fast_langdetects(text):
-    from kiln.data.language import _detector, detect_language
+@given(text=st.lists(texts, max_size=40).map(" ".join), max_chars=st.sampled_from([80, 200, 1000, 2000]))
+def test_language_id_is_fast_langdetects_on_the_sample(text, max_chars):
+    from kiln.data.language import _detector, detect_language, language_sample
 
     text = text.encode("utf-8", "replace").decode()  # fastText takes no lone surrogates, either way
-    best = _detector(2000, None).detect(" ".join(text[:4000].split()), k=1)[0]
-    assert detect_language(text) == (best["lang"], float(best["score"]))
+    best = _detector(max_chars, None).detect(language_sample(text, max_chars), k=1)[0]
+    assert detect_language(text, max_chars) == (best["lang"], float(best["score"]))
+
+
+@many
+@given(text=st.lists(texts, max_size=60).map(" ".join), max_chars=st.integers(80, 3000))
+def test_language_sample_is_bounded_windows_spread_over_the_text(text, max_chars):
+    from kiln.data.language import SAMPLE_WINDOW, language_sample
+
+    sample = language_sample(text, max_chars)
+    if len(text) <= max_chars:  # a short text is read whole, as before
+        assert sample == " ".join(text.split())
+        return
+    k = max(1, max_chars // SAMPLE_WINDOW)
+    width = max_chars // k
+    starts = [i * (len(text) - width) // (k - 1) if k > 1 else 0 for i in range(k)]
+    windows = [" ".join(text[a:a + width].split()) for a in starts]
+    assert sample == " ".join(windows)
+    assert len(sample) <= max_chars + k - 1 and starts[0] == 0 and (k == 1 or starts[-1] + width == len(text))
+
+
+def test_language_sample_reads_the_middle_and_the_end_of_a_long_page():
+    from kiln.data.language import detect_language, language_sample
+
+    english = "The package manager installs the programs and keeps them up to date on the system. " * 3
+    german = "Der Paketmanager installiert die Programme und hält sie auf dem System aktuell. " * 40
+    sample = language_sample(english + german, 1000)
+    assert sample.startswith("The package") and sample.rstrip().endswith("System aktuell.")
+    assert detect_language(english + german)[0] == "de"  # an English opening does not decide a German page
