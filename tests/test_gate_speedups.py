@@ -5,6 +5,7 @@ every kind of whitespace, lone surrogates, empty text, very long lines, and the 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import gates_reference as ref
 from hypothesis import HealthCheck, given, settings
@@ -162,3 +163,46 @@ def test_language_sample_reads_the_middle_and_the_end_of_a_long_page():
     sample = language_sample(english + german, 1000)
     assert sample.startswith("The package") and sample.rstrip().endswith("System aktuell.")
     assert detect_language(english + german)[0] == "de"  # an English opening does not decide a German page
+
+
+def _ngram_answers(words: list[str], n: int) -> tuple[int, int, int]:
+    """By brute force: the top n-gram's count times characters (0 without a repeat), the duplicated n-grams'
+    characters (datatrove's walk), and the characters the repeats of earlier n-grams cover."""
+    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    counts = Counter(grams)
+    top = max(counts.values(), default=0)
+    top_chars = top * max(sum(map(len, g)) for g, c in counts.items() if c == top) if top >= 2 else 0
+    seen, dup, i = set(), 0, 0
+    while i < len(grams):
+        if grams[i] in seen:
+            dup, i = dup + sum(map(len, grams[i])), i + n
+        else:
+            seen.add(grams[i])
+            i += 1
+    earlier, covered = set(), set()
+    for i, g in enumerate(grams):
+        if g in earlier:
+            covered.update(range(i, i + n))
+        earlier.add(g)
+    return top_chars, dup, sum(len(words[k]) for k in covered)
+
+
+@many
+@given(words=st.lists(st.one_of(st.sampled_from(["a", "bb", "ccc", "dd"]), _word), max_size=400),
+       n=st.integers(1, 8), before=st.lists(st.integers(1, 7), max_size=3), per_ngram=st.sampled_from([1, 8]))
+def test_ngram_groups_leave_out_only_ngrams_that_occur_once(words, n, before, per_ngram):
+    # the bucket filter on at every size, with one bucket per n-gram (many shared by n-grams that occur once)
+    # or the default 8: every rule's answer is the one over all positions
+    real = gopher._SORT_ALL, gopher._BUCKETS_PER_NGRAM
+    gopher._SORT_ALL, gopher._BUCKETS_PER_NGRAM = 0, per_ngram
+    try:
+        expected = _ngram_answers(words, n)
+        answers = []
+        for measure in (gopher._top_ngram_chars, gopher._duplicated_ngram_chars, gopher._repeats_cover):
+            g = gopher._Grams(words)
+            for k in sorted(before):  # the shorter n-grams grouped first restrict the positions, as in the gate
+                gopher._top_ngram_chars(g, k)
+            answers.append(measure(g, n))
+    finally:
+        gopher._SORT_ALL, gopher._BUCKETS_PER_NGRAM = real
+    assert tuple(answers) == expected

@@ -172,7 +172,10 @@ class _Grams:
 
     def groups(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(positions, first, inverse, counts) as np.unique gives them for the n-grams at `positions`: every
-        n-gram that can repeat (all of them, or those whose shorter n-gram, grouped before, repeats)."""
+        n-gram that can repeat (all of them, or those whose shorter n-gram, grouped before, repeats), less most
+        of those that occur once. These are found without sorting: an n-gram alone in its bucket of a table of
+        `_BUCKETS_PER_NGRAM` buckets per n-gram (one bincount) occurs once. Every occurrence of a repeated n-gram
+        stays, so each rule's answer is the one over all positions."""
         m = len(self.ids) - n + 1
         shorter = [k for k in self._repeated if k < n]
         if m <= 0:
@@ -182,8 +185,13 @@ class _Grams:
             pos = pos[pos < m]
         else:
             pos = np.arange(m)
-        _, first, inverse, counts = np.unique(self.hashes(n, pos), return_index=True, return_inverse=True,
-                                              return_counts=True)
+        hashes = self.hashes(n, pos)
+        if len(pos) > _SORT_ALL:  # leave out n-grams alone in their bucket: they occur once, so no rule needs them
+            bits = (_BUCKETS_PER_NGRAM * len(pos)).bit_length()
+            bucket = (hashes >> np.uint64(64 - bits)).astype(np.intp)
+            shared = np.bincount(bucket, minlength=1 << bits)[bucket] > 1
+            pos, hashes = pos[shared], hashes[shared]
+        _, first, inverse, counts = np.unique(hashes, return_index=True, return_inverse=True, return_counts=True)
         self._repeated[n] = pos[counts[inverse] > 1]
         return pos, first, inverse, counts
 
@@ -193,6 +201,8 @@ class _Grams:
 
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
+_SORT_ALL = 64  # n-grams sorted as they are; above this many, those alone in their bucket are left out first
+_BUCKETS_PER_NGRAM = 8  # so ~12% of the n-grams that occur once share a bucket and are sorted anyway
 
 
 def _top_ngram_chars(g: _Grams, n: int) -> int:
