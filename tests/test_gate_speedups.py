@@ -11,7 +11,7 @@ import gates_reference as ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kiln.config import C4Config, GopherQualityConfig, GopherRepetitionConfig
+from kiln.config import C4Config, GopherQualityConfig, GopherRepetitionConfig, PiiConfig
 from kiln.data.gates import gopher, noise, pii, residue
 from kiln.data.gates.c4 import c4_lines
 from kiln.data.gates.text import ALPHA, CJK, HEX, LETTER, TextView, code_lines, duplicates, word_count
@@ -76,6 +76,20 @@ def test_noise_finds_the_same_suspect_lines(text, long):
 @given(text=texts)
 def test_emails_are_redacted_as_one_regex_over_the_text_would(text):
     assert pii._redact_emails(text, "<E@M\n>") == ref.redact_emails(text, "<E@M\n>")
+
+
+_DIGITS = ["1", "12", "255", "256", "8", "٣", "१२", "𝟖", "."]  # ASCII, Arabic-Indic, Devanagari and math digits
+
+
+@many
+@given(text=st.lists(st.one_of(texts, st.lists(st.sampled_from(_DIGITS), max_size=12).map("".join)),
+                     max_size=6).map("".join))
+def test_pii_is_one_regex_pass_over_the_text(text):
+    # the IPv4 regex runs only on lines with three digit-dot-digit places, the e-mail one on lines with an "@"
+    edit = pii.redact_pii(PiiConfig())(TextView(text))
+    text_now, emails, ips = ref.redact_pii(text, PiiConfig().email_replacement, PiiConfig().ip_replacement)
+    got = (text, {}) if edit is None else (edit.text, edit.counts)
+    assert got == (text_now, {k: v for k, v in (("pii_emails", emails), ("pii_ips", ips)) if v})
 
 
 @many

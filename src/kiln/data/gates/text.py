@@ -84,9 +84,9 @@ def paragraphs(text: str) -> list[str]:
 
 
 # bits of `char_flags`: str.isspace (what str.split splits on), str.isalpha, re's [^\W\d_] (a letter to
-# Gopher's "word with a letter"), Han/kana (_CJK_CHAR), what a hex dump's groups are made of, "\n", and
-# str.isalnum
-SPACE, ALPHA, LETTER, CJK, HEX, NEWLINE, ALNUM = 1, 2, 4, 8, 16, 32, 64
+# Gopher's "word with a letter"), Han/kana (_CJK_CHAR), what a hex dump's groups are made of, "\n",
+# str.isalnum, and re's \d (str.isdecimal)
+SPACE, ALPHA, LETTER, CJK, HEX, NEWLINE, ALNUM, DIGIT = 1, 2, 4, 8, 16, 32, 64, 128
 _LETTER_RE = re.compile(r"[^\W\d_]")
 _HEX_CHARS = frozenset("0123456789abcdefABCDEF:")
 
@@ -94,7 +94,7 @@ _HEX_CHARS = frozenset("0123456789abcdefABCDEF:")
 def _flags_of(c: str) -> int:
     return (SPACE * c.isspace() | ALPHA * c.isalpha() | LETTER * (_LETTER_RE.match(c) is not None)
             | CJK * (_CJK_CHAR.match(c) is not None) | HEX * (c in _HEX_CHARS) | NEWLINE * (c == "\n")
-            | ALNUM * c.isalnum())
+            | ALNUM * c.isalnum() | DIGIT * c.isdecimal())
 
 
 @lru_cache(maxsize=1)
@@ -103,10 +103,16 @@ def _bmp_flags() -> np.ndarray:
     return np.fromiter((_flags_of(chr(c)) for c in range(0x10000)), dtype=np.uint8, count=0x10000)
 
 
-def char_flags(text: str) -> np.ndarray:
+def code_points(text: str) -> np.ndarray:
+    """Each character's code point (uint32, one per character)."""
+    return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+
+
+def char_flags(text: str, codes: np.ndarray | None = None) -> np.ndarray:
     """`_flags_of` each character of `text` (uint8, one per character): a table lookup, in numpy; the few
-    characters beyond the BMP (emoji, rare scripts; never whitespace) are asked one by one."""
-    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    characters beyond the BMP (emoji, rare scripts; never whitespace) are asked one by one. `codes`: its
+    `code_points`, when known."""
+    codes = code_points(text) if codes is None else codes
     beyond = np.flatnonzero(codes > 0xFFFF)
     if not len(beyond):
         return _bmp_flags()[codes]
@@ -140,7 +146,7 @@ class TextView:
     """
 
     __slots__ = ("text", "lang", "_raw_lines", "_stripped", "_lines", "_words", "_paragraphs", "_spaceless",
-                 "_visible", "_code", "_prose_lines", "_prose_words", "_has_cjk", "_flags", "_tokens")
+                 "_visible", "_code", "_prose_lines", "_prose_words", "_has_cjk", "_flags", "_tokens", "_codes")
 
     def __init__(self, text: str, lang: str | None = None, raw_lines: list[str] | None = None,
                  code: list[bool] | None = None, stripped: list[str] | None = None) -> None:
@@ -150,7 +156,7 @@ class TextView:
         self._raw_lines, self._code, self._stripped = raw_lines, code, stripped
         self._lines = self._words = self._paragraphs = None
         self._spaceless = self._visible = self._prose_lines = self._prose_words = self._has_cjk = None
-        self._flags = self._tokens = None
+        self._flags = self._tokens = self._codes = None
 
     @property
     def raw_lines(self) -> list[str]:
@@ -217,18 +223,30 @@ class TextView:
         return self._prose_words
 
     @property
+    def codes(self) -> np.ndarray:
+        """`code_points(text)`."""
+        if self._codes is None:
+            self._codes = code_points(self.text)
+        return self._codes
+
+    @property
     def char_flags(self) -> np.ndarray:
-        """`char_flags(text)`: the SPACE, ALPHA, LETTER, CJK, HEX, NEWLINE and ALNUM bits of each character."""
+        """`char_flags(text)`: the SPACE, ALPHA, LETTER, CJK, HEX, NEWLINE, ALNUM and DIGIT bits of each
+        character."""
         if self._flags is None:
-            self._flags = char_flags(self.text)
+            self._flags = char_flags(self.text, self.codes)
         return self._flags
 
     @property
     def token_bounds(self) -> tuple[np.ndarray, np.ndarray]:
         """(starts, ends): character offsets of the whitespace-separated tokens (`text.split()`), in order."""
         if self._tokens is None:
-            solid = np.concatenate([[0], (self.char_flags & SPACE) == 0, [0]]).astype(np.int8)
-            edges = np.flatnonzero(np.diff(solid))
+            solid = (self.char_flags & SPACE) == 0
+            edges = np.flatnonzero(solid[1:] != solid[:-1]) + 1  # where a token starts or ends inside the text
+            if len(solid) and solid[0]:
+                edges = np.concatenate([[0], edges])
+            if len(solid) and solid[-1]:
+                edges = np.concatenate([edges, [len(solid)]])
             self._tokens = edges[0::2], edges[1::2]
         return self._tokens
 
