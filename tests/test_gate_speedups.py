@@ -4,6 +4,7 @@ every kind of whitespace, lone surrogates, empty text, very long lines, and the 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 
@@ -213,10 +214,25 @@ def test_ngram_groups_leave_out_only_ngrams_that_occur_once(words, n, before, pe
         expected = _ngram_answers(words, n)
         answers = []
         for measure in (gopher._top_ngram_chars, gopher._duplicated_ngram_chars, gopher._repeats_cover):
-            g = gopher._Grams(words)
+            g = gopher._Grams.of_words(words)
             for k in sorted(before):  # the shorter n-grams grouped first restrict the positions, as in the gate
                 gopher._top_ngram_chars(g, k)
             answers.append(measure(g, n))
     finally:
         gopher._SORT_ALL, gopher._BUCKETS_PER_NGRAM = real
     assert tuple(answers) == expected
+
+
+@many
+@given(text=texts)
+def test_token_ids_are_equal_exactly_for_equal_tokens_and_the_grams_read_the_prose_words(text):
+    view = TextView(text)
+    tokens = text.split()
+    ids = view.token_ids.tolist()
+    assert len(ids) == len(tokens)
+    assert len(set(zip(tokens, ids))) == len(set(tokens)) == len(set(ids))  # a bijection between them
+    grams, words = gopher._Grams.of_view(view), view.prose_words or view.words
+    assert grams.cum.tolist() == [0, *itertools.accumulate(map(len, words))]
+    by_word = gopher._Grams.of_words(words)
+    assert [a == b for a in grams.ids.tolist() for b in grams.ids.tolist()] == \
+        [a == b for a in by_word.ids.tolist() for b in by_word.ids.tolist()]

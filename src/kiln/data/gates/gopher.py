@@ -143,13 +143,34 @@ class _Grams:
     to know of it. Memory: a few arrays of the document's word count.
     """
 
-    def __init__(self, ws: list[str]) -> None:
-        # a word's id is its str hash (computed in C, cached on the string): only equality matters, and the
-        # rules' answers depend on positions, not on the ids' values, so they are the same in every process
-        self.ids = np.fromiter(map(hash, ws), dtype=np.int64, count=len(ws)).view(np.uint64)
-        self.cum = np.concatenate([[0], np.cumsum(np.fromiter(map(len, ws), dtype=np.int64, count=len(ws)))])
+    def __init__(self, ids: np.ndarray, lengths: np.ndarray) -> None:
+        # only the ids' equality matters, and the rules' answers depend on positions, not on the ids' values,
+        # so they are the same in every process (the ids are keyed per process, as str hashes are)
+        self.ids = ids
+        self.cum = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
         self._cum_list: list[int] | None = None
         self._repeated: dict[int, np.ndarray] = {}  # n -> positions whose n-gram occurs more than once
+
+    @classmethod
+    def of_words(cls, ws: list[str]) -> "_Grams":
+        """Words as strings: a word's id is its str hash (computed in C)."""
+        return cls(np.fromiter(map(hash, ws), dtype=np.int64, count=len(ws)).view(np.uint64),
+                   np.fromiter(map(len, ws), dtype=np.int64, count=len(ws)))
+
+    @classmethod
+    def of_view(cls, view: TextView) -> "_Grams":
+        """The words the repetition rules read, `view.prose_words or view.words`: without Han/kana those are the
+        whitespace tokens (of the prose lines, when there are code lines and prose), whose ids and lengths
+        numpy finds in the view's characters (`TextView.token_ids`) with no str per word."""
+        if view.has_cjk:  # a Han/kana character is a word of its own
+            return cls.of_words(view.prose_words or view.words)
+        starts, ends = view.token_bounds
+        ids, lengths = view.token_ids, ends - starts
+        if any(view.code):
+            prose = ~np.array(view.code, dtype=bool)[view.token_lines]
+            if prose.any():
+                ids, lengths = ids[prose], lengths[prose]
+        return cls(ids, lengths)
 
     @property
     def cum_list(self) -> list[int]:
@@ -283,7 +304,7 @@ def gopher_repetition(cfg) -> Gate:
         s["dup_line_char_frac"] = ratio(line_chars, total)
         if s["dup_line_char_frac"] > cfg.max_dup_line_char_frac:
             return drop("gopher_dup_line_chars", s, max=cfg.max_dup_line_char_frac)
-        grams = _Grams(view.prose_words or view.words)
+        grams = _Grams.of_view(view)
         word_chars = int(grams.cum[-1])
         scale = cfg.cjk_ngram_scale if view.spaceless else 1
         relax = cfg.code_page_ngram_scale if view.has_code else 1

@@ -25,6 +25,7 @@ between them) is code when at least half of the block's lines are code-shaped, w
 from __future__ import annotations
 
 import re
+import secrets
 from collections import Counter
 from functools import lru_cache
 from itertools import repeat
@@ -139,6 +140,9 @@ def ratio(part: float, whole: float) -> float:
     return round(part / whole, 4) if whole else 0.0
 
 
+_TOKEN_KEY = np.uint64(secrets.randbits(64))
+
+
 class TextView:
     """One version of a document's text, split on demand and at most once per way of splitting it.
 
@@ -251,11 +255,38 @@ class TextView:
         return self._tokens
 
     @property
+    def token_lines(self) -> np.ndarray:
+        """For each whitespace token: the raw line it is on."""
+        starts, _ = self.token_bounds
+        return np.cumsum((self.char_flags & NEWLINE) != 0)[starts]  # newlines before it: a token starts on none
+
+    @property
     def line_token_counts(self) -> np.ndarray:
         """For each raw line: how many whitespace tokens it holds (`len(line.split())`; 0 for a blank line)."""
-        starts, _ = self.token_bounds
-        newlines_before = np.cumsum((self.char_flags & NEWLINE) != 0)[starts]  # a token starts on no newline
-        return np.bincount(newlines_before, minlength=len(self.raw_lines))
+        return np.bincount(self.token_lines, minlength=len(self.raw_lines))
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """For each whitespace token: a 64-bit id, the same for equal tokens and, for two different ones, the same
+        with probability ~2^-64, as their str hashes: the sum over its characters of a mix (splitmix64's, keyed
+        per process as Python keys str hashes) of (code point, place in the token), in numpy instead of a str
+        per token. Ids are compared within the document, never kept."""
+        starts, ends = self.token_bounds
+        if not len(starts):
+            return np.empty(0, dtype=np.uint64)
+        lengths = ends - starts
+        inside = np.flatnonzero((self.char_flags & SPACE) == 0)  # the tokens' characters, token after token
+        x = (inside - np.repeat(starts, lengths)).astype(np.uint64) << np.uint64(21)  # code points are < 2^21
+        x |= self.codes[inside]
+        x ^= _TOKEN_KEY
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+        offsets = np.zeros(len(starts), dtype=np.intp)
+        np.cumsum(lengths[:-1], out=offsets[1:])
+        return np.add.reduceat(x, offsets)
 
     @property
     def line_word_counts(self) -> np.ndarray:
