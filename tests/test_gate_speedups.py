@@ -119,15 +119,16 @@ def repetitive_pages(draw) -> str:
 @many
 @given(text=repetitive_pages(), cjk_scale=st.integers(1, 2), code_scale=st.sampled_from([1.0, 1.5]))
 def test_repetition_bound_changes_no_decision(text, cjk_scale, code_scale):
-    # the one bound over repeated 5-grams must only ever skip pages the per-n rules keep
+    # the bounds (repeated 5-grams' cover, the top n-grams' bucket sums) must only ever skip pages the per-n
+    # rules keep
     cfg = GopherRepetitionConfig(cjk_ngram_scale=cjk_scale, code_page_ngram_scale=code_scale)
     fast = gopher.gopher_repetition(cfg)(text)
-    real = gopher._repeats_cover
-    gopher._repeats_cover = lambda g, n: math.inf
+    real = gopher._repeats_cover, gopher._top_ngram_bound
+    gopher._repeats_cover = gopher._top_ngram_bound = lambda g, n: math.inf
     try:
         slow = gopher.gopher_repetition(cfg)(text)
     finally:
-        gopher._repeats_cover = real
+        gopher._repeats_cover, gopher._top_ngram_bound = real
     assert fast == slow
 
 
@@ -218,9 +219,11 @@ def test_ngram_groups_leave_out_only_ngrams_that_occur_once(words, n, before, pe
             for k in sorted(before):  # the shorter n-grams grouped first restrict the positions, as in the gate
                 gopher._top_ngram_chars(g, k)
             answers.append(measure(g, n))
+        bound = gopher._top_ngram_bound(gopher._Grams.of_words(words), n)
     finally:
         gopher._SORT_ALL, gopher._BUCKETS_PER_NGRAM = real
     assert tuple(answers) == expected
+    assert bound >= expected[0]  # the top n-gram rule's bound: a bucket's characters
 
 
 @many

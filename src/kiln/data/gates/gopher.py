@@ -150,6 +150,7 @@ class _Grams:
         self.cum = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
         self._cum_list: list[int] | None = None
         self._repeated: dict[int, np.ndarray] = {}  # n -> positions whose n-gram occurs more than once
+        self._every: dict[int, np.ndarray] = {}  # n -> the hashes of every n-gram, once asked for
 
     @classmethod
     def of_words(cls, ws: list[str]) -> "_Grams":
@@ -180,11 +181,17 @@ class _Grams:
         return self._cum_list
 
     def hashes(self, n: int, at: np.ndarray | None = None) -> np.ndarray:
-        """Hashes of the n-grams starting at `at` (default: every position)."""
+        """Hashes of the n-grams starting at `at` (default: every position, kept: the (n+1)-grams' are made
+        from them in one pass)."""
         m = len(self.ids) - n + 1
         if m <= 0:
             return np.empty(0, dtype=np.uint64)
-        at = np.arange(m) if at is None else at
+        if at is None or n in self._every:
+            if n not in self._every:
+                shorter = self.hashes(n - 1) if n > 1 else None
+                with np.errstate(over="ignore"):
+                    self._every[n] = (self.ids if shorter is None else shorter[:m] ^ self.ids[n - 1:]) * _MIX
+            return self._every[n] if at is None else self._every[n][at]
         acc = self.ids[at] * _MIX
         with np.errstate(over="ignore"):
             for j in range(1, n):
@@ -235,6 +242,18 @@ def _top_ngram_chars(g: _Grams, n: int) -> int:
     if top < 2:
         return 0
     return int(g.chars(pos[first[counts == top]], n).max()) * int(top)
+
+
+def _top_ngram_bound(g: _Grams, n: int) -> int:
+    """At least `_top_ngram_chars(g, n)`, in one bincount and no sort: all occurrences of an n-gram share a
+    bucket (of at least 2 per n-gram), so the characters a bucket sums hold any n-gram's count times its
+    characters (and a few others'; a page passes the top n-gram rules by far or not at all)."""
+    hashes = g.hashes(n)
+    if not len(hashes):
+        return 0
+    bits = (2 * len(hashes)).bit_length()
+    bucket = (hashes >> np.uint64(64 - bits)).astype(np.intp)
+    return int(np.bincount(bucket, weights=g.chars(np.arange(len(hashes)), n), minlength=1 << bits).max())
 
 
 def _duplicated_ngram_chars(g: _Grams, n: int, at_most: float | None = None) -> int | None:
@@ -308,13 +327,18 @@ def gopher_repetition(cfg) -> Gate:
         word_chars = int(grams.cum[-1])
         scale = cfg.cjk_ngram_scale if view.spaceless else 1
         relax = cfg.code_page_ngram_scale if view.has_code else 1
+        limits = {n: min(1.0, limit * relax) for n, limit in cfg.dup_ngram_max_char_frac.items()}
+        # the duplicated n-gram rules' bound (below) and the top n-grams' (no sort): most pages end here
+        if all(_top_ngram_bound(grams, n * scale) <= limit * word_chars
+               for n, limit in cfg.top_ngram_max_char_frac.items()) and \
+                (not limits or _repeats_cover(grams, min(limits) * scale) <= min(limits.values()) * word_chars):
+            return None
         for n, limit in sorted(cfg.top_ngram_max_char_frac.items()):
             frac = s[f"top_{n}_gram_char_frac"] = ratio(_top_ngram_chars(grams, n * scale), word_chars)
             if frac > limit:
                 return drop("gopher_top_ngram", s, n=n * scale, max=limit)
-        limits = {n: min(1.0, limit * relax) for n, limit in cfg.dup_ngram_max_char_frac.items()}
         if limits and _repeats_cover(grams, min(limits) * scale) <= min(limits.values()) * word_chars:
-            return None  # every duplicated n-gram rule's bound (below) holds: most pages end here, in one pass
+            return None  # every duplicated n-gram rule's bound (below) holds
         bounded = []  # n-grams found within their limit by the bound: walked only if the document is dropped
         for n, limit in sorted(cfg.dup_ngram_max_char_frac.items()):
             limit = min(1.0, limit * relax)
