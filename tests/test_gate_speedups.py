@@ -100,6 +100,16 @@ def test_c4_is_the_line_loop(text, require_punct, min_words, min_sentences):
     assert c4_lines(cfg)(text) == ref.c4_lines(cfg)(text)
 
 
+def test_c4_finds_javascript_and_policy_lines_after_characters_that_grow_when_lower_cased():
+    # U+0130 lower-cases to two characters: the lower-cased text's offsets are no longer the lines'
+    text = "\u0130" * 200 + "\nEnable JavaScript to see this page\n" + "The rest of the page is here, in words. " * 4 \
+        + "\nRead our Privacy Policy and terms of use now\n" + "A closing line of prose that stays in place. " * 3
+    cfg = C4Config(min_words_per_line=1)
+    edit = c4_lines(cfg)(text)
+    assert edit == ref.c4_lines(cfg)(text) and edit.counts == {"c4_lines_removed": 2}
+    assert "JavaScript" not in edit.text and "Privacy" not in edit.text and "The rest" in edit.text
+
+
 _word = st.text("abcdefghijklmnop", min_size=1, max_size=7)
 
 
