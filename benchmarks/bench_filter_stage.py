@@ -92,7 +92,8 @@ def measure(path: Path) -> dict:
 
 def language_accuracy(path: Path) -> dict[str, int]:
     """Labelled pages, how many language ID names right (score >= the threshold) reading the sample and
-    reading the first FIRST_CHARS characters, and on how many the two disagree."""
+    reading the first FIRST_CHARS characters, on how many the two disagree, and how many each keeps (score >=
+    the threshold, whatever the language)."""
     from kiln.config import DataConfig
     from kiln.data.document import ReadReport
     from kiln.data.extract import extract
@@ -100,7 +101,7 @@ def language_accuracy(path: Path) -> dict[str, int]:
     from kiln.data.pipeline import Task, read_task
 
     cfg = DataConfig()
-    out = {"labelled": 0, "sampled": 0, "first": 0, "differ": 0}
+    out = {"labelled": 0, "sampled": 0, "first": 0, "differ": 0, "sampled_kept": 0, "first_kept": 0}
     for doc in extract(read_task(Task(0, str(path)), cfg, ReadReport()), cfg.max_page_bytes, cfg.extractor):
         label = url_lang(doc.url or "")
         if doc.rejection is not None or label is None:
@@ -112,6 +113,8 @@ def language_accuracy(path: Path) -> dict[str, int]:
         out["sampled"] += decided[0] == (label, True)
         out["first"] += decided[1] == (label, True)
         out["differ"] += decided[0] != decided[1]
+        out["sampled_kept"] += decided[0][1]
+        out["first_kept"] += decided[1][1]
     return out
 
 
@@ -216,11 +219,12 @@ def main() -> None:
         missing = [name for name in ("debian-docs", "long-pages") if name not in paths]
         if missing:
             print(f"skipped {', '.join(missing)}: install the packages in benchmarks/debian_docs.py")
-        print(f"\nlanguage ID, labelled pages named right (score >= threshold): "
-              f"the sample it reads / the first {FIRST_CHARS:,} characters (pages where the two disagree)")
+        print(f"\nlanguage ID, labelled pages named right (score >= threshold): the sample it reads / the first "
+              f"{FIRST_CHARS:,} characters (pages where the two disagree; pages kept, any language)")
         for name, path in paths.items():
             a = language_accuracy(path)
-            print(f"{name:<12} {a['labelled']:>5} pages: {a['sampled']} / {a['first']} ({a['differ']} differ)")
+            print(f"{name:<12} {a['labelled']:>5} pages: {a['sampled']} / {a['first']} ({a['differ']} differ; "
+                  f"kept {a['sampled_kept']} / {a['first_kept']})")
         costs = learned_gate_costs(SAMPLE, Path(tmp))
         print("learned gates: " + ("floret not installed" if costs is None else
                                    ", ".join(f"{k} {v:.2f} ms/doc" for k, v in costs.items()) + " (CPU, the sample)"))

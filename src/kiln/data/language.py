@@ -8,7 +8,7 @@ characters spread evenly from its start to its end, `data.lang_max_chars` in all
 fastText's, linear in the characters read, and the same on a 1 KB page and a 1 MB one; spread
 windows also see past a page's opening (a translated page's English title and navigation), so on
 the labelled pages `python -m benchmarks filter_stage` reads they name the language at least as
-often as the first 2,000 characters did, at a third of the cost.
+often as the first 2,000 characters did, at a third of the cost or less.
 """
 
 from __future__ import annotations
