@@ -213,7 +213,7 @@ class _Grams:
             pos = pos[pos < m]
         else:
             pos = np.arange(m)
-        hashes = self.hashes(n, pos)
+        hashes = self.hashes(n, None if len(pos) == m else pos)
         if len(pos) > _SORT_ALL:  # leave out n-grams alone in their bucket: they occur once, so no rule needs them
             bits = (_BUCKETS_PER_NGRAM * len(pos)).bit_length()
             bucket = (hashes >> np.uint64(64 - bits)).astype(np.intp)
@@ -253,7 +253,8 @@ def _top_ngram_bound(g: _Grams, n: int) -> int:
         return 0
     bits = (2 * len(hashes)).bit_length()
     bucket = (hashes >> np.uint64(64 - bits)).astype(np.intp)
-    return int(np.bincount(bucket, weights=g.chars(np.arange(len(hashes)), n), minlength=1 << bits).max())
+    chars = g.cum[n:n + len(hashes)] - g.cum[:len(hashes)]  # g.chars of every n-gram, from slices
+    return int(np.bincount(bucket, weights=chars, minlength=1 << bits).max())
 
 
 def _duplicated_ngram_chars(g: _Grams, n: int, at_most: float | None = None) -> int | None:

@@ -342,9 +342,10 @@ class TextView:
 
     @property
     def has_cjk(self) -> bool:
-        """Any Han or kana at all (one C scan; most documents have none, and then words split in C)."""
+        """Any Han or kana at all (the CJK bit of `char_flags`, which the gates need anyway; most documents have
+        none, and then words split in C)."""
         if self._has_cjk is None:
-            self._has_cjk = _CJK_CHAR.search(self.text) is not None
+            self._has_cjk = bool((self.char_flags & CJK).any())
         return self._has_cjk
 
     @property
