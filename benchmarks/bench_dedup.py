@@ -227,11 +227,17 @@ def corpus(root: Path) -> tuple[Path, dict]:
     return folder, json.loads(truth_path.read_text())
 
 
-def report(name: str, runs: list[dict], truth: dict) -> float:
+def text_megabytes(folder: Path) -> float:
+    """MB of text (UTF-8) in the corpus's documents."""
+    return sum(len(json.loads(line)["text"].encode()) for p in sorted(folder.glob("*.jsonl")) for line in open(p)) / 1e6
+
+
+def report(name: str, runs: list[dict], truth: dict, megabytes: float) -> float:
     docs = truth["documents"]
     rate = statistics.median(docs / r["cpu"] for r in runs)
     recall, precision, any_recall, any_precision = quality(set(runs[0]["removed"]), truth)
-    print(f"{name:28} median {rate:8.1f} docs/s per core (CPU)  recall {recall:.4f}  precision {precision:.4f}  "
+    print(f"{name:28} median {rate:8.1f} docs/s per core (CPU), {rate * megabytes / docs:.2f} MB of text/s  "
+          f"recall {recall:.4f}  precision {precision:.4f}  "
           f"(any survivor: {any_recall:.4f}, {any_precision:.4f})  (runs, CPU s: {[round(r['cpu'], 1) for r in runs]}; "
           f"wall docs/s: {[round(docs / r['seconds'], 1) for r in runs]}; load {os.getloadavg()[0]:.1f})", flush=True)
     return rate
@@ -243,11 +249,12 @@ def main() -> None:
         root = Path(work) if work else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         folder, truth = corpus(root)
-        files = len(list(folder.glob("*.jsonl")))
+        files, megabytes = len(list(folder.glob("*.jsonl"))), text_megabytes(folder)
         near = sum(k.startswith("near") for k in truth["go"])
         print(f"corpus     {CORPUS}, {truth['documents']:,} docs in {files} files: {len(truth['go'])} planted copies "
               f"to remove ({near} near, "
               f"{len(truth['go']) - near} chain and exact), {len(truth['unplanned'])} below Jaccard 0.8 not judged; "
+              f"{megabytes:.1f} MB of text; "
               f"load {os.getloadavg()[0]:.1f}", flush=True)
         peer: list[dict] = []
         thread = None
@@ -261,7 +268,7 @@ def main() -> None:
 
             thread = threading.Thread(target=peers)
             thread.start()
-        rates = {m: report(f"kiln {m}", kiln_runs(folder, root, m), truth) for m in METHODS}
+        rates = {m: report(f"kiln {m}", kiln_runs(folder, root, m), truth, megabytes) for m in METHODS}
         if thread is None:
             print("datatrove  skipped: set DATATROVE_PYTHON to a python with datatrove 0.10.1")
             return
@@ -271,7 +278,7 @@ def main() -> None:
         print("datatrove CPU s by stage (median run):",
               {k: round(statistics.median(r["stages"][k] for r in peer), 1) for k in peer[0]["stages"]},
               f"of which children (its executor's Manager process) {peer[0]['children_cpu']:.1f}")
-        peer_rate = report("datatrove minhash (4 stages)", peer, truth)
+        peer_rate = report("datatrove minhash (4 stages)", peer, truth, megabytes)
         if "minhash" in rates:
             print(f"ratio      kiln minhash / datatrove minhash = {rates['minhash'] / peer_rate:.1f}x per core")
 
