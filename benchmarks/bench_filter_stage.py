@@ -12,7 +12,8 @@ packages are not installed is skipped. `REPEATS` rounds, each measuring every in
 - read + extract: FastWARC records -> resiliparse main-content text (what the stage cannot go faster than);
 - filter stage: read -> extract -> language -> every default gate (`pipeline.process_task`);
 - task: what a data task does with one worker (`pipeline._run_task_once`): the filter stage, then the kept
-  documents' dedup signatures and the zstd JSONL of every outcome.
+  documents' dedup signatures and the zstd JSONL of every outcome; the bytes of the files it leaves in the
+  work folder are printed per document (docs/scale.md sizes a crawl's work folder from them).
 
 The ratios are docs/s of the filter stage (or the task) over docs/s of read + extract (medians), both in CPU
 seconds of this process (`time.process_time`: one worker, and on a shared machine what other processes take
@@ -71,10 +72,12 @@ def measure_once(path: Path) -> dict:
     base = _timed(lambda: sum(1 for _ in extract(read_task(task, cfg, ReadReport()), cfg.max_page_bytes,
                                                  cfg.extractor)))
     full = _timed(lambda: sum(1 for _ in process_task(task, cfg, ReadReport(), timer)))
-    whole = _timed(lambda: _run_task_once(task, cfg)[0])
-    assert base[2] == full[2] == whole[2]["documents"]
+    whole = _timed(lambda: _run_task_once(task, cfg))
+    summary, files = whole[2]
+    assert base[2] == full[2] == summary["documents"]
     return {"docs": base[2], "base": base[:2], "full": full[:2], "task": whole[:2], "steps": timer.own(),
-            "task_steps": whole[2]["steps_s"]}
+            "task_steps": summary["steps_s"], "input_bytes": Path(path).stat().st_size,
+            "work_bytes": {suffix: len(data) for suffix, data in files.items()}}
 
 
 def summarise(rounds: list[dict]) -> dict:
@@ -90,7 +93,9 @@ def summarise(rounds: list[dict]) -> dict:
             # documents at the same moments, so a change of the machine's load between runs does not enter it
             "steps_ratio": statistics.median((r["steps"]["read"] + r["steps"]["extract"]) / sum(r["steps"].values())
                                              for r in rounds),
-            "runs": [round(r["base"][0] / r["full"][0], 3) for r in rounds]}
+            "runs": [round(r["base"][0] / r["full"][0], 3) for r in rounds],
+            "task_docs_s": n / t, "input_kb_per_doc": rounds[0]["input_bytes"] / n / 1e3,
+            "work_kb_per_doc": {k: v / n / 1e3 for k, v in rounds[0]["work_bytes"].items()}}
 
 
 def measure(path: Path) -> dict:
@@ -223,6 +228,13 @@ def main() -> None:
                   f"{r['language_ms_per_doc']:>7.2f} {r['gates_ms_per_doc']:>8.2f}  {r['runs']}; "
                   + " ".join(f"{k}={v:.2f}" for k, v in r["steps_s"].items())
                   + f"; signatures {100 * r['signatures_share']:.0f}% of the task")
+        print("\na task's files in the work folder, KB per document (its WARC.gz input, KB per document; task docs/s "
+              "per CPU second):")
+        for name, rs in rounds.items():
+            r = summarise(rs)
+            print(f"{name:<12} input {r['input_kb_per_doc']:.1f}; task {r['task_docs_s']:.1f} docs/s; "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in r["work_kb_per_doc"].items())
+                  + f"; all {sum(r['work_kb_per_doc'].values()):.2f}")
         missing = [name for name in ("debian-docs", "long-pages") if name not in paths]
         if missing:
             print(f"skipped {', '.join(missing)}: install the packages in benchmarks/debian_docs.py")
