@@ -46,9 +46,9 @@ import numpy as np
 
 from kiln.config import DedupConfig
 from kiln.data.dedup.clusters import PAIR, Clusters, Pair, confirm_band, ledger_rows, name_rows, unique_pairs
-from kiln.data.dedup.exact import text_key
+from kiln.data.dedup.exact import words_key
 from kiln.data.dedup.minhash import MinHasher
-from kiln.data.dedup.shingles import jaccard, shingle_hashes
+from kiln.data.dedup.shingles import hashed_shingles, jaccard, lowered_tokens
 from kiln.data.dedup.simhash import block_keys, hamming_confirm, simhash
 from kiln.data.vouch import matches, record
 
@@ -79,10 +79,12 @@ class Signer:
 
     def add(self, doc_id: str, text: str) -> None:
         self.ids.append(doc_id)
-        self.keys.append(text_key(text))
+        low = text.lower()  # once, for the exact key and the shingles (text_key, shingle_hashes)
+        split = low.split()
+        self.keys.append(words_key(split))
         if self.cfg.method == "none":
             return
-        shingles = shingle_hashes(text, self.cfg.ngram, self.cfg.tokens)
+        shingles = hashed_shingles(lowered_tokens(low, self.cfg.tokens, split), self.cfg.ngram)
         if self.hasher is not None:
             self.near.append(self.hasher.signature(shingles))
             self.shingles.append(shingles)
