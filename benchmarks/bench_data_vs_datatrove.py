@@ -2,6 +2,11 @@
 
     DATATROVE_PYTHON=/path/to/venv/bin/python python -m benchmarks data_vs_datatrove
 
+datatrove's environment (never Kiln's): `python3.11 -m venv DT && DT/bin/pip install 'datatrove[processing]==0.10.1'
+orjson spacy aiohttp python-magic faust-cchardet warcio fasteners fasttext-numpy2-wheel lxml_html_clean resiliparse`
+(without lxml_html_clean trafilatura does not import, and datatrove's extractor then waits out its timeout on
+every page; a run that keeps no document stops the benchmark).
+
 Inputs, the same WARC files for every side: the bundled sample (120 Debian Reference pages in 8 languages)
 copied COPIES times, and the long-pages crawl of benchmarks/debian_docs.py (Debian handbook chapters in 26
 languages, git's and R's manuals, the GNU standards; skipped when its packages are not installed).
@@ -92,7 +97,10 @@ def cpu():
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 t0, c0 = time.perf_counter(), cpu()
 executor.run()
-print(json.dumps({"docs": count["docs"], "seconds": time.perf_counter() - t0, "cpu": cpu() - c0}))
+seconds, used = time.perf_counter() - t0, cpu() - c0
+import glob, gzip
+kept = sum(1 for p in glob.glob(args["tmp"] + "/out/*") for _ in gzip.open(p, "rt"))
+print(json.dumps({"docs": count["docs"], "kept": kept, "seconds": seconds, "cpu": used}))
 '''
 
 KILN = r'''
@@ -135,8 +143,10 @@ def inputs(root: Path) -> dict[str, Path]:
 
 
 def line(name: str, runs: list[dict]) -> float:
+    if not all(r["kept"] for r in runs):
+        raise RuntimeError(f"{name} kept no document in a run: {runs}")
     rate = statistics.median(r["docs"] / r["cpu"] for r in runs)
-    print(f"  {name:<22} {runs[0]['docs']:>5} docs  median {rate:7.1f} docs per CPU second  "
+    print(f"  {name:<22} {runs[0]['docs']:>5} docs, {runs[0]['kept']:>5} kept  median {rate:7.1f} docs per CPU second  "
           f"(runs: {[round(r['docs'] / r['cpu'], 1) for r in runs]}; wall docs/s "
           f"{[round(r['docs'] / r['seconds'], 1) for r in runs]}; load {[r['load'] for r in runs]})", flush=True)
     return rate
