@@ -3,6 +3,10 @@
 Corpus: the synthetic corpus of bench_data_scale (DOCS documents in JSONL files of 5,000, planted
 near copies at word 5-gram Jaccard 0.78-0.97 measured exactly, chains A < B < C, exact copies),
 written once and read by both. Truth as there: a planted copy with Jaccard >= 0.8 must go.
+CORPUS=real: real text instead (benchmarks/real_text.py: the Debian documentation and long-pages crawls cut
+into ~19,000 documents in 26 languages, their own near copies left out, copies planted the same way; DOCS is
+then the corpus's size). Its words are not a 3,000-word vocabulary, so Kiln's per-process cache of token
+hashes no longer always hits.
 
 - Kiln: each file is a task: read its JSONL, `Signer` (exact key, MinHash 20 bands x 6 rows,
   shingles) writes the task's files; then the exact stage, the band stage (candidates confirmed by
@@ -53,6 +57,7 @@ PEER_RUNS = int(os.environ.get("PEER_RUNS", str(RUNS)))  # datatrove takes ~19 C
 # more); Kiln's side stays on one worker
 PEER_WORKERS = int(os.environ.get("PEER_WORKERS", "1"))
 METHODS = os.environ.get("METHODS", "minhash,simhash").split(",")
+CORPUS = os.environ.get("CORPUS", "synthetic")  # or "real": benchmarks/real_text.py
 
 # Each (stage, rank) is one LocalPipelineExecutor run in a worker process, whose CPU seconds are appended to
 # progress.jsonl, so a stopped run redoes only the tasks it was in; skip_completed=False: a task not in
@@ -206,21 +211,36 @@ def quality(removed: set[str], truth: dict) -> tuple[float, float, float, float]
 
 
 def corpus(root: Path) -> tuple[Path, dict]:
-    """The corpus of DOCS documents under `root` and its truth, built unless a finished one is there."""
-    folder, truth_path = root / f"corpus-{DOCS}", root / f"truth-{DOCS}.json"
+    """The corpus under `root` (DOCS synthetic documents, or CORPUS=real's) and its truth, built unless a
+    finished one is there; the truth's "documents" is the corpus's size."""
+    name = "real" if CORPUS == "real" else str(DOCS)
+    folder, truth_path = root / f"corpus-{name}", root / f"truth-{name}.json"
     if not truth_path.exists():  # written last: a corpus without it was interrupted
         shutil.rmtree(folder, ignore_errors=True)
-        truth_path.with_suffix(".part").write_text(json.dumps(build(folder, DOCS)))
+        if CORPUS == "real":
+            from benchmarks.real_text import build as build_real
+
+            truth = build_real(folder)
+        else:
+            truth = build(folder, DOCS) | {"documents": DOCS}
+        truth_path.with_suffix(".part").write_text(json.dumps(truth))
         truth_path.with_suffix(".part").rename(truth_path)
     return folder, json.loads(truth_path.read_text())
 
 
-def report(name: str, runs: list[dict], truth: dict) -> float:
-    rate = statistics.median(DOCS / r["cpu"] for r in runs)
+def text_megabytes(folder: Path) -> float:
+    """MB of text (UTF-8) in the corpus's documents."""
+    return sum(len(json.loads(line)["text"].encode()) for p in sorted(folder.glob("*.jsonl")) for line in open(p)) / 1e6
+
+
+def report(name: str, runs: list[dict], truth: dict, megabytes: float) -> float:
+    docs = truth["documents"]
+    rate = statistics.median(docs / r["cpu"] for r in runs)
     recall, precision, any_recall, any_precision = quality(set(runs[0]["removed"]), truth)
-    print(f"{name:28} median {rate:8.1f} docs/s per core (CPU)  recall {recall:.4f}  precision {precision:.4f}  "
+    print(f"{name:28} median {rate:8.1f} docs/s per core (CPU), {rate * megabytes / docs:.2f} MB of text/s  "
+          f"recall {recall:.4f}  precision {precision:.4f}  "
           f"(any survivor: {any_recall:.4f}, {any_precision:.4f})  (runs, CPU s: {[round(r['cpu'], 1) for r in runs]}; "
-          f"wall docs/s: {[round(DOCS / r['seconds'], 1) for r in runs]}; load {os.getloadavg()[0]:.1f})", flush=True)
+          f"wall docs/s: {[round(docs / r['seconds'], 1) for r in runs]}; load {os.getloadavg()[0]:.1f})", flush=True)
     return rate
 
 
@@ -230,10 +250,12 @@ def main() -> None:
         root = Path(work) if work else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         folder, truth = corpus(root)
-        files = len(list(folder.glob("*.jsonl")))
+        files, megabytes = len(list(folder.glob("*.jsonl"))), text_megabytes(folder)
         near = sum(k.startswith("near") for k in truth["go"])
-        print(f"corpus     {DOCS:,} docs in {files} files: {len(truth['go'])} planted copies to remove ({near} near, "
+        print(f"corpus     {CORPUS}, {truth['documents']:,} docs in {files} files: {len(truth['go'])} planted copies "
+              f"to remove ({near} near, "
               f"{len(truth['go']) - near} chain and exact), {len(truth['unplanned'])} below Jaccard 0.8 not judged; "
+              f"{megabytes:.1f} MB of text; "
               f"load {os.getloadavg()[0]:.1f}", flush=True)
         peer: list[dict] = []
         thread = None
@@ -247,7 +269,7 @@ def main() -> None:
 
             thread = threading.Thread(target=peers)
             thread.start()
-        rates = {m: report(f"kiln {m}", kiln_runs(folder, root, m), truth) for m in METHODS}
+        rates = {m: report(f"kiln {m}", kiln_runs(folder, root, m), truth, megabytes) for m in METHODS}
         if thread is None:
             print("datatrove  skipped: set DATATROVE_PYTHON to a python with datatrove 0.10.1")
             return
@@ -257,7 +279,7 @@ def main() -> None:
         print("datatrove CPU s by stage (median run):",
               {k: round(statistics.median(r["stages"][k] for r in peer), 1) for k in peer[0]["stages"]},
               f"of which children (its executor's Manager process) {peer[0]['children_cpu']:.1f}")
-        peer_rate = report("datatrove minhash (4 stages)", peer, truth)
+        peer_rate = report("datatrove minhash (4 stages)", peer, truth, megabytes)
         if "minhash" in rates:
             print(f"ratio      kiln minhash / datatrove minhash = {rates['minhash'] / peer_rate:.1f}x per core")
 

@@ -1,10 +1,18 @@
 """Real documentation pages from Debian's HTML packages, written as reproducible WARC files.
 
-Used by `python -m benchmarks data_quality` (a multilingual crawl with planted copies and junk) and by
-`scripts/make_docs_fixture.py` (the small tests/data/docs_pages.warc.gz the tests read). The packages:
+Used by `python -m benchmarks data_quality` (a multilingual crawl with planted copies and junk), by
+`python -m benchmarks filter_stage` and by `scripts/make_docs_fixture.py` (the small
+tests/data/docs_pages.warc.gz the tests read). The packages:
 
     apt-get install python3.11-doc maint-guide maint-guide-ja maint-guide-ru maint-guide-zh-cn \\
         debian-faq debian-faq-{de,fr,it,ja,ko,nl,pt,ru,zh-cn} debian-reference-{en,de,fr,es,it,ja,pt,zh-cn}
+
+`LONG_CORPORA`, a crawl of long pages that no gate was tuned on (filter_stage's third input):
+
+    apt-get install debian-handbook git-doc r-doc-html gnu-standards
+
+the Debian Administrator's Handbook's chapter pages in its 26 languages (one page per chapter, 3-90 KB),
+git's manual pages, R's seven manuals and the GNU coding standards (single pages of 0.2-1 MB).
 
 Each page becomes a request and a response record with fixed dates and uuid5 record ids, so the same
 pages give the same bytes (for the same warcio and zlib).
@@ -27,7 +35,19 @@ CORPORA = {
     "debian-reference": ("usr/share/debian-reference/*.*.html", "https://www.debian.org/doc/manuals/debian-reference/"),
     "python": ("usr/share/doc/python3.11/html/*/*.html", "https://docs.python.org/3.11/"),
 }
+# (glob under /, URL prefix, a regex of file names left out): long pages, none of which the gates were tuned on
+LONG_CORPORA = {
+    "debian-handbook": ("usr/share/doc/debian-handbook/html/*/*.html", "https://debian-handbook.info/browse/",
+                        r"sect\."),  # chapter pages; the sect.* pages repeat each chapter's sections
+    "git-doc": ("usr/share/doc/git-doc/*.html", "https://git-scm.com/docs/", None),
+    "r-manuals": ("usr/share/R/doc/manual/*.html", "https://cran.r-project.org/doc/manuals/r-release/", None),
+    "gnu-standards": ("usr/share/doc/gnu-standards/*.html", "https://www.gnu.org/prep/", None),
+}
+# Handbook translations whose chapters are all translated (language ID of the whole text agreed with the folder
+# on 18-21 of the 21 chapter pages); the others' untranslated chapters are English, so their pages get no label.
+HANDBOOK_COMPLETE = {"ar", "ca", "de", "en", "es", "fa", "fr", "id", "it", "ja", "nb", "pt", "ru"}
 _LANG = re.compile(r"\.([a-z]{2}(?:-[a-z]{2})?)\.html$")
+_HANDBOOK_LANG = re.compile(r"/browse/([a-z]{2})-[A-Z]{2}/")
 START = datetime(2026, 11, 1, tzinfo=UTC)
 NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://kiln.invalid/debian-docs")
 
@@ -38,15 +58,35 @@ def page_lang(path: Path) -> str:
     return m.group(1).split("-")[0] if m else "en"
 
 
+def url_lang(url: str) -> str | None:
+    """The language of a page of these crawls, from its URL, as language ID names it (nb -> no); None for a
+    handbook page of an incomplete translation (`HANDBOOK_COMPLETE`)."""
+    m = _HANDBOOK_LANG.search(url)
+    if m:
+        return {"nb": "no"}.get(m.group(1), m.group(1)) if m.group(1) in HANDBOOK_COMPLETE else None
+    m = _LANG.search(url)
+    return m.group(1).split("-")[0] if m else "en"
+
+
 def page_url(path: Path, corpus: str) -> str:
-    prefix = CORPORA[corpus][1]
+    prefix = {**CORPORA, **LONG_CORPORA}[corpus][1]
     if corpus == "python":
         return prefix + "/".join(path.parts[-2:])
+    if corpus == "debian-handbook":
+        return f"{prefix}{path.parent.name}/stable/{path.name}"
     return prefix + path.name
 
 
 def find_pages(corpus: str, root: Path = Path("/")) -> list[Path]:
-    return sorted(p for p in root.glob(CORPORA[corpus][0]) if p.is_file())
+    pattern, _, *skip = {**CORPORA, **LONG_CORPORA}[corpus]
+    leave_out = re.compile(skip[0]) if skip and skip[0] else None
+    return sorted(p for p in root.glob(pattern) if p.is_file() and not (leave_out and leave_out.match(p.name)))
+
+
+def crawl(corpora: dict, out: Path, min_pages: int = 200) -> Path | None:
+    """A WARC of every page of `corpora` (None when fewer than `min_pages` are installed)."""
+    pages = [(page_url(p, c), p.read_bytes()) for c in corpora for p in find_pages(c)]
+    return write_warc(out, pages) if len(pages) >= min_pages else None
 
 
 def write_warc(out: Path, pages: list[tuple[str, bytes]], content_type: str = "text/html; charset=utf-8") -> Path:

@@ -55,3 +55,47 @@ def test_merge_steps_cut_the_top_fraction_after_dedup_numbers_the_kept_documents
     why = [d.rejection and d.rejection.reason for d in out]
     assert why == ["too_short", "classifier_below_top_fraction", None, "exact_duplicate"]
     assert [s.name for s in merge_steps(verdicts, 0, [{}])] == ["dedup"]
+
+
+class Recorder:
+    """A step that notes, for each document it passes on, how many documents the source had given by then."""
+
+    name = "recorder"
+
+    def __init__(self, pulls: list[int]):
+        self.pulls, self.seen = pulls, []
+
+    def __call__(self, docs):
+        for d in docs:
+            self.seen.append(len(self.pulls))
+            yield d
+
+
+def test_steps_take_their_documents_in_bounded_batches_and_an_upstream_error_comes_after_its_documents(
+        monkeypatch):
+    import kiln.data.steps as steps_module
+
+    monkeypatch.setattr(steps_module, "BATCH_DOCS", 4)
+    monkeypatch.setattr(steps_module, "BATCH_BYTES", 1000)
+    pulls: list[int] = []
+
+    def source():
+        for i in range(10):
+            pulls.append(i)
+            yield Document(id=f"d{i}", url=None, source="s", offset=i, length=1, text="x" * (1000 if i == 5 else 10))
+        raise RuntimeError("cut input")  # after the 10 documents: every one of them must still come out
+
+    first, second = Recorder(pulls), Recorder(pulls)
+    out = run_steps(source(), [first, second], StepTimer())
+    got = []
+    try:
+        for d in out:
+            got.append(d.id)
+    except RuntimeError as exc:
+        assert str(exc) == "cut input"
+    else:
+        raise AssertionError("the upstream error was lost")
+    assert got == [f"d{i}" for i in range(10)]
+    # a batch closes at 4 documents or at 1,000 bytes of text (d4 + d5): each step ran over a whole batch
+    # before the next step saw any of it
+    assert first.seen == [4, 4, 4, 4, 6, 6, 10, 10, 10, 10] == second.seen

@@ -349,16 +349,27 @@ def test_tokens_fast_path_equals_the_word_split(text):
     assert tokens(text) == words(text.lower())  # the whitespace split is taken only when it gives the same
 
 
-def test_token_hash_cache_is_bounded_and_changes_nothing(monkeypatch):
-    from kiln.data.dedup import shingles
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from(list("ab Z\t\n\u00a0\u3000é東京のカ😀.İΣ") + ["\u2028", "\x1c"]),
+                   max_size=60), mode=st.sampled_from(["auto", "word", "char"]))
+def test_the_signer_hashes_what_text_key_and_shingle_hashes_give(text, mode):
+    # the signer lower-cases and splits once for both; the values must be the functions' own
+    import xxhash
 
-    text = " ".join(f"w{i}" for i in range(500))
-    want = shingle_hashes(text)
-    monkeypatch.setattr(shingles, "TOKEN_CACHE", 64)
-    shingles._TOKEN_HASHES.clear()
-    assert np.array_equal(shingle_hashes(text), want) and len(shingles._TOKEN_HASHES) <= 500
-    shingle_hashes("a b c")
-    assert len(shingles._TOKEN_HASHES) <= 64
+    from kiln.config import DedupConfig
+    from kiln.data.dedup.shingles import tokens
+    from kiln.data.dedup.signatures import Signer
+
+    signer = Signer(DedupConfig(method="minhash", tokens=mode))
+    signer.add("d", text)
+    assert signer.keys == [text_key(text)]
+    files = signer.files()
+    shingles = np.load(io.BytesIO(files["shingles.npy"]))
+    assert np.load(io.BytesIO(files["spans.npy"])).tolist() == [0, len(shingles)]
+    assert np.array_equal(shingles, shingle_hashes(text, 5, mode))
+    toks = tokens(text, mode)
+    if len(toks) == 1:  # one token: its xxh3-64 is the one shingle
+        assert shingles.tolist() == [xxhash.xxh3_64_intdigest(toks[0].encode("utf-8", "surrogatepass"))]
 
 
 def s_curve(s: float, bands: int, rows: int) -> float:

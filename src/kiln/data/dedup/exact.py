@@ -10,7 +10,12 @@ from kiln.data.document import Document
 
 
 def text_key(text: str) -> bytes:
-    return xxhash.xxh3_128_digest(" ".join(text.lower().split()).encode("utf-8", "surrogatepass"))
+    return words_key(text.lower().split())
+
+
+def words_key(words: list[str]) -> bytes:
+    """`text_key` of a text whose lower-cased whitespace split is `words`."""
+    return xxhash.xxh3_128_digest(" ".join(words).encode("utf-8", "surrogatepass"))
 
 
 class ExactDedup:

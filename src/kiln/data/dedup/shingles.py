@@ -21,33 +21,34 @@ MULT = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplication by it is a bijection
 
 
 def tokens(text: str, mode: str = "auto") -> list[str]:
-    text = text.lower()
+    return lowered_tokens(text.lower(), mode)
+
+
+def lowered_tokens(low: str, mode: str = "auto", split: list[str] | None = None) -> list[str]:
+    """`tokens` of a text already lower-cased; `split`: `low.split()`, when the caller has made it."""
     if mode == "char":
-        return re.findall(r"\S", text)
-    if mode == "word" or not text or max(text) < _FIRST_CJK:  # then `words` is the whitespace split
-        return text.split()
-    return words(text)
-
-
-_TOKEN_HASHES: dict[str, int] = {}
-TOKEN_CACHE = 100_000  # tokens whose hash a process keeps (~12 MB; at most one document more): text is Zipfian
+        return re.findall(r"\S", low)
+    if mode == "word" or not low or max(low) < _FIRST_CJK:  # then `words` is the whitespace split
+        return low.split() if split is None else split
+    return words(low)
 
 
 def token_hashes(toks: list[str]) -> np.ndarray:
-    """xxh3-64 of each token, through a bounded per-process cache (a pure function: the cache only saves time)."""
-    cache = _TOKEN_HASHES
-    new = [t for t in set(toks) if t not in cache]
-    if len(cache) + len(new) > TOKEN_CACHE:
-        cache.clear()
-        new = list(set(toks))
-    for t in new:
-        cache[t] = xxhash.xxh3_64_intdigest(t.encode("utf-8", "surrogatepass"))
-    return np.fromiter(map(cache.__getitem__, toks), dtype=np.uint64, count=len(toks))
+    """xxh3-64 of each token, each distinct token of the document hashed once (memory: its distinct tokens).
+    A per-process cache of token hashes was slower on real text, whose words are mostly new to it."""
+    distinct = dict.fromkeys(toks)
+    for t in distinct:
+        distinct[t] = xxhash.xxh3_64_intdigest(t.encode("utf-8", "surrogatepass"))
+    return np.fromiter(map(distinct.__getitem__, toks), dtype=np.uint64, count=len(toks))
 
 
 def shingle_hashes(text: str, n: int = 5, mode: str = "auto") -> np.ndarray:
     """Sorted unique uint64 hashes of the document's token n-grams (one shingle if it has fewer tokens)."""
-    toks = tokens(text, mode)
+    return hashed_shingles(tokens(text, mode), n)
+
+
+def hashed_shingles(toks: list[str], n: int = 5) -> np.ndarray:
+    """`shingle_hashes` of a document whose `tokens` are `toks`."""
     if not toks:
         return np.empty(0, dtype=np.uint64)
     h = token_hashes(toks)

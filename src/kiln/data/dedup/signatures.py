@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from kiln.config import DedupConfig
-from kiln.data.dedup.exact import text_key
+from kiln.data.dedup.exact import words_key
 from kiln.data.dedup.minhash import MinHasher
-from kiln.data.dedup.shingles import shingle_hashes
+from kiln.data.dedup.shingles import hashed_shingles, lowered_tokens
 from kiln.data.dedup.simhash import block_keys, simhash
 
 KINDS = ("exact", "bands", "shingles", "spans", "prints")
@@ -47,10 +47,12 @@ class Signer:
 
     def add(self, doc_id: str, text: str) -> None:
         self.ids.append(doc_id)
-        self.keys.append(text_key(text))
+        low = text.lower()  # once, for the exact key and the shingles (what text_key and shingle_hashes do)
+        split = low.split()
+        self.keys.append(words_key(split))
         if self.cfg.method == "none":
             return
-        shingles = shingle_hashes(text, self.cfg.ngram, self.cfg.tokens)
+        shingles = hashed_shingles(lowered_tokens(low, self.cfg.tokens, split), self.cfg.ngram)
         if self.hasher is not None:
             self.near.append(self.hasher.signature(shingles))
             self.shingles.append(shingles)

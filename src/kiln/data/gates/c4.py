@@ -34,14 +34,9 @@ def c4_lines(cfg) -> Gate:
             return drop("c4_curly_brace", {})
         stripped, min_words = view.stripped_lines, cfg.min_words_per_line
         code = np.array(view.code, dtype=bool)
-        javascript, policy = np.zeros(len(stripped), dtype=bool), np.zeros(len(stripped), dtype=bool)
-        if cfg.drop_javascript_lines and "javascript" in low or cfg.drop_policy_lines and any(p in low for p in POLICY):
-            for i, line in enumerate(stripped):  # removed first, code or not
-                lower = line.lower()
-                if cfg.drop_javascript_lines and "javascript" in lower:
-                    javascript[i] = True
-                elif cfg.drop_policy_lines and any(p in lower for p in POLICY):
-                    policy[i] = True
+        # removed first, code or not
+        javascript = _lines_with(view, low, ("javascript",) if cfg.drop_javascript_lines else ())
+        policy = _lines_with(view, low, POLICY if cfg.drop_policy_lines else ()) & ~javascript
         # word_count of each line, in numpy; blank (no token) and code lines are never short
         short = (view.line_token_counts > 0) & (view.line_word_counts < min_words) & ~code
         if cfg.require_terminal_punct:
@@ -72,3 +67,26 @@ def c4_lines(cfg) -> Gate:
             if out == joined else None
         return Edit(out, {"c4_lines_removed": n_removed}, after)
     return gate
+
+
+def _lines_with(view: TextView, low: str, phrases: tuple[str, ...]) -> np.ndarray:
+    """For each raw line: does its lower-cased text hold one of `phrases`? Found with str.find in `low` (the
+    text lower-cased) and mapped to lines, so a page pays per occurrence, not per line. A phrase holds no
+    whitespace at its ends, so a stripped line holds it when its raw line does; lower-casing a line alone is
+    lower-casing its slice of the text (a newline is not a cased letter, so final sigma reads the same) as long
+    as no character grows when lower-cased (U+0130), and then each line is lower-cased alone instead."""
+    lines = view.raw_lines
+    found = np.zeros(len(lines), dtype=bool)
+    if not any(p in low for p in phrases):
+        return found
+    if len(low) != len(view.text):  # a character grew: line by line
+        found[:] = [any(p in line.lower() for p in phrases) for line in lines]
+        return found
+    line_starts = np.zeros(len(lines), dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, lines), dtype=np.int64, count=len(lines))[:-1] + 1, out=line_starts[1:])
+    for phrase in phrases:
+        at = low.find(phrase)
+        while at >= 0:
+            found[np.searchsorted(line_starts, at, side="right") - 1] = True
+            at = low.find(phrase, at + 1)
+    return found

@@ -24,7 +24,7 @@ def fineweb_rules(cfg) -> Gate:
         s: dict = {"line_punct_ratio": ratio(sum(map(str.endswith, ls, [TERMINAL_PUNCT] * len(ls))), len(ls))}
         if s["line_punct_ratio"] < cfg.min_line_punct_ratio:
             return drop("fineweb_line_punct", s, min=cfg.min_line_punct_ratio)
-        s["short_line_ratio"] = ratio(sum(len(ln) <= cfg.short_line_chars for ln in ls), len(ls))
+        s["short_line_ratio"] = ratio(sum(map(cfg.short_line_chars.__ge__, map(len, ls))), len(ls))
         if s["short_line_ratio"] > cfg.max_short_line_ratio:
             return drop("fineweb_short_lines", s, max=cfg.max_short_line_ratio)
         _, dup_chars = duplicates(ls)

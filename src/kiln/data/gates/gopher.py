@@ -143,13 +143,35 @@ class _Grams:
     to know of it. Memory: a few arrays of the document's word count.
     """
 
-    def __init__(self, ws: list[str]) -> None:
-        # a word's id is its str hash (computed in C, cached on the string): only equality matters, and the
-        # rules' answers depend on positions, not on the ids' values, so they are the same in every process
-        self.ids = np.fromiter(map(hash, ws), dtype=np.int64, count=len(ws)).view(np.uint64)
-        self.cum = np.concatenate([[0], np.cumsum(np.fromiter(map(len, ws), dtype=np.int64, count=len(ws)))])
+    def __init__(self, ids: np.ndarray, lengths: np.ndarray) -> None:
+        # only the ids' equality matters, and the rules' answers depend on positions, not on the ids' values,
+        # so they are the same in every process (the ids are keyed per process, as str hashes are)
+        self.ids = ids
+        self.cum = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
         self._cum_list: list[int] | None = None
         self._repeated: dict[int, np.ndarray] = {}  # n -> positions whose n-gram occurs more than once
+        self._every: dict[int, np.ndarray] = {}  # n -> the hashes of every n-gram, once asked for
+
+    @classmethod
+    def of_words(cls, ws: list[str]) -> "_Grams":
+        """Words as strings: a word's id is its str hash (computed in C)."""
+        return cls(np.fromiter(map(hash, ws), dtype=np.int64, count=len(ws)).view(np.uint64),
+                   np.fromiter(map(len, ws), dtype=np.int64, count=len(ws)))
+
+    @classmethod
+    def of_view(cls, view: TextView) -> "_Grams":
+        """The words the repetition rules read, `view.prose_words or view.words`: without Han/kana those are the
+        whitespace tokens (of the prose lines, when there are code lines and prose), whose ids and lengths
+        numpy finds in the view's characters (`TextView.token_ids`) with no str per word."""
+        if view.has_cjk:  # a Han/kana character is a word of its own
+            return cls.of_words(view.prose_words or view.words)
+        starts, ends = view.token_bounds
+        ids, lengths = view.token_ids, ends - starts
+        if any(view.code):
+            prose = ~np.array(view.code, dtype=bool)[view.token_lines]
+            if prose.any():
+                ids, lengths = ids[prose], lengths[prose]
+        return cls(ids, lengths)
 
     @property
     def cum_list(self) -> list[int]:
@@ -159,11 +181,17 @@ class _Grams:
         return self._cum_list
 
     def hashes(self, n: int, at: np.ndarray | None = None) -> np.ndarray:
-        """Hashes of the n-grams starting at `at` (default: every position)."""
+        """Hashes of the n-grams starting at `at` (default: every position, kept: the (n+1)-grams' are made
+        from them in one pass)."""
         m = len(self.ids) - n + 1
         if m <= 0:
             return np.empty(0, dtype=np.uint64)
-        at = np.arange(m) if at is None else at
+        if at is None or n in self._every:
+            if n not in self._every:
+                shorter = self.hashes(n - 1) if n > 1 else None
+                with np.errstate(over="ignore"):
+                    self._every[n] = (self.ids if shorter is None else shorter[:m] ^ self.ids[n - 1:]) * _MIX
+            return self._every[n] if at is None else self._every[n][at]
         acc = self.ids[at] * _MIX
         with np.errstate(over="ignore"):
             for j in range(1, n):
@@ -172,7 +200,10 @@ class _Grams:
 
     def groups(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(positions, first, inverse, counts) as np.unique gives them for the n-grams at `positions`: every
-        n-gram that can repeat (all of them, or those whose shorter n-gram, grouped before, repeats)."""
+        n-gram that can repeat (all of them, or those whose shorter n-gram, grouped before, repeats), less most
+        of those that occur once. These are found without sorting: an n-gram alone in its bucket of a table of
+        `_BUCKETS_PER_NGRAM` buckets per n-gram (one bincount) occurs once. Every occurrence of a repeated n-gram
+        stays, so each rule's answer is the one over all positions."""
         m = len(self.ids) - n + 1
         shorter = [k for k in self._repeated if k < n]
         if m <= 0:
@@ -182,8 +213,13 @@ class _Grams:
             pos = pos[pos < m]
         else:
             pos = np.arange(m)
-        _, first, inverse, counts = np.unique(self.hashes(n, pos), return_index=True, return_inverse=True,
-                                              return_counts=True)
+        hashes = self.hashes(n, None if len(pos) == m else pos)
+        if len(pos) > _SORT_ALL:  # leave out n-grams alone in their bucket: they occur once, so no rule needs them
+            bits = (_BUCKETS_PER_NGRAM * len(pos)).bit_length()
+            bucket = (hashes >> np.uint64(64 - bits)).astype(np.intp)
+            shared = np.bincount(bucket, minlength=1 << bits)[bucket] > 1
+            pos, hashes = pos[shared], hashes[shared]
+        _, first, inverse, counts = np.unique(hashes, return_index=True, return_inverse=True, return_counts=True)
         self._repeated[n] = pos[counts[inverse] > 1]
         return pos, first, inverse, counts
 
@@ -193,6 +229,8 @@ class _Grams:
 
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
+_SORT_ALL = 64  # n-grams sorted as they are; above this many, those alone in their bucket are left out first
+_BUCKETS_PER_NGRAM = 8  # so ~12% of the n-grams that occur once share a bucket and are sorted anyway
 
 
 def _top_ngram_chars(g: _Grams, n: int) -> int:
@@ -204,6 +242,19 @@ def _top_ngram_chars(g: _Grams, n: int) -> int:
     if top < 2:
         return 0
     return int(g.chars(pos[first[counts == top]], n).max()) * int(top)
+
+
+def _top_ngram_bound(g: _Grams, n: int) -> int:
+    """At least `_top_ngram_chars(g, n)`, in one bincount and no sort: all occurrences of an n-gram share a
+    bucket (of at least 2 per n-gram), so the characters a bucket sums hold any n-gram's count times its
+    characters (and a few others'; a page passes the top n-gram rules by far or not at all)."""
+    hashes = g.hashes(n)
+    if not len(hashes):
+        return 0
+    bits = (2 * len(hashes)).bit_length()
+    bucket = (hashes >> np.uint64(64 - bits)).astype(np.intp)
+    chars = g.cum[n:n + len(hashes)] - g.cum[:len(hashes)]  # g.chars of every n-gram, from slices
+    return int(np.bincount(bucket, weights=chars, minlength=1 << bits).max())
 
 
 def _duplicated_ngram_chars(g: _Grams, n: int, at_most: float | None = None) -> int | None:
@@ -273,17 +324,22 @@ def gopher_repetition(cfg) -> Gate:
         s["dup_line_char_frac"] = ratio(line_chars, total)
         if s["dup_line_char_frac"] > cfg.max_dup_line_char_frac:
             return drop("gopher_dup_line_chars", s, max=cfg.max_dup_line_char_frac)
-        grams = _Grams(view.prose_words or view.words)
+        grams = _Grams.of_view(view)
         word_chars = int(grams.cum[-1])
         scale = cfg.cjk_ngram_scale if view.spaceless else 1
         relax = cfg.code_page_ngram_scale if view.has_code else 1
+        limits = {n: min(1.0, limit * relax) for n, limit in cfg.dup_ngram_max_char_frac.items()}
+        # the duplicated n-gram rules' bound (below) and the top n-grams' (no sort): most pages end here
+        if all(_top_ngram_bound(grams, n * scale) <= limit * word_chars
+               for n, limit in cfg.top_ngram_max_char_frac.items()) and \
+                (not limits or _repeats_cover(grams, min(limits) * scale) <= min(limits.values()) * word_chars):
+            return None
         for n, limit in sorted(cfg.top_ngram_max_char_frac.items()):
             frac = s[f"top_{n}_gram_char_frac"] = ratio(_top_ngram_chars(grams, n * scale), word_chars)
             if frac > limit:
                 return drop("gopher_top_ngram", s, n=n * scale, max=limit)
-        limits = {n: min(1.0, limit * relax) for n, limit in cfg.dup_ngram_max_char_frac.items()}
         if limits and _repeats_cover(grams, min(limits) * scale) <= min(limits.values()) * word_chars:
-            return None  # every duplicated n-gram rule's bound (below) holds: most pages end here, in one pass
+            return None  # every duplicated n-gram rule's bound (below) holds
         bounded = []  # n-grams found within their limit by the bound: walked only if the document is dropped
         for n, limit in sorted(cfg.dup_ngram_max_char_frac.items()):
             limit = min(1.0, limit * relax)

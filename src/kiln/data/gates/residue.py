@@ -34,7 +34,8 @@ def _broken_json(stripped: list[str]) -> int:
 
 def _ragged_table_rows(stripped: list[str]) -> int:
     """Table rows ('|' first, two or more) whose cell count differs from the row right before."""
-    rows = [i for i, ln in enumerate(stripped) if ln.startswith("|") and ln.count("|") >= 2]
+    rows = [i for i in compress(range(len(stripped)), map(str.startswith, stripped, repeat("|")))
+            if stripped[i].count("|") >= 2]  # the lines starting with "|" found in C, then only those counted
     ragged, prev, prev_row = 0, None, -2
     for i in rows:
         cells = stripped[i].strip("|").count("|") + 1

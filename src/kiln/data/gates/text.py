@@ -25,6 +25,7 @@ between them) is code when at least half of the block's lines are code-shaped, w
 from __future__ import annotations
 
 import re
+import secrets
 from collections import Counter
 from functools import lru_cache
 from itertools import repeat
@@ -84,9 +85,9 @@ def paragraphs(text: str) -> list[str]:
 
 
 # bits of `char_flags`: str.isspace (what str.split splits on), str.isalpha, re's [^\W\d_] (a letter to
-# Gopher's "word with a letter"), Han/kana (_CJK_CHAR), what a hex dump's groups are made of, "\n", and
-# str.isalnum
-SPACE, ALPHA, LETTER, CJK, HEX, NEWLINE, ALNUM = 1, 2, 4, 8, 16, 32, 64
+# Gopher's "word with a letter"), Han/kana (_CJK_CHAR), what a hex dump's groups are made of, "\n",
+# str.isalnum, and re's \d (str.isdecimal)
+SPACE, ALPHA, LETTER, CJK, HEX, NEWLINE, ALNUM, DIGIT = 1, 2, 4, 8, 16, 32, 64, 128
 _LETTER_RE = re.compile(r"[^\W\d_]")
 _HEX_CHARS = frozenset("0123456789abcdefABCDEF:")
 
@@ -94,7 +95,7 @@ _HEX_CHARS = frozenset("0123456789abcdefABCDEF:")
 def _flags_of(c: str) -> int:
     return (SPACE * c.isspace() | ALPHA * c.isalpha() | LETTER * (_LETTER_RE.match(c) is not None)
             | CJK * (_CJK_CHAR.match(c) is not None) | HEX * (c in _HEX_CHARS) | NEWLINE * (c == "\n")
-            | ALNUM * c.isalnum())
+            | ALNUM * c.isalnum() | DIGIT * c.isdecimal())
 
 
 @lru_cache(maxsize=1)
@@ -103,10 +104,16 @@ def _bmp_flags() -> np.ndarray:
     return np.fromiter((_flags_of(chr(c)) for c in range(0x10000)), dtype=np.uint8, count=0x10000)
 
 
-def char_flags(text: str) -> np.ndarray:
+def code_points(text: str) -> np.ndarray:
+    """Each character's code point (uint32, one per character)."""
+    return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+
+
+def char_flags(text: str, codes: np.ndarray | None = None) -> np.ndarray:
     """`_flags_of` each character of `text` (uint8, one per character): a table lookup, in numpy; the few
-    characters beyond the BMP (emoji, rare scripts; never whitespace) are asked one by one."""
-    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    characters beyond the BMP (emoji, rare scripts; never whitespace) are asked one by one. `codes`: its
+    `code_points`, when known."""
+    codes = code_points(text) if codes is None else codes
     beyond = np.flatnonzero(codes > 0xFFFF)
     if not len(beyond):
         return _bmp_flags()[codes]
@@ -133,6 +140,9 @@ def ratio(part: float, whole: float) -> float:
     return round(part / whole, 4) if whole else 0.0
 
 
+_TOKEN_KEY = np.uint64(secrets.randbits(64))
+
+
 class TextView:
     """One version of a document's text, split on demand and at most once per way of splitting it.
 
@@ -140,7 +150,7 @@ class TextView:
     """
 
     __slots__ = ("text", "lang", "_raw_lines", "_stripped", "_lines", "_words", "_paragraphs", "_spaceless",
-                 "_visible", "_code", "_prose_lines", "_prose_words", "_has_cjk", "_flags", "_tokens")
+                 "_visible", "_code", "_prose_lines", "_prose_words", "_has_cjk", "_flags", "_tokens", "_codes")
 
     def __init__(self, text: str, lang: str | None = None, raw_lines: list[str] | None = None,
                  code: list[bool] | None = None, stripped: list[str] | None = None) -> None:
@@ -150,7 +160,7 @@ class TextView:
         self._raw_lines, self._code, self._stripped = raw_lines, code, stripped
         self._lines = self._words = self._paragraphs = None
         self._spaceless = self._visible = self._prose_lines = self._prose_words = self._has_cjk = None
-        self._flags = self._tokens = None
+        self._flags = self._tokens = self._codes = None
 
     @property
     def raw_lines(self) -> list[str]:
@@ -217,27 +227,66 @@ class TextView:
         return self._prose_words
 
     @property
+    def codes(self) -> np.ndarray:
+        """`code_points(text)`."""
+        if self._codes is None:
+            self._codes = code_points(self.text)
+        return self._codes
+
+    @property
     def char_flags(self) -> np.ndarray:
-        """`char_flags(text)`: the SPACE, ALPHA, LETTER, CJK, HEX, NEWLINE and ALNUM bits of each character."""
+        """`char_flags(text)`: the SPACE, ALPHA, LETTER, CJK, HEX, NEWLINE, ALNUM and DIGIT bits of each
+        character."""
         if self._flags is None:
-            self._flags = char_flags(self.text)
+            self._flags = char_flags(self.text, self.codes)
         return self._flags
 
     @property
     def token_bounds(self) -> tuple[np.ndarray, np.ndarray]:
         """(starts, ends): character offsets of the whitespace-separated tokens (`text.split()`), in order."""
         if self._tokens is None:
-            solid = np.concatenate([[0], (self.char_flags & SPACE) == 0, [0]]).astype(np.int8)
-            edges = np.flatnonzero(np.diff(solid))
+            solid = (self.char_flags & SPACE) == 0
+            edges = np.flatnonzero(solid[1:] != solid[:-1]) + 1  # where a token starts or ends inside the text
+            if len(solid) and solid[0]:
+                edges = np.concatenate([[0], edges])
+            if len(solid) and solid[-1]:
+                edges = np.concatenate([edges, [len(solid)]])
             self._tokens = edges[0::2], edges[1::2]
         return self._tokens
 
     @property
+    def token_lines(self) -> np.ndarray:
+        """For each whitespace token: the raw line it is on."""
+        starts, _ = self.token_bounds
+        return np.cumsum((self.char_flags & NEWLINE) != 0)[starts]  # newlines before it: a token starts on none
+
+    @property
     def line_token_counts(self) -> np.ndarray:
         """For each raw line: how many whitespace tokens it holds (`len(line.split())`; 0 for a blank line)."""
-        starts, _ = self.token_bounds
-        newlines_before = np.cumsum((self.char_flags & NEWLINE) != 0)[starts]  # a token starts on no newline
-        return np.bincount(newlines_before, minlength=len(self.raw_lines))
+        return np.bincount(self.token_lines, minlength=len(self.raw_lines))
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """For each whitespace token: a 64-bit id, the same for equal tokens and, for two different ones, the same
+        with probability ~2^-64, as their str hashes: the sum over its characters of a mix (splitmix64's, keyed
+        per process as Python keys str hashes) of (code point, place in the token), in numpy instead of a str
+        per token. Ids are compared within the document, never kept."""
+        starts, ends = self.token_bounds
+        if not len(starts):
+            return np.empty(0, dtype=np.uint64)
+        lengths = ends - starts
+        inside = np.flatnonzero((self.char_flags & SPACE) == 0)  # the tokens' characters, token after token
+        x = (inside - np.repeat(starts, lengths)).astype(np.uint64) << np.uint64(21)  # code points are < 2^21
+        x |= self.codes[inside]
+        x ^= _TOKEN_KEY
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+        offsets = np.zeros(len(starts), dtype=np.intp)
+        np.cumsum(lengths[:-1], out=offsets[1:])
+        return np.add.reduceat(x, offsets)
 
     @property
     def line_word_counts(self) -> np.ndarray:
@@ -293,9 +342,10 @@ class TextView:
 
     @property
     def has_cjk(self) -> bool:
-        """Any Han or kana at all (one C scan; most documents have none, and then words split in C)."""
+        """Any Han or kana at all (the CJK bit of `char_flags`, which the gates need anyway; most documents have
+        none, and then words split in C)."""
         if self._has_cjk is None:
-            self._has_cjk = _CJK_CHAR.search(self.text) is not None
+            self._has_cjk = bool((self.char_flags & CJK).any())
         return self._has_cjk
 
     @property
