@@ -517,7 +517,7 @@ def test_resume_redoes_only_unfinished_files(tmp_path, three_inputs, monkeypatch
     # a killed run: task 0 finished (output + done marker), tasks 1 and 2 never ran
     out = tmp_path / "resumed" / "docs"
     tasks = pipeline.plan_tasks(expand_inputs(three_inputs), config)
-    key = pipeline.work_key(pipeline.fingerprint(expand_inputs(three_inputs), config), tasks)
+    key = pipeline.work_key(pipeline.fingerprint(expand_inputs(three_inputs), config), config)
     work = out.parent / f".{out.name}-work-{key}"
     work.mkdir(parents=True)
     pipeline._commit(work, pipeline.run_task((tasks[0], config, str(work))))

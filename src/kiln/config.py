@@ -261,10 +261,10 @@ class DataConfig(Section):
         "null starts a local Ray of data.workers CPUs",
     )
     task_bytes: int = Field(
-        256 << 20,
+        32 << 20,
         ge=1 << 12,
-        description="gzipped WARCs larger than this are split into tasks of about this many bytes, "
-        "at record (gzip member) boundaries",
+        description="input files larger than this are cut into tasks of about this many bytes: gzipped WARCs "
+        "at records, JSONL at lines (.gz/.zst decompressed once into chunks), Parquet at row groups",
     )
     storage_options: dict[str, Any] = Field(
         default_factory=dict,

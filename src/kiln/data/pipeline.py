@@ -1,7 +1,7 @@
 """The data stage: inputs -> read -> extract -> language -> quality gates -> global dedup -> docs/.
 
-Work is cut into tasks: one per input file, or byte ranges of a large gzipped
-WARC (at record boundaries, `data.task_bytes`). Tasks run on a local process
+Work is cut into tasks: pieces of the input files of about `data.task_bytes` (`kiln.data.tasks`: byte
+ranges, row groups or spooled chunks, by format). Tasks run on a local process
 pool or on Ray (`kiln.data.executor`) and are pure: each returns its outcomes
 (kept and rejected documents in record order, zstd-compressed) and a summary;
 the driver commits them to a work folder, the outcome first and then a
@@ -15,7 +15,6 @@ or the number of interruptions.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import pickle
 import re
@@ -23,7 +22,7 @@ import resource
 import shutil
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -34,30 +33,24 @@ from kiln.data.dedup import LEDGER, write_ledger
 from kiln.data.dedup.index import add_run, runs_before, use_index
 from kiln.data.dedup.stages import STAGE_DIR, Signer, Verdicts, dedup_layout, run_stages
 from kiln.data.docs import PartWriter, read_part
-from kiln.data.gates.distribution import Composition, SpilledProfiles, profile_part, record_field, source_group
+from kiln.data.gates.distribution import Composition, SpilledProfiles, profile_part, source_group
 from kiln.data.document import Document, ReadReport
 from kiln.data.executor import engine, run_tasks
 from kiln.data.gates.semantic import REVIEW as SEMANTIC_REVIEW
 from kiln.data.gates.semantic import prepare as prepare_semantic
 from kiln.data.language import check_model
-from kiln.data.read import read_warc, splittable
 from kiln.data.shape import CorpusShape
 from kiln.data.steps import StepTimer, merge_steps, run_steps, task_steps
-from kiln.data.vouch import matches, record
-from kiln.data.sources import (
-    expand_inputs as _expand,
-    input_format,
-    input_identity,
-    input_size,
-    read_jsonl,
-    read_parquet,
-)
-from kiln.errors import KilnError
-from kiln.manifest import staging_dir, write_atomic, write_manifest, writes_folder
+from kiln.data.vouch import Recording, matches, record
+from kiln.data.sources import expand_inputs as _expand, input_identity
+from kiln.data.tasks import READ_ATTEMPTS, Task, plan_tasks, read_task
+from kiln.errors import IntegrityError, KilnError
+from kiln.manifest import staging_dir, write_atomic, write_manifest, writes_folder, writing_atomic
 
 # Settings that change how the work runs, never what it outputs (storage_options may hold secrets).
 EXECUTION_KEYS = {"inputs", "workers", "executor", "ray_address", "task_bytes", "storage_options"}
-WORK_LAYOUT = 3  # what a task writes to the work folder (3: its outcome and dedup signatures, vouched by its marker)
+WORK_LAYOUT = 4  # what a task writes to the work folder (4: its outcome and dedup signatures, vouched by its marker;
+# tasks are pieces of any input format, kiln.data.tasks)
 STEPS = ("read", "extract", "language", "gates")
 
 
@@ -84,46 +77,10 @@ def index_key(files: list[str], cfg: DataConfig) -> str:
 
 # --- tasks --------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Task:
-    index: int  # position in the canonical order
-    source: str
-    start: int = 0  # byte range of a split gzipped WARC: records whose member starts in [start, end)
-    end: int | None = None
-    bytes: int = 0  # input bytes this task covers (for the progress bar)
-
-    @property
-    def name(self) -> str:
-        return f"task-{self.index:05d}"
-
-
-def plan_tasks(files: list[str], cfg: DataConfig) -> list[Task]:
-    tasks: list[Task] = []
-    for source in files:
-        size = input_size(source, cfg.storage_options)
-        if size > cfg.task_bytes and input_format(source) == "warc" and splittable(source, cfg.storage_options):
-            for start in range(0, size, cfg.task_bytes):
-                end = min(start + cfg.task_bytes, size)
-                tasks.append(Task(len(tasks), source, start, None if end == size else end, end - start))
-        else:
-            tasks.append(Task(len(tasks), source, bytes=size))
-    return tasks
-
-
-def work_key(data_fingerprint: str, tasks: list[Task]) -> str:
-    """Names the work folder: finished tasks are reused only for the same inputs, settings and plan."""
-    plan = [(t.source, t.start, t.end) for t in tasks]
-    return hashlib.sha256(json.dumps([data_fingerprint, plan, WORK_LAYOUT]).encode()).hexdigest()[:16]
-
-
-def read_task(task: Task, cfg: DataConfig, report: ReadReport) -> Iterator[Document]:
-    kind = input_format(task.source)
-    fields = (cfg.text_field, cfg.id_field, cfg.url_field, record_field(cfg.distribution.source_key))
-    if kind == "jsonl":
-        return read_jsonl(task.source, report, fields, cfg.storage_options, cfg.max_record_bytes)
-    if kind == "parquet":
-        return read_parquet(task.source, report, fields, cfg.storage_options, cfg.max_record_bytes)
-    return read_warc(task.source, report, task.start, task.end, cfg.storage_options)
+def work_key(data_fingerprint: str, cfg: DataConfig) -> str:
+    """Names the work folder: finished tasks are reused only for the same inputs, settings and cut (the plan
+    of tasks is a function of the inputs, which the fingerprint names, and of data.task_bytes)."""
+    return hashlib.sha256(json.dumps([data_fingerprint, cfg.task_bytes, WORK_LAYOUT]).encode()).hexdigest()[:16]
 
 
 def process_task(task: Task, cfg: DataConfig, report: ReadReport, timer: StepTimer) -> Iterator[Document]:
@@ -131,16 +88,13 @@ def process_task(task: Task, cfg: DataConfig, report: ReadReport, timer: StepTim
     return run_steps(timer.wrap("read", read_task(task, cfg, report)), task_steps(cfg), timer)
 
 
-READ_ATTEMPTS = 3
-
-
 def run_task(args: tuple[Task, DataConfig, str]) -> dict[str, Any]:
     """One task, start to end, in a worker; returns its summary. The worker writes the task's files into the
-    work folder (each atomically): the zstd JSONL of every document's outcome (`jsonl.zst`) and the kept
-    documents' dedup signatures (`stages.Signer`). The driver writes the completion marker when the summary
-    comes back (`_commit`), so files without a marker are a task to redo. The files do not pass through the
-    driver: its memory holds no task's outcome, and on Ray the work folder is on storage every node mounts,
-    as the dedup stages already need.
+    work folder (each atomically): the zstd JSONL of every document's outcome (`jsonl.zst`, streamed as the
+    documents come, so a task holds no outcome) and the kept documents' dedup signatures (`stages.Signer`).
+    The driver writes the completion marker when the summary comes back (`_commit`), so files without a
+    marker are a task to redo. The files do not pass through the driver: its memory holds no task's outcome,
+    and on Ray the work folder is on storage every node mounts, as the dedup stages already need.
 
     A storage error (OSError: a dropped connection, a throttled bucket, a failing disk) is not damage in
     the data: recording it as a cut would commit a short task as finished and lose the rest of the file for
@@ -150,8 +104,7 @@ def run_task(args: tuple[Task, DataConfig, str]) -> dict[str, Any]:
     task, cfg, work = args
     for attempt in range(1, READ_ATTEMPTS + 1):
         try:
-            summary, files = _run_task_once(task, cfg)
-            break
+            return _run_task_once(task, cfg, Path(work))
         except OSError as exc:
             if attempt == READ_ATTEMPTS:
                 where = f" (bytes {task.start}-{task.end or 'end'})" if task.start or task.end else ""
@@ -159,47 +112,48 @@ def run_task(args: tuple[Task, DataConfig, str]) -> dict[str, Any]:
                                 f"finished so far are kept: fix the storage or network and run the same "
                                 f"command again to resume") from None
             time.sleep(0.5 * 2 ** attempt)
-    for suffix, data in files.items():
-        write_atomic(Path(work) / f"{task.name}.{suffix}", data)
-    return summary | {"files": {suffix: record(data) for suffix, data in files.items()}}
+    raise AssertionError("unreachable")
 
 
-def _run_task_once(task: Task, cfg: DataConfig) -> tuple[dict[str, Any], dict[str, bytes]]:
+def _run_task_once(task: Task, cfg: DataConfig, work: Path) -> dict[str, Any]:
     report, timer = ReadReport(), StepTimer()
     signer = Signer(cfg.dedup)
     t0 = time.perf_counter()
-    buf = io.BytesIO()
     error = None
     read = kept = 0
     sign_s = 0.0
     scores: list[float] = []  # kept documents' classifier scores, for keep_top_fraction (one task's worth)
-    with zstandard.ZstdCompressor(level=3).stream_writer(buf, closefd=False) as zw:
-        try:
-            for doc in process_task(task, cfg, report, timer):
-                read += 1
-                kept += doc.rejection is None
-                if doc.rejection is None:
-                    t_sign = time.perf_counter()
-                    signer.add(doc.id, doc.text or "")
-                    sign_s += time.perf_counter() - t_sign
-                    if "quality_score" in doc.scores:
-                        scores.append(doc.scores["quality_score"])
-                rec = doc.kept_record() if doc.rejection is None else \
-                    doc.reject_record(with_text=doc.rejection.reason == SEMANTIC_REVIEW)
-                zw.write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
-        except KilnError as exc:
-            error = str(exc)
+    with writing_atomic(work / f"{task.name}.jsonl.zst") as f:
+        outcome = Recording(f)
+        with zstandard.ZstdCompressor(level=3).stream_writer(outcome, closefd=False) as zw:
+            try:
+                for doc in process_task(task, cfg, report, timer):
+                    read += 1
+                    kept += doc.rejection is None
+                    if doc.rejection is None:
+                        t_sign = time.perf_counter()
+                        signer.add(doc.id, doc.text or "")
+                        sign_s += time.perf_counter() - t_sign
+                        if "quality_score" in doc.scores:
+                            scores.append(doc.scores["quality_score"])
+                    rec = doc.kept_record() if doc.rejection is None else \
+                        doc.reject_record(with_text=doc.rejection.reason == SEMANTIC_REVIEW)
+                    zw.write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
+            except IntegrityError:  # the work folder's own files (a spooled chunk), not the input: stop
+                raise
+            except KilnError as exc:
+                error = str(exc)
     t_sign = time.perf_counter()
-    files = {"jsonl.zst": buf.getvalue(), **signer.files()}
+    files = {"jsonl.zst": outcome.record(), **signer.write(work, task.name)}
     sign_s += time.perf_counter() - t_sign
     summary = {**asdict(task), "records_by_type": report.records_by_type, "truncated_at": report.truncated_at,
                "error": error, "documents": read, "kept": kept, "seconds": round(time.perf_counter() - t0, 3),
-               "steps_s": timer.own() | {"signatures": round(sign_s, 4)}}
+               "steps_s": timer.own() | {"signatures": round(sign_s, 4)}, "files": files}
     if cfg.quality.classifier.keep_top_fraction:
         from kiln.data.gates.classifier import histogram
 
         summary |= {"score_histogram": histogram(scores), "keep_top_fraction": cfg.quality.classifier.keep_top_fraction}
-    return summary, files
+    return summary
 
 
 def _commit(work: Path, summary: dict[str, Any]) -> dict[str, Any]:
@@ -274,14 +228,14 @@ def _run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None
     check_config(cfg)
     files = expand_inputs(inputs, cfg.storage_options)
     fp = fingerprint(files, cfg)
-    tasks = plan_tasks(files, cfg)
-    work = out.parent / f".{out.name}-work-{work_key(fp, tasks)}"
+    work = out.parent / f".{out.name}-work-{work_key(fp, cfg)}"
     work.mkdir(parents=True, exist_ok=True)
     t0, cpu = time.perf_counter(), [cpu_seconds()]
     cfg = prepare_semantic(cfg, files, work)  # vectors trained on the corpus, when the semantic gate needs them
 
     workers = workers or cfg.workers
     with engine(cfg.executor, workers, cfg.ray_address):
+        tasks = plan_tasks(files, cfg, work, workers)
         todo = unfinished(work, tasks, cfg, workers)
         with _progress_sink(progress, tasks, todo) as on_done:
             for summary in run_tasks(run_task, [(t, cfg, str(work)) for t in todo], workers, cfg.executor,

@@ -35,6 +35,7 @@ import io
 import json
 import math
 import os
+import tempfile
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
@@ -50,7 +51,7 @@ from kiln.data.dedup.exact import text_key
 from kiln.data.dedup.minhash import MinHasher
 from kiln.data.dedup.shingles import jaccard, shingle_hashes
 from kiln.data.dedup.simhash import block_keys, hamming_confirm, simhash
-from kiln.data.vouch import matches, record
+from kiln.data.vouch import Recording, matches, record
 
 KINDS = ("exact", "bands", "shingles", "spans", "prints")
 STAGE_DIR = "dedup"  # in the work folder: layout.json; ranges-NNNNN/: exact-RRRRR.npy, band-BBB-RRRRR.npy, ...
@@ -67,7 +68,9 @@ def band_count(cfg: DedupConfig) -> int:
 
 
 class Signer:
-    """Collects one task's kept documents and returns the files `KINDS` describes (memory: that task)."""
+    """Collects one task's kept documents and returns the files `KINDS` describes (`files`), or writes them
+    (`write`). Memory: per document its keys, signature or fingerprint and id (under 1 KB); the MinHash
+    shingle sets, the bulk, wait in a spill file and are copied into `shingles.npy` by `write`."""
 
     def __init__(self, cfg: DedupConfig) -> None:
         self.cfg = cfg
@@ -75,7 +78,8 @@ class Signer:
         self.ids: list[str] = []
         self.keys: list[bytes] = []
         self.near: list[Any] = []  # MinHash signatures or SimHash fingerprints
-        self.shingles: list[np.ndarray] = []
+        self.sizes: list[int] = []  # each document's shingles (MinHash), spilled to `_spill` in order
+        self._spill = tempfile.TemporaryFile() if self.hasher is not None else None
 
     def add(self, doc_id: str, text: str) -> None:
         self.ids.append(doc_id)
@@ -85,11 +89,46 @@ class Signer:
         shingles = shingle_hashes(text, self.cfg.ngram, self.cfg.tokens)
         if self.hasher is not None:
             self.near.append(self.hasher.signature(shingles))
-            self.shingles.append(shingles)
+            self._spill.write(shingles.tobytes())
+            self.sizes.append(len(shingles))
         else:
             self.near.append(simhash(shingles))
 
     def files(self) -> dict[str, bytes]:
+        out = self._files()
+        if self._spill is not None:
+            out["shingles.npy"] = b"".join(self._shingles_npy())
+        return out
+
+    def write(self, folder: Path, stem: str) -> dict[str, dict[str, Any]]:
+        """Write the files as `folder/stem.<kind>`, each atomically; returns their records (`vouch.record`)."""
+        from kiln.manifest import writing_atomic
+
+        done = {}
+        for suffix, data in self._files().items():
+            with writing_atomic(folder / f"{stem}.{suffix}") as f:
+                f.write(data)
+            done[suffix] = record(data)
+        if self._spill is not None:
+            with writing_atomic(folder / f"{stem}.shingles.npy") as f:
+                out = Recording(f)
+                for block in self._shingles_npy():
+                    out.write(block)
+            done["shingles.npy"] = out.record()
+        return done
+
+    def _shingles_npy(self) -> Iterator[bytes]:
+        """shingles.npy (as np.save writes the shingle sets end to end), from the spill file, in blocks."""
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, {"descr": np.dtype(np.uint64).str, "fortran_order": False,
+                                                      "shape": (sum(self.sizes),)})
+        yield header.getvalue()
+        self._spill.seek(0)
+        while block := self._spill.read(1 << 20):
+            yield block
+
+    def _files(self) -> dict[str, bytes]:
+        """Every file but shingles.npy."""
         n = len(self.ids)
         local = np.arange(n, dtype=np.uint64)
         key = np.frombuffer(b"".join(self.keys), dtype=">u8").reshape(n, 2).astype(np.uint64)
@@ -101,8 +140,7 @@ class Signer:
         if self.hasher is not None:
             sigs = np.stack(self.near) if n else np.empty((0, self.cfg.bands * self.cfg.rows), dtype=np.uint32)
             keys = self.hasher.band_keys(sigs)
-            sizes = np.array([len(s) for s in self.shingles], dtype=np.int64)
-            out["shingles.npy"] = npy_bytes(np.concatenate(self.shingles) if n else np.empty(0, np.uint64))
+            sizes = np.array(self.sizes, dtype=np.int64)
             out["spans.npy"] = npy_bytes(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
         else:
             prints = np.array(self.near, dtype=np.uint64)
