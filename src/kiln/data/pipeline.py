@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import re
 import resource
 import shutil
+import socket
 import time
 from collections import Counter
 from dataclasses import asdict
@@ -31,9 +33,10 @@ import zstandard
 from kiln.config import DataConfig
 from kiln.data.dedup import LEDGER, write_ledger
 from kiln.data.dedup.index import add_run, runs_before, use_index
-from kiln.data.dedup.stages import STAGE_DIR, Signer, Verdicts, dedup_layout, run_stages
+from kiln.data.dedup.stages import STAGE_DIR, Layout, Signer, VerdictFiles, dedup_layout, run_stages
 from kiln.data.docs import PartWriter, read_part
 from kiln.data.gates.distribution import Composition, SpilledProfiles, profile_part, source_group
+from kiln.data.tables import TABLES, InputCounts, SpilledCounts, TableWriter, composition_rows, write_table
 from kiln.data.document import Document, ReadReport
 from kiln.data.executor import engine, run_tasks
 from kiln.data.gates.semantic import REVIEW as SEMANTIC_REVIEW
@@ -118,7 +121,7 @@ def run_task(args: tuple[Task, DataConfig, str]) -> dict[str, Any]:
 def _run_task_once(task: Task, cfg: DataConfig, work: Path) -> dict[str, Any]:
     report, timer = ReadReport(), StepTimer()
     signer = Signer(cfg.dedup)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     error = None
     read = kept = 0
     sign_s = 0.0
@@ -148,7 +151,8 @@ def _run_task_once(task: Task, cfg: DataConfig, work: Path) -> dict[str, Any]:
     sign_s += time.perf_counter() - t_sign
     summary = {**asdict(task), "records_by_type": report.records_by_type, "truncated_at": report.truncated_at,
                "error": error, "documents": read, "kept": kept, "seconds": round(time.perf_counter() - t0, 3),
-               "steps_s": timer.own() | {"signatures": round(sign_s, 4)}, "files": files}
+               "steps_s": timer.own() | {"signatures": round(sign_s, 4)}, "files": files,
+               "worker": f"{socket.gethostname()}:{os.getpid()}", "cpu_s": round(time.process_time() - cpu0, 3)}
     if cfg.quality.classifier.keep_top_fraction:
         from kiln.data.gates.classifier import histogram
 
@@ -250,26 +254,27 @@ def _run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None
         verdicts = run_stages(layout, workers, cfg.executor, cfg.ray_address)
         t_dedup = time.perf_counter() - t0 - t_process
         cpu.append(cpu_seconds())
-        source_weights = source_profiles(work, summaries, layout, verdicts, cfg, workers)
+        weights = source_profiles(work, summaries, layout, verdicts, cfg, workers)
     t_profiles = time.perf_counter() - t0 - t_process - t_dedup
     cpu.append(cpu_seconds())
 
     with staging_dir(out) as tmp:
-        stats = _merge(work, summaries, tmp, cfg, verdicts, layout.indexed, source_weights)
+        stats = _merge(work, summaries, tmp, cfg, verdicts, layout.indexed, weights)
         stats["timings_s"] |= {"process": round(t_process, 3), "dedup_stages": round(t_dedup, 3),
                                "profiles": round(t_profiles, 3),
                                "merge": round(time.perf_counter() - t0 - t_process - t_dedup - t_profiles, 3)}
         cpu.append(cpu_seconds())
         stats["timings_s"]["cpu"] = {k: round(b - a, 3) for k, a, b in
                                      zip(("process", "dedup_stages", "profiles", "merge"), cpu, cpu[1:])}
+        stats["timings_s"]["task_cpu_by_worker"] = cpu_by_worker(summaries)
         stats["tasks"] = len(tasks)
         stats["tasks_resumed"] = len(tasks) - len(todo)
         stats["dedup_tasks"] = verdicts.tasks  # how many key ranges: data.dedup.bucket_docs, not the output
         write_atomic(tmp / "stats.json", json.dumps(stats, indent=1, ensure_ascii=False))
         write_manifest(tmp, stage="data", fingerprint=fp, inputs=files, documents=stats["documents"]["kept"],
-                       source_weights=stats["source_weights"])
+                       tables=stats["tables"])
         if cfg.dedup.index:  # before the docs folder is committed: a crash in between re-runs onto the same index
-            add_run(cfg.dedup, index_key(files, cfg), str(out), layout, verdicts.removed())
+            add_run(cfg.dedup, index_key(files, cfg), str(out), layout, verdicts.removed_in)
     for stale in out.parent.glob(f".{out.name}-work-*"):  # this run's, and any from older plans of this folder
         if re.fullmatch(rf"\.{re.escape(out.name)}-work-[0-9a-f]{{16}}", stale.name):  # work_key's name, ours
             shutil.rmtree(stale, ignore_errors=True)
@@ -282,6 +287,15 @@ def cpu_seconds() -> float:
     (a Ray cluster's workers are not children: there this counts the driver alone)."""
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def cpu_by_worker(summaries: list[dict[str, Any]]) -> dict[str, float]:
+    """CPU seconds of the data tasks by the worker process that ran them (host:pid), busiest first: how
+    evenly the engine spread the work (a task resumed from an earlier run counts for its worker then)."""
+    cpu: Counter[str] = Counter()
+    for s in summaries:
+        cpu[s.get("worker", "?")] += s.get("cpu_s", 0.0)
+    return {k: round(v, 3) for k, v in cpu.most_common()}
 
 
 def _progress_sink(progress, tasks: list[Task], todo: list[Task]):
@@ -302,8 +316,8 @@ def profile_task(args: tuple[str, int, list[int], DataConfig]) -> tuple[int, dic
     writes it into the work folder (`profiles/parts/NNNNN.pkl`, as the data tasks write their files) and
     returns the file's record: a part is the sources' vocabularies, which never pass through the driver's pipe
     nor wait there for their turn."""
-    work, index, removed, cfg = args
-    gone = set(removed)
+    work, index, k, cfg = args
+    gone = set(VerdictFiles(Layout.load(work)).removed_in(k).tolist())
 
     def kept() -> Iterator[tuple[str, str]]:
         local = 0
@@ -324,20 +338,17 @@ def _profile_part(work: Path, index: int) -> Path:
     return work / "profiles" / "parts" / f"{index:05d}.pkl"
 
 
-def source_profiles(work: Path, summaries: list[dict[str, Any]], layout, verdicts: Verdicts, cfg: DataConfig,
-                    workers: int) -> dict[str, dict[str, float | int]]:
-    """The corpus's per-source weights (SourceProfiles.report): one `profile_task` per data task on the engine,
-    its part added in task order (so the sums are the same for any number of workers). Memory: the numbers of
-    the tasks whose parts wait for their turn (the parts wait on disk), then SpilledProfiles's bound."""
+def source_profiles(work: Path, summaries: list[dict[str, Any]], layout, verdicts: VerdictFiles, cfg: DataConfig,
+                    workers: int) -> int | None:
+    """The corpus's per-source weights (SourceProfiles.report), written to `source_weights.jsonl.zst` in the work
+    folder (the merge moves it into the docs folder); returns its rows (None: the distribution gate is off). One
+    `profile_task` per data task on the engine (each reads its task's verdicts), its part added in task order (so
+    the sums are the same for any number of workers). Memory: the numbers of the tasks whose parts wait for their
+    turn (the parts wait on disk), then SpilledProfiles's bound; the weights are streamed to the table."""
     if not cfg.distribution.enabled:  # data.distribution.enabled=false: no weights, no profile
-        return {}
-    removed = verdicts.removed()
-    jobs = []
-    for k, part in enumerate(layout.parts):
-        if part.run is None:
-            start = int(layout.starts[k])
-            inside = removed[(removed >= start) & (removed < start + part.count)]
-            jobs.append((str(work), int(part.name.split("-")[1]), (inside - start).astype(int).tolist(), cfg))
+        return None
+    jobs = [(str(work), int(part.name.split("-")[1]), k, cfg) for k, part in enumerate(layout.parts)
+            if part.run is None]
     waiting: dict[int, dict[str, Any]] = {}
     order = iter([s["index"] for s in summaries])
     turn = next(order, None)
@@ -355,7 +366,7 @@ def source_profiles(work: Path, summaries: list[dict[str, Any]], layout, verdict
             turn = next(order, None)
     if turn is not None or waiting:  # a task's part never came, or came for no task: the sums would be short
         raise RuntimeError(f"distribution profile: task {turn}'s part is missing ({len(waiting)} waiting)")
-    return spilled.report()
+    return write_table(work / TABLES["source_weights"], spilled.rows())
 
 
 def _documents(work: Path, summaries: list[dict[str, Any]]) -> Iterator[Document]:
@@ -364,8 +375,11 @@ def _documents(work: Path, summaries: list[dict[str, Any]]) -> Iterator[Document
         yield from (Document.from_record(rec) for rec in read_part(work / f"task-{s['index']:05d}.jsonl.zst"))
 
 
-def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConfig, verdicts: Verdicts,
-           first: int, source_weights: dict[str, dict[str, float | int]]) -> dict[str, Any]:
+def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConfig, verdicts: VerdictFiles,
+           first: int, weights: int | None) -> dict[str, Any]:
+    """The tasks' outcomes in canonical order, through the merge steps, into the docs parts; the counts of
+    stats.json and the per-source tables (kiln.data.tables), each streamed. Memory: one document, a counter
+    per reason, language and length bin, one input's counts and `SpilledCounts`'s bound."""
     kept_w, rej_w = PartWriter(out, cfg.docs_per_part), PartWriter(out / "rejects", cfg.docs_per_part)
     review_w = PartWriter(out / "review", cfg.docs_per_part) if cfg.quality.semantic.action == "review" \
         and cfg.quality.semantic.keywords else None
@@ -373,46 +387,53 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
         write_ledger(out / LEDGER, verdicts.ledger())
     timer = StepTimer()
     docs = run_steps(timer.wrap("tasks", _documents(work, summaries)), merge_steps(verdicts, first, summaries), timer)
-    composition = Composition()
-    edits: Counter[str] = Counter()
-
-    reasons: Counter[str] = Counter()
-    langs: Counter[str] = Counter()
-    by_source = {s["source"]: Counter() for s in summaries}  # every input, in input order, even an empty one
-    read = kept = chars = 0
+    composition, langs, edits, reasons = Composition(), Counter(), Counter(), Counter()
+    by_group = SpilledCounts(work / "composition", ("documents", "chars"))
     shape = CorpusShape()
-    for doc in docs:
-        read += 1
-        shape.add(doc)
-        counts = by_source[doc.source]
-        counts["read"] += 1
-        if doc.rejection is None:
-            doc.source_group = source_group(cfg.distribution.source_key, doc.source, doc.url, doc.source_group)
-            kept_w.add(doc.kept_record())
-            composition.add(doc.source_group, doc.lang, len(doc.text or ""))
-            edits.update(doc.edits)
-            kept += 1
-            chars += len(doc.text or "")
-            langs[doc.lang] += 1
-            counts["kept"] += 1
-        else:
-            rej_w.add(doc.reject_record())
-            if review_w is not None and doc.rejection.reason == SEMANTIC_REVIEW:  # set aside, with its score
-                review_w.add(doc.kept_record() | {"semantic_score": doc.rejection.signals["semantic_score"]})
-            reasons[f"{doc.rejection.stage}/{doc.rejection.reason}"] += 1
-            counts["rejected"] += 1
-    kept_w.flush()
-    rej_w.flush()
-    if review_w is not None:
-        review_w.flush()
-    rejected = sum(reasons.values())
-    assert read == kept + rejected, "accounting broke: every document must be kept or rejected"
+    with TableWriter(out / TABLES["by_source"]) as by_input:
+        inputs = InputCounts(dict.fromkeys(s["source"] for s in summaries), by_input)
+        for doc in docs:
+            shape.add(doc)
+            inputs.add(doc.source, doc.rejection is None)
+            if doc.rejection is None:
+                doc.source_group = source_group(cfg.distribution.source_key, doc.source, doc.url, doc.source_group)
+                kept_w.add(doc.kept_record())
+                by_group.add(doc.source_group, 1, len(doc.text or ""))
+                composition.add(doc.lang, len(doc.text or ""))
+                langs[doc.lang] += 1
+                edits.update(doc.edits)
+            else:
+                rej_w.add(doc.reject_record())
+                if review_w is not None and doc.rejection.reason == SEMANTIC_REVIEW:  # set aside, with its score
+                    review_w.add(doc.kept_record() | {"semantic_score": doc.rejection.signals["semantic_score"]})
+                reasons[f"{doc.rejection.stage}/{doc.rejection.reason}"] += 1
+        inputs.close()
+    for writer in (kept_w, rej_w, review_w):
+        if writer is not None:
+            writer.flush()
+    kept, chars = by_group.totals
+    tables = {"by_source": by_input.rows,
+              "composition_by_source": write_table(out / TABLES["composition_by_source"], composition_rows(by_group))}
+    if weights is not None:
+        os.replace(work / TABLES["source_weights"], out / TABLES["source_weights"])
+        tables["source_weights"] = weights
+    return {**_counts(summaries, kept, reasons, langs), "kept_chars": chars, **shape.report(),
+            "edits": dict(sorted(edits.items())), "composition": {"by_lang": composition.report()},
+            "tables": {name: {"file": TABLES[name], "rows": n} for name, n in tables.items()},
+            "parts": kept_w.parts, "dedup": verdicts.stats(),
+            "timings_s": {"steps": {**{k: round(sum(s["steps_s"].get(k, 0.0) for s in summaries), 3) for k in STEPS},
+                                    "dedup": round(timer.own().get("dedup", 0.0) + verdicts.seconds
+                                                   + sum(s["steps_s"].get("signatures", 0.0) for s in summaries), 3)}}}
 
+
+def _counts(summaries: list[dict[str, Any]], kept: int, reasons: Counter[str], langs: Counter[str]) -> dict[str, Any]:
+    """stats.json's counts of files, errors, cuts, records, documents and reasons (`read = kept + rejected`)."""
+    rejected = sum(reasons.values())
+    read = sum(s["documents"] for s in summaries)
+    assert read == kept + rejected, "accounting broke: every document must be kept or rejected"
     by_type: Counter[str] = Counter()
-    steps: Counter[str] = Counter()
     for s in summaries:
         by_type.update(s["records_by_type"])
-        steps.update(s["steps_s"])
     errors: dict[str, str] = {}
     for s in summaries:
         if s["error"]:
@@ -431,19 +452,4 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
         "rejected_by_reason": dict(sorted(reasons.items())),
         "rejected_by_stage": dict(sorted(stages.items())),
         "kept_by_lang": dict(sorted(langs.items(), key=lambda kv: (-kv[1], kv[0]))),
-        "by_source": {src: {k: c[k] for k in ("read", "kept", "rejected")} for src, c in by_source.items()},
-        "kept_chars": chars,
-        **shape.report(),
-        "edits": dict(sorted(edits.items())),
-        # per-source sampling weights: a source whose top tokens drift is down-weighted, never dropped
-        "source_weights": source_weights,
-        "composition": composition.report(),  # kept documents and chars by source_group and by language
-        "parts": kept_w.parts,
-        "dedup": verdicts.stats(),
-        "timings_s": {
-            "steps": {
-                **{k: round(steps[k], 3) for k in STEPS},
-                "dedup": round(timer.own().get("dedup", 0.0) + verdicts.seconds + steps["signatures"], 3),
-            }
-        },
     }
