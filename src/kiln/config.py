@@ -330,7 +330,13 @@ class PackConfig(Section):
         ge=1,
         description="best_fit: samples' worth of documents packed together (larger: fuller samples, more memory)",
     )
-    workers: int = Field(1, ge=1, description="encoding processes; the shards are byte-identical for any number")
+    workers: int = Field(1, ge=1, description="processes encoding at once (local) or Ray tasks at once; the shards "
+                         "are byte-identical for any number")
+    executor: Literal["local", "ray"] = Field("local", description="local: a process pool of pack.workers; ray: Ray "
+                                              "tasks (the work folder beside the shards on storage every node mounts)")
+    ray_address: str | None = Field(None, description="executor=ray: an existing cluster; null starts a local Ray")
+    task_parts: int = Field(2, ge=1, description="docs parts per pack task: each task packs its range of the docs "
+                            "into shards of its own (its stream's tail, under one sample, is dropped)")
 
 
 class SourceConfig(Section):

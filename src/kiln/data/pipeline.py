@@ -272,7 +272,7 @@ def _run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None
         stats["dedup_tasks"] = verdicts.tasks  # how many key ranges: data.dedup.bucket_docs, not the output
         write_atomic(tmp / "stats.json", json.dumps(stats, indent=1, ensure_ascii=False))
         write_manifest(tmp, stage="data", fingerprint=fp, inputs=files, documents=stats["documents"]["kept"],
-                       tables=stats["tables"])
+                       docs_per_part=cfg.docs_per_part, tables=stats["tables"])
         if cfg.dedup.index:  # before the docs folder is committed: a crash in between re-runs onto the same index
             add_run(cfg.dedup, index_key(files, cfg), str(out), layout, verdicts.removed_in)
     for stale in out.parent.glob(f".{out.name}-work-*"):  # this run's, and any from older plans of this folder
