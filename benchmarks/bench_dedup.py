@@ -140,7 +140,8 @@ def kiln_once(folder: str, work: str, method: str) -> None:
     import time
 
     from kiln.config import DedupConfig
-    from kiln.data.dedup.stages import Signer, dedup_layout, run_stages
+    from kiln.data.dedup.signatures import Signer
+    from kiln.data.dedup.stages import dedup_layout, run_stages
     from kiln.manifest import write_atomic
 
     cfg, work = DedupConfig(method=method), Path(work)

@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from kiln.manifest import write_manifest
-from kiln.shards.format import BIN_HEADER, FORMAT_VERSION, IDX_ENTRY, ShardHeader, ShardSet, token_dtype, write_shard
+from kiln.shards.format import BIN_HEADER, FORMAT_VERSION, IDX_ENTRY, ShardHeader, token_dtype, write_shard
+from kiln.shards.reader import ShardSet
 from kiln.train.loader import Loader
 
 VOCAB, SEQ, BATCH, SHARDS, SAMPLES_PER_SHARD = 32_000, 2048, 64, 4, 18_000

@@ -83,7 +83,7 @@ def worker(out: Path) -> None:
     from kiln.model.config import ModelConfig
     from kiln.train import parallel
     from kiln.train.parallel.parallelize import FSDPModel, apply_fsdp
-    from kiln.train import sharded_checkpoint as sharded
+    from kiln.train.checkpoint import sharded
     from kiln.train.checkpoint import Saver, load_checkpoint, rng_state, write_checkpoint
 
     torch.set_num_threads(1)
@@ -160,7 +160,7 @@ def resume_hashing(d, roots: dict[str, Path]) -> dict[str, dict[str, list[float]
     import torch.distributed as dist
 
     from kiln import manifest
-    from kiln.train import consensus
+    from kiln.train.checkpoint import agreement as consensus
     from kiln.train.checkpoint import check_loads, list_checkpoints, load_checkpoint
 
     consensus.HASH_THREADS = 1  # the ranks' split alone; the threads are measured by `verify`

@@ -77,7 +77,7 @@ def plain_loss_worker(out: Path, dtype: str, compile: bool, warmup: int, steps: 
     import torch.nn.functional as F
 
     from benchmarks.bench_train_step import bench_config
-    from kiln.shards.format import ShardSet
+    from kiln.shards.reader import ShardSet
     from kiln.train.data import Mixture
     from kiln.model.build import build_model
 
@@ -212,7 +212,7 @@ def write_tokens(data: Path, folder: Path) -> None:
     """The training split's tokens as one raw uint16 file (OLMo-core's format) plus the vocabulary size."""
     import numpy as np
 
-    from kiln.shards.format import ShardSet
+    from kiln.shards.reader import ShardSet
 
     shards = ShardSet(data / "shards", "train")
     rows = np.stack([shards.sample(i) for i in range(len(shards))]).astype(np.uint16)

@@ -166,7 +166,7 @@ def plain_worker(out: Path, dtype: str, compile: bool, warmup: int, steps: int, 
     import torch
     import torch.nn.functional as F
 
-    from kiln.shards.format import ShardSet
+    from kiln.shards.reader import ShardSet
     from kiln.train.data import Mixture
     from kiln.model.build import build_model
 

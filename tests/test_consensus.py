@@ -1,7 +1,7 @@
-"""Which checkpoint the ranks resume from, agreed with the hashing split over the ranks (train/consensus.py): each
-rank hashes its share of the files, a flipped byte in any file sends every rank to the previous checkpoint with
-one line, and the ranks wait for a slow hasher on the checkpoint's own timeout, not the step timeout. Real gloo
-ranks; a GPU run adds nothing here (the hashing is on the host)."""
+"""Which checkpoint the ranks resume from, agreed with the hashing split over the ranks
+(train/checkpoint/agreement.py): each rank hashes its share of the files, a flipped byte in any file sends every
+rank to the previous checkpoint with one line, and the ranks wait for a slow hasher on the checkpoint's own
+timeout, not the step timeout. Real gloo ranks; a GPU run adds nothing here (the hashing is on the host)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT
 from kiln.errors import IntegrityError
 from kiln.manifest import verify_folder, write_manifest
-from kiln.train.consensus import hash_shares
+from kiln.train.checkpoint.agreement import hash_shares
 
 SMALL = {"rng.pt", "state.json"}
 
@@ -70,7 +70,7 @@ import torch.nn.functional as F
 import kiln.manifest as manifest
 from kiln.model.build import build_model
 from kiln.model.config import ModelConfig
-from kiln.train import consensus, sharded_checkpoint as sharded
+from kiln.train.checkpoint import agreement as consensus, sharded
 from kiln.train.checkpoint import Saver, rng_state, write_checkpoint
 from kiln.train.parallel import Dist, set_step_timeout
 from kiln.train.parallel.parallelize import FSDPModel, apply_fsdp
@@ -219,10 +219,10 @@ def test_the_checkpointer_agrees_under_the_watchdogs_saving_and_the_save_timeout
     checkpoint.save_timeout_s, not stall_timeout_s), and the collectives get the same timeout. (agreed_checkpoint
     is replaced by a probe; the real one runs on gloo ranks above.)"""
     from kiln.config import CheckpointConfig, WatchdogConfig
-    from kiln.train import consensus
+    from kiln.train.checkpoint import agreement as consensus
     from kiln.train.parallel import Dist
     from kiln.train.parts.watchdog import Watchdog
-    from kiln.train.state import Checkpointer, FullCheckpoint, TrainState
+    from kiln.train.checkpoint import Checkpointer, FullCheckpoint, TrainState
 
     dog = Watchdog(Dist(), WatchdogConfig(stall_timeout_s=30), tmp_path)
     seen = {}

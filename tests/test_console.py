@@ -91,7 +91,7 @@ def test_warnings_for_settings_that_make_a_run_quietly_wrong(workdir):
 
 
 def test_repeated_data_and_a_short_vocabulary_are_named(prepared):
-    from kiln.shards.format import ShardSet
+    from kiln.shards.reader import ShardSet
     from kiln.train.console import warnings_for
 
     samples = len(ShardSet(prepared.out / "shards", "train"))

@@ -1,4 +1,4 @@
-"""One big input file cut into tasks (`kiln.data.tasks`): plain JSONL in byte ranges at lines, .gz/.zst
+"""One big input file cut into tasks (`kiln.data.plan`): plain JSONL in byte ranges at lines, .gz/.zst
 decompressed once into spooled chunks, Parquet in runs of row groups.
 
 The properties: the pieces' records, end to end, are those of the whole file read as one task (ids, offsets,
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from kiln.config import DataConfig
 from kiln.data.document import ReadReport
 from kiln.data.pipeline import run_data
-from kiln.data.tasks import SPOOL, plan_tasks, read_task
+from kiln.data.plan import SPOOL, plan_tasks, read_task
 from kiln.errors import IntegrityError
 from test_data import BASIC_GATES_ONLY, assert_same_output, english
 

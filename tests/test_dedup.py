@@ -289,7 +289,8 @@ def test_minhash_chains_of_random_copies_have_complete_ledgers(seed, copies):
 
 def staged(tmp_path, docs: list[tuple[str, str]], cfg: DedupConfig, tasks: int = 3, workers: int = 1):
     """Run the dedup stages as the data stage does: `tasks` tasks' signatures in a work folder, then the stages."""
-    from kiln.data.dedup.stages import Signer, dedup_layout, run_stages
+    from kiln.data.dedup.signatures import Signer
+    from kiln.data.dedup.stages import dedup_layout, run_stages
     from kiln.manifest import write_atomic
 
     work = tmp_path / f"work-{cfg.bucket_docs}-{workers}-{tasks}"

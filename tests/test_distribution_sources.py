@@ -24,7 +24,7 @@ from kiln.data.pipeline import run_data
 from kiln.data.tables import table
 from kiln.errors import ConfigError, KilnError
 from kiln.ops.report import composition_table
-from kiln.shards.format import ShardSet
+from kiln.shards.reader import ShardSet
 from kiln.train.data import open_splits
 from kiln.train.loader import Loader
 

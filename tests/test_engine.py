@@ -21,7 +21,8 @@ from conftest import ROOT, tiny_config, torchrun_kiln
 from kiln.model.build import build_model
 from kiln.model.config import ModelConfig
 from kiln.model.llama import Llama
-from kiln.train.clip import clip, group_norms, layer_groups
+from kiln.train.clip import clip, layer_groups
+from kiln.train.parallel.dist import group_norms
 from kiln.train.metrics import PEAK_SOURCE, PEAK_TFLOPS, mfu, peak_of, peak_tflops, read_metrics
 from kiln.train.trainer import Trainer
 

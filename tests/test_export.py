@@ -64,8 +64,8 @@ def test_transformers_loads_llama_with_kilns_logits_and_tokenizer(trained, expor
     tok = load_tokenizer(ckpt / "tokenizer.json")
     ids = tok.encode(TEXT[:800], add_special_tokens=False).ids[: cfg.pack.seq_len]
     assert hf_tok(TEXT[:800], add_special_tokens=False)["input_ids"][: cfg.pack.seq_len] == ids
-    assert (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.pad_token_id) == (0, 1, 2)
-    assert hf_tok("a <|eos|> b")["input_ids"] == tok.encode("a <|eos|> b").ids  # special-token text stays text
+    # bos is <|eos|>: every training document follows it, and the tokenizer puts it first by default.
+    assert (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.pad_token_id) == (1, 1, 2)
     x = torch.tensor([ids, ids[::-1]])
     with torch.no_grad():
         theirs = hf(x).logits
@@ -84,7 +84,8 @@ def test_exported_perplexity_equals_kiln_eval_on_a_text_file(trained, exported, 
     ours = json.loads(capsys.readouterr().out)
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
-    ids = transformers.AutoTokenizer.from_pretrained(exported)(TEXT, add_special_tokens=False)["input_ids"]
+    ids = transformers.AutoTokenizer.from_pretrained(exported)(TEXT)["input_ids"]  # <|eos|> first, as in training
+    assert ids[0] == 1
     window = cfg.pack.seq_len + 1  # windows of seq_len + 1 tokens sharing one token with the next
     total, count = 0.0, 0
     with torch.no_grad():
@@ -96,6 +97,52 @@ def test_exported_perplexity_equals_kiln_eval_on_a_text_file(trained, exported, 
     assert count == ours["tokens"] and count > 3 * window
     assert math.exp(total / count) == pytest.approx(ours["perplexity"], rel=1e-4)
     assert total / math.log(2) / len(TEXT.encode()) == pytest.approx(ours["bits_per_byte"], rel=1e-4)
+
+
+def test_the_exported_tokenizer_reads_a_typed_eos_as_the_token(trained, exported):
+    _, ckpt = trained
+    hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
+    tok = load_tokenizer(ckpt / "tokenizer.json")
+    plain = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
+    assert hf_tok("a <|eos|> b")["input_ids"] == [1] + plain("a ") + [1] + plain(" b")
+    assert hf_tok("<|eos|>a")["input_ids"] == [1, 1] + plain("a")  # the default <|eos|>, then the typed one
+    assert hf_tok("a", add_special_tokens=False)["input_ids"] == plain("a")
+
+
+def short_text(ckpt: Path, tokens: int) -> str:
+    """The start of README cut at a token boundary, `tokens` tokens long (so one window holds it and <|eos|>)."""
+    tok = load_tokenizer(ckpt / "tokenizer.json")
+    return tok.decode(tok.encode(TEXT, add_special_tokens=False).ids[:tokens])
+
+
+def test_transformers_loss_with_the_tokenizers_defaults_is_kiln_evals(trained, exported, tmp_path, capsys):
+    cfg, ckpt = trained
+    text = short_text(ckpt, cfg.pack.seq_len - 1)
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    assert kiln(["eval", str(ckpt), "--text", str(tmp_path / "t.txt")]) == 0
+    ours = json.loads(capsys.readouterr().out)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    inputs = hf_tok(text, return_tensors="pt")
+    with torch.no_grad():
+        theirs = hf(**inputs, labels=inputs["input_ids"]).loss.item()
+    assert ours["tokens"] == inputs["input_ids"].shape[1] - 1 == cfg.pack.seq_len - 1
+    assert ours["loss"] == pytest.approx(theirs, rel=1e-5)
+
+
+def test_greedy_generation_in_transformers_is_kiln_generate(trained, exported, capsys):
+    cfg, ckpt = trained
+    prompt = short_text(ckpt, 12)
+    assert kiln(["generate", str(ckpt), "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "30"]) == 0
+    ours = capsys.readouterr().out
+    hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    inputs = hf_tok(prompt, return_tensors="pt")
+    with torch.no_grad():
+        out = hf.generate(**inputs, do_sample=False, max_new_tokens=30)
+    new = out[0, inputs["input_ids"].shape[1]:].tolist()
+    assert len(new) > 5 and 1 + 12 + len(new) <= cfg.pack.seq_len  # within one window: no cut on either side
+    assert ours == prompt + hf_tok.decode([t for t in new if t != 1]) + "\n"
 
 
 def test_import_writes_the_checkpoint_a_new_run_starts_from(trained, exported, prepared, tmp_path, capsys):

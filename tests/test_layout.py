@@ -2,19 +2,26 @@
 
 What the import tests count: every `import kiln...` / `from kiln... import ...` statement of every module under
 src/kiln (relative ones resolved too), read with `ast`, as an edge to the kiln module it loads: `from kiln.a
-import b` is an edge to kiln.a.b when that is a module, else to kiln.a; a package is its __init__.py. Two graphs:
+import b` is an edge to kiln.a.b when that is a module, else to kiln.a; a package is its __init__.py (so a
+submodule that imports its own package's face, `from kiln.a import name`, closes a loop through __init__.py).
+Two graphs:
 - module level: the statements Python runs when the module is imported (top level, and inside top-level
-  if/try/with blocks; not in functions or classes; not under `if TYPE_CHECKING:`). No cycle at all.
-- every import, deferred ones inside functions too: they do not fail at import time, but a module that needs
-  another that needs it back is one tangled unit. Such a loop may stay inside one package (kiln.data,
-  kiln.shards, ...), whose modules are one unit; it must never cross packages (the old eval -> train.trainer
-  -> ops.doctor -> train.trainer loop did).
+  if/try/with blocks; not in functions or classes; not under `if TYPE_CHECKING:`).
+- every import: deferred ones inside functions and those under `if TYPE_CHECKING:` too. A deferred import does
+  not fail at import time, but a module that needs another that needs it back is one tangled unit.
+Neither graph may hold a cycle (a strongly connected component of more than one module).
+The package rule, on the graph of every import: a module M inside a subpackage P (a package below a top-level
+package: kiln.data.gates, kiln.data.dedup, kiln.train.checkpoint, kiln.train.parallel, ...) may import a module
+X outside P whose own package encloses P (X in kiln.data, above kiln.data.gates; X in kiln.train, above
+kiln.train.parallel) only if nothing X imports, directly or through other modules, lies inside P. So a gate
+never imports the data stage (pipeline, steps, executor) that runs the gates; what both need moves down (into
+P, or into a module of the package above that imports nothing of P).
 Plus: kiln.model imports nothing of kiln outside kiln.model, and importing the config, the CLI or the data
 pipeline loads no torch (a data worker or `kiln --help` must not pay for it).
-And the shape of src/kiln/train (issue 14): short functions, a short loop, and the parallel mode decided in
-one place, so a change that breaks the shape fails here, not in review.
+And the shape of the code: no function in src/kiln over 80 lines (60 in src/kiln/train: issue 14), a short
+loop, the parallel mode decided in one place, and a CLI that only parses and dispatches (cli.py under 300
+lines), so a change that breaks the shape fails here, not in review.
 """
-
 from __future__ import annotations
 
 import ast
@@ -137,8 +144,38 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def package_of(module: str) -> str:
-    """kiln.data.gates.c4 -> kiln.data; kiln.flow -> kiln.flow (a top-level module is its own unit)."""
-    return ".".join(module.split(".")[:2])
+    """The package a module lies in: kiln.data.gates.c4 -> kiln.data.gates; a package is its own."""
+    return module if _is_package(module) else module.rpartition(".")[0]
+
+
+def inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def reaches(graph: dict[str, set[str]], start: str) -> set[str]:
+    """`start` and every module it imports, directly or through others."""
+    seen, todo = {start}, [start]
+    while todo:
+        for target in graph[todo.pop()] - seen:
+            seen.add(target)
+            todo.append(target)
+    return seen
+
+
+def upward_imports_that_come_back(graph: dict[str, set[str]]) -> list[str]:
+    """The package rule's breaches (module docstring): "M -> X -> ... -> Y", Y inside M's subpackage."""
+    found = []
+    for module in sorted(graph):
+        package = package_of(module)
+        if package.count(".") < 2:  # kiln.data, kiln.train: top-level packages have no package above but kiln
+            continue
+        for target in sorted(graph[module]):
+            if inside(target, package) or not inside(package, package_of(target)):
+                continue  # inside its own package, or not above it
+            back = sorted(m for m in reaches(graph, target) if inside(m, package))
+            if back:
+                found.append(f"{module} -> {target} -> ... -> {back[0]}")
+    return found
 
 
 def test_the_graph_reader_sees_every_kind_of_import_and_finds_cycles():
@@ -152,14 +189,28 @@ def test_the_graph_reader_sees_every_kind_of_import_and_finds_cycles():
     assert strongly_connected({"a": {"b"}, "b": set()}) == []
 
 
+def test_the_package_rule_finds_a_gate_that_imports_the_stage_running_it():
+    graph = {m: set(t) for m, t in import_graph(module_level_only=False).items()}
+    assert upward_imports_that_come_back(graph) == []
+    graph["kiln.data.gates.c4"].add("kiln.data.pipeline")  # pipeline -> steps -> gates (the package) -> gates.c4
+    assert upward_imports_that_come_back(graph) == [
+        "kiln.data.gates.c4 -> kiln.data.pipeline -> ... -> kiln.data.gates"]
+    graph["kiln.data.gates.c4"] = {"kiln.data.document"}  # above kiln.data.gates, and imports nothing of it
+    assert upward_imports_that_come_back(graph) == []
+
+
 def test_no_import_cycle_at_module_level():
     assert strongly_connected(import_graph(module_level_only=True)) == []
 
 
-def test_no_import_cycle_across_packages_counting_deferred_imports():
-    crossing = [c for c in strongly_connected(import_graph(module_level_only=False))
-                if len({package_of(m) for m in c}) > 1]
-    assert crossing == [], crossing
+def test_no_import_cycle_counting_deferred_imports():
+    cycles = strongly_connected(import_graph(module_level_only=False))
+    assert cycles == [], cycles
+
+
+def test_no_module_imports_from_a_package_above_its_own_that_imports_it_back():
+    breaches = upward_imports_that_come_back(import_graph(module_level_only=False))
+    assert breaches == [], breaches
 
 
 def test_model_imports_nothing_of_kiln_outside_model():
@@ -216,3 +267,19 @@ def test_the_parallel_mode_is_tested_only_in_parallelize():
     found = [f"{path.relative_to(ROOT)}:{i}" for path in sorted(TRAIN.rglob("*.py")) if path.parent.name != "parallel"
              for i, line in enumerate(path.read_text().splitlines(), 1) if mode.search(line)]
     assert not found, found
+
+
+MAX_FUNCTION_LINES_ANYWHERE = 80
+MAX_CLI_LINES = 300
+
+
+def test_no_function_in_src_kiln_is_longer_than_80_lines():
+    long = [f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name} ({fn.end_lineno - fn.lineno + 1} lines)"
+            for path in sorted((SRC / "kiln").rglob("*.py")) for fn in functions(path)
+            if fn.end_lineno - fn.lineno + 1 > MAX_FUNCTION_LINES_ANYWHERE]
+    assert not long, long
+
+
+def test_the_cli_parses_and_dispatches_only():
+    lines = (SRC / "kiln" / "cli.py").read_text().count("\n")
+    assert lines <= MAX_CLI_LINES, f"cli.py has {lines} lines"

@@ -36,7 +36,8 @@ from conftest import tiny_config
 from kiln.config import PackConfig
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import read_manifest
-from kiln.shards.format import FILES_TABLE, ShardSet
+from kiln.shards.format import FILES_TABLE
+from kiln.shards.reader import ShardSet
 from kiln.shards.pack import pack
 from kiln.shards.remote import ShardCache
 from kiln.train.data import Mixture, draws_per_source, open_splits

@@ -102,9 +102,10 @@ def test_continue_pretraining_a_transformers_llama_and_export_it_back(prepared, 
 
     # The export speaks the model's own tokens, without Kiln's.
     tok_cfg = json.loads((back / "tokenizer_config.json").read_text())
-    assert tok_cfg["eos_token"] == "</s>" and tok_cfg["bos_token"] == "<s>" and "pad_token" not in tok_cfg
+    # bos_token is the EOS: Kiln's documents follow </s> (never <s>), and the tokenizer puts it first by default.
+    assert tok_cfg["eos_token"] == "</s>" and tok_cfg["bos_token"] == "</s>" and "pad_token" not in tok_cfg
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(back))
-    assert hf_tok.eos_token_id == 2
+    assert hf_tok.eos_token_id == 2 and hf_tok("hello")["input_ids"][0] == 2
 
 
 def test_export_nits_generation_config_file_modes_and_model_card(prepared, hub_model, tmp_path, capsys):

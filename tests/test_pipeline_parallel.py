@@ -29,7 +29,8 @@ import torch, torch.distributed as dist
 from kiln.model.loss import next_token_loss
 from kiln.model.config import ModelConfig
 from kiln.model.llama import Llama
-from kiln.train.clip import GROUPS, group_norms, layer_groups
+from kiln.train.clip import GROUPS, layer_groups
+from kiln.train.parallel.dist import group_norms
 from kiln.train.parallel.pipeline import Pipeline, pipeline_loss, split_model
 
 schedule, steps = sys.argv[1], int(sys.argv[2])

@@ -471,7 +471,7 @@ def test_a_changed_token_stops_training_naming_the_shard(workdir, tmp_path, caps
 def test_a_token_outside_the_vocabulary_is_caught_even_when_the_manifest_vouches_for_it(workdir):
     import numpy as np
 
-    from kiln.shards.format import ShardSet
+    from kiln.shards.reader import ShardSet
 
     shard = workdir / "shards" / "train" / "00000.bin"
     vocab = read_manifest(workdir / "shards")["vocab_size"]
@@ -485,7 +485,7 @@ def test_a_token_outside_the_vocabulary_is_caught_even_when_the_manifest_vouches
 
 
 def test_a_cut_index_is_caught_at_start(workdir):
-    from kiln.shards.format import ShardSet
+    from kiln.shards.reader import ShardSet
 
     idx = workdir / "shards" / "train" / "00000.idx"
     idx.write_bytes(idx.read_bytes()[:-8])
@@ -496,7 +496,7 @@ def test_a_cut_index_is_caught_at_start(workdir):
 def test_shards_are_hashed_once_when_first_used_in_the_loaders_thread(workdir, monkeypatch):
     import threading
 
-    from kiln.shards.format import ShardSet
+    from kiln.shards.reader import ShardSet
     from kiln.shards.verify import SplitVerifier
     from kiln.train.loader import Loader
 
@@ -554,7 +554,7 @@ def test_disk_full_during_a_checkpoint_is_a_clear_message_and_the_earlier_ones_s
                                                                                     monkeypatch):
     import torch
 
-    import kiln.train.checkpoint as ckpt
+    import kiln.train.checkpoint.full as ckpt
 
     real, calls = torch.save, []
 

@@ -24,7 +24,7 @@ from kiln.cli import main as kiln
 from kiln.errors import IntegrityError
 from kiln.manifest import read_manifest
 from kiln.train.checkpoint import checkpoint_table, latest_valid, list_checkpoints, load_checkpoint, verify_checkpoint
-from kiln.train.shard_storage import Piece, PieceIndex, write_index, write_pieces, write_safetensors
+from kiln.train.checkpoint.storage import Piece, PieceIndex, write_index, write_pieces, write_safetensors
 from kiln.train.trainer import Trainer
 from test_resilience import ENV, _keypair, clone, events, finish, launch, losses, write_config
 
@@ -271,7 +271,7 @@ import os, time
 from datetime import timedelta
 import torch.distributed as dist
 from kiln.train.parallel import Dist
-from kiln.train.sharded_checkpoint import save_barrier
+from kiln.train.checkpoint.sharded import save_barrier
 dist.init_process_group("gloo", timeout=timedelta(seconds=2))  # parallel.step_timeout_s, shortened
 d = Dist(rank=dist.get_rank(), world=dist.get_world_size())
 if d.rank == 0:
@@ -442,7 +442,7 @@ from kiln.model.build import build_model
 from kiln.model.config import ModelConfig
 from kiln.train import parallel
 from kiln.train.parallel.parallelize import FSDPModel, apply_fsdp
-from kiln.train import sharded_checkpoint as sharded
+from kiln.train.checkpoint import sharded
 from kiln.train.checkpoint import Saver, rng_state
 
 dist.init_process_group("gloo")
@@ -494,7 +494,7 @@ from kiln.model.build import build_model
 from kiln.model.config import ModelConfig
 from kiln.train import parallel
 from kiln.train.parallel.parallelize import FSDPModel, apply_fsdp
-from kiln.train import sharded_checkpoint as sharded
+from kiln.train.checkpoint import sharded
 from kiln.train.checkpoint import Saver, load_checkpoint, rng_state
 
 dist.init_process_group("gloo")

@@ -22,8 +22,8 @@ from kiln.cli import main as kiln
 from kiln.errors import IntegrityError
 from kiln.manifest import read_manifest
 from kiln.train.checkpoint import list_checkpoints, load_checkpoint, verify_checkpoint
-from kiln.train.shard_storage import Piece, PieceIndex, write_index, write_pieces
-from kiln.train.sharded_checkpoint import local_boxes
+from kiln.train.checkpoint.storage import Piece, PieceIndex, write_index, write_pieces
+from kiln.train.checkpoint.sharded import local_boxes
 from test_resilience import clone, events, finish, launch, write_config
 
 LAST, EVERY = 6, 3  # 6 steps, checkpoints at 3 and 6: a resume continues steps 4-6 from step 3
@@ -101,8 +101,8 @@ def test_every_split_of_the_parameters_defaults_to_sharded_and_full_stays_a_choi
     from kiln.train.parallel.dist import Dist
     from kiln.train.parallel.parallelize import (DDPModel, ExpertParallelModel, FSDPModel, Parallelized,
                                                  PipelineModel, TensorParallelModel)
-    from kiln.train.sharded_checkpoint import ShardedCheckpoint
-    from kiln.train.state import FullCheckpoint, checkpoint_format
+    from kiln.train.checkpoint.sharded import ShardedCheckpoint
+    from kiln.train.checkpoint import FullCheckpoint, checkpoint_format
 
     d = Dist()
     for kind in (TensorParallelModel, FSDPModel, PipelineModel, ExpertParallelModel):
@@ -349,7 +349,7 @@ import torch.distributed as dist
 from kiln.config import ParallelConfig
 from kiln.model.build import build_model
 from kiln.model.config import ModelConfig
-from kiln.train import sharded_checkpoint as sharded
+from kiln.train.checkpoint import sharded
 from kiln.train.checkpoint import Saver, load_checkpoint, rng_state
 from kiln.train.parallel import Dist
 from kiln.train.parallel.mesh import Mesh, resolve_degrees
@@ -455,7 +455,7 @@ def test_a_model_holding_only_some_of_the_checkpoints_layers_is_refused_in_one_l
     from kiln.errors import KilnError
     from kiln.model.build import build_model
     from kiln.model.config import ModelConfig
-    from kiln.train import sharded_checkpoint as sharded
+    from kiln.train.checkpoint import sharded
     from kiln.train.checkpoint import Saver, rng_state
     from kiln.train.engine import param_groups
     from kiln.train.parallel import Dist

@@ -56,9 +56,8 @@ from kiln.config import PackConfig
 from kiln.data.docs import read_docs
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import read_manifest
-from kiln.shards.format import (
-    FILES_TABLE, IDX_ENTRY, IDX_HEADER, ShardSet, read_header, read_index, read_tokens, verify_shards,
-)
+from kiln.shards.format import FILES_TABLE, IDX_ENTRY, IDX_HEADER, read_header, read_index, read_tokens, verify_shards
+from kiln.shards.reader import ShardSet
 from kiln.shards.pack import pack, split_of
 from kiln.shards.provenance import documents as provenance_rows
 from kiln.tokenizer import eos_id, load_tokenizer, tokenizer_sha256

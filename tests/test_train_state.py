@@ -1,6 +1,6 @@
-"""The TrainState registry (train/state.py): each part's state is saved under its key and restored by that key,
-a rollback restores only the parts that rewind, and a part moved into train/parts (the budget) resumes bitwise
-through it. Also: an fp16 run measures the update-to-weight ratio like any other."""
+"""The TrainState registry (train/checkpoint/checkpointer.py): each part's state is saved under its key and restored
+by that key, a rollback restores only the parts that rewind, and a part moved into train/parts (the budget) resumes
+bitwise through it. Also: an fp16 run measures the update-to-weight ratio like any other."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from conftest import tiny_config
 from kiln.train.checkpoint import list_checkpoints, load_checkpoint
 from kiln.train.metrics import read_metrics
-from kiln.train.state import TrainState
+from kiln.train.checkpoint import TrainState
 from kiln.train.trainer import Trainer
 
 

@@ -646,7 +646,8 @@ class TaskConfig(Section):
 
 
 class EvalConfig(Section):
-    """Downstream multiple-choice tasks run inside the training loop (lm-eval-harness's acc and acc_norm)."""
+    """Downstream multiple-choice tasks run inside the training loop (lm-eval-harness's acc, acc_norm and
+    acc_bytes)."""
     tasks: list[TaskConfig] = Field(default_factory=list, description="[{name, path}]; empty = none")
     tasks_every: int = Field(0, ge=0, description="steps between task evals; 0 = only at the last step")
 

@@ -1,6 +1,6 @@
 """The data stage: inputs -> read -> extract -> language -> quality gates -> global dedup -> docs/.
 
-Work is cut into tasks: pieces of the input files of about `data.task_bytes` (`kiln.data.tasks`: byte
+Work is cut into tasks: pieces of the input files of about `data.task_bytes` (`kiln.data.plan`: byte
 ranges, row groups or spooled chunks, by format). Tasks run on a local process
 pool or on Ray (`kiln.data.executor`) and are pure: each returns its outcomes
 (kept and rejected documents in record order, zstd-compressed) and a summary;
@@ -33,7 +33,8 @@ import zstandard
 from kiln.config import DataConfig
 from kiln.data.dedup import LEDGER, write_ledger
 from kiln.data.dedup.index import add_run, runs_before, use_index
-from kiln.data.dedup.stages import STAGE_DIR, Layout, Signer, VerdictFiles, dedup_layout, run_stages
+from kiln.data.dedup.signatures import Signer
+from kiln.data.dedup.stages import STAGE_DIR, Layout, VerdictFiles, dedup_layout, run_stages
 from kiln.data.docs import PartWriter, read_part
 from kiln.data.gates.distribution import Composition, SpilledProfiles, profile_part, source_group
 from kiln.data.tables import TABLES, InputCounts, SpilledCounts, TableWriter, composition_rows, write_table
@@ -45,15 +46,13 @@ from kiln.data.language import check_model
 from kiln.data.shape import CorpusShape
 from kiln.data.steps import StepTimer, merge_steps, run_steps, task_steps
 from kiln.data.vouch import Recording, matches, record
-from kiln.data.sources import expand_inputs as _expand, input_identity
-from kiln.data.tasks import READ_ATTEMPTS, Task, plan_tasks, read_task
+from kiln.data.plan import READ_ATTEMPTS, Task, index_key, plan_tasks, read_task
+from kiln.data.sources import expand_inputs as _expand
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import staging_dir, write_atomic, write_manifest, writes_folder, writing_atomic
 
-# Settings that change how the work runs, never what it outputs (storage_options may hold secrets).
-EXECUTION_KEYS = {"inputs", "workers", "executor", "ray_address", "task_bytes", "storage_options"}
 WORK_LAYOUT = 4  # what a task writes to the work folder (4: its outcome and dedup signatures, vouched by its marker;
-# tasks are pieces of any input format, kiln.data.tasks)
+# tasks are pieces of any input format, kiln.data.plan)
 STEPS = ("read", "extract", "language", "gates")
 
 
@@ -67,15 +66,6 @@ def fingerprint(files: list[str], cfg: DataConfig) -> str:
     base = index_key(files, cfg)
     runs = [run["key"] for run in runs_before(cfg.dedup, base)]
     return hashlib.sha256(json.dumps([base, runs]).encode()).hexdigest()[:16] if runs else base
-
-
-def index_key(files: list[str], cfg: DataConfig) -> str:
-    """The fingerprint without the index: the name of this run's entry in data.dedup.index."""
-    # data.dedup.index is left out: the same run finds its own entry wherever the index folder has moved
-    settings = cfg.model_dump(mode="json", exclude={**dict.fromkeys(EXECUTION_KEYS, True),
-                                                    "dedup": {"bucket_docs", "index"}})
-    ident = [input_identity(str(f), cfg.storage_options) for f in files]
-    return hashlib.sha256(json.dumps([ident, settings], sort_keys=True).encode()).hexdigest()[:16]
 
 
 # --- tasks --------------------------------------------------------------------------------------
@@ -94,7 +84,7 @@ def process_task(task: Task, cfg: DataConfig, report: ReadReport, timer: StepTim
 def run_task(args: tuple[Task, DataConfig, str]) -> dict[str, Any]:
     """One task, start to end, in a worker; returns its summary. The worker writes the task's files into the
     work folder (each atomically): the zstd JSONL of every document's outcome (`jsonl.zst`, streamed as the
-    documents come, so a task holds no outcome) and the kept documents' dedup signatures (`stages.Signer`).
+    documents come, so a task holds no outcome) and the kept documents' dedup signatures (`signatures.Signer`).
     The driver writes the completion marker when the summary comes back (`_commit`), so files without a
     marker are a task to redo. The files do not pass through the driver: its memory holds no task's outcome,
     and on Ray the work folder is on storage every node mounts, as the dedup stages already need.
@@ -417,30 +407,47 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
     if weights is not None:
         os.replace(work / TABLES["source_weights"], out / TABLES["source_weights"])
         tables["source_weights"] = weights
-    return {**_counts(summaries, kept, reasons, langs), "kept_chars": chars, **shape.report(),
+    counts = _counts(summaries, kept, reasons, langs)
+    steps = counts.pop("steps")
+    return {**counts, "kept_chars": chars, **shape.report(),
             "edits": dict(sorted(edits.items())), "composition": {"by_lang": composition.report()},
             "tables": {name: {"file": TABLES[name], "rows": n} for name, n in tables.items()},
             "parts": kept_w.parts, "dedup": verdicts.stats(),
-            "timings_s": {"steps": {**{k: round(sum(s["steps_s"].get(k, 0.0) for s in summaries), 3) for k in STEPS},
+            "timings_s": {"steps": {**{k: round(steps[k], 3) for k in STEPS},
                                     "dedup": round(timer.own().get("dedup", 0.0) + verdicts.seconds
-                                                   + sum(s["steps_s"].get("signatures", 0.0) for s in summaries), 3)}}}
+                                                   + steps["signatures"], 3)}}}
 
 
 def _counts(summaries: list[dict[str, Any]], kept: int, reasons: Counter[str], langs: Counter[str]) -> dict[str, Any]:
-    """stats.json's counts of files, errors, cuts, records, documents and reasons (`read = kept + rejected`)."""
+    """stats.json's counts of files, errors, cuts, records, documents and reasons (`read = kept + rejected`), and
+    the tasks' seconds by step ("steps", for the timings)."""
     rejected = sum(reasons.values())
     read = sum(s["documents"] for s in summaries)
     assert read == kept + rejected, "accounting broke: every document must be kept or rejected"
+    stages: Counter[str] = Counter()
+    for reason, n in reasons.items():
+        stages[reason.split("/")[0]] += n
+    return {
+        **_task_totals(summaries),
+        "documents": {"read": read, "kept": kept, "rejected": rejected},
+        "rejected_by_reason": dict(sorted(reasons.items())),
+        "rejected_by_stage": dict(sorted(stages.items())),
+        "kept_by_lang": dict(sorted(langs.items(), key=lambda kv: (-kv[1], kv[0]))),
+    }
+
+
+def _task_totals(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the tasks' summaries add up to: the stats' files, file_errors, truncated and warc_records, and the
+    steps' seconds ("steps", for the timings)."""
     by_type: Counter[str] = Counter()
+    steps: Counter[str] = Counter()
     for s in summaries:
         by_type.update(s["records_by_type"])
+        steps.update(s["steps_s"])
     errors: dict[str, str] = {}
     for s in summaries:
         if s["error"]:
             errors.setdefault(s["source"], s["error"])
-    stages: Counter[str] = Counter()
-    for reason, n in reasons.items():
-        stages[reason.split("/")[0]] += n
     return {
         "files": len({s["source"] for s in summaries}),
         "file_errors": [{"source": src, "error": err} for src, err in errors.items()],
@@ -448,8 +455,5 @@ def _counts(summaries: list[dict[str, Any]], kept: int, reasons: Counter[str], l
             {"source": s["source"], "offset": s["truncated_at"]} for s in summaries if s["truncated_at"] is not None
         ],
         "warc_records": {"total": sum(by_type.values()), "by_type": dict(sorted(by_type.items()))},
-        "documents": {"read": read, "kept": kept, "rejected": rejected},
-        "rejected_by_reason": dict(sorted(reasons.items())),
-        "rejected_by_stage": dict(sorted(stages.items())),
-        "kept_by_lang": dict(sorted(langs.items(), key=lambda kv: (-kv[1], kv[0]))),
+        "steps": steps,
     }

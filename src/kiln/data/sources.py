@@ -289,7 +289,7 @@ def read_jsonl(
     end: int | None = None,
     lines_before: int = 0,
 ) -> Iterator[Document]:
-    """A JSONL file's records; with `start`/`end` (a plain file's byte range, kiln.data.tasks), the lines that
+    """A JSONL file's records; with `start`/`end` (a plain file's byte range, kiln.data.plan), the lines that
     start in [start, end), numbered after the `lines_before` newlines of the file before `start`."""
     if input_size(source, storage_options) == 0:
         raise KilnError(f"{source}: empty file (0 bytes), nothing to read; remove it from the inputs")
@@ -365,7 +365,7 @@ def read_parquet(
     rows_before: int = 0,
 ) -> Iterator[Document]:
     """Rows as Documents; a row whose text is over `max_record_bytes` (UTF-8) is a `read/too_large` rejection.
-    `row_groups`: only those (kiln.data.tasks), whose first row is row `rows_before` of the file."""
+    `row_groups`: only those (kiln.data.plan), whose first row is row `rows_before` of the file."""
     import pyarrow.parquet as pq
 
     with open_input(source, storage_options) as f:

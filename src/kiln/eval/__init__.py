@@ -1,4 +1,5 @@
-"""Validation loss and perplexity: on packed samples during training, or on a checkpoint and a text file."""
+"""Loss and perplexity of a checkpoint, on the validation shards or a text file (`kiln eval`); the summed loss
+itself is model/loss.py's, which validation during training uses too."""
 
 from __future__ import annotations
 
@@ -12,24 +13,7 @@ import torch.nn.functional as F
 
 from kiln.errors import KilnError
 from kiln.model.build import build_model
-from kiln.model.loss import next_token_loss
-
-
-@torch.no_grad()
-def summed_loss(model: torch.nn.Module, batches: Iterable[torch.Tensor], device: torch.device,
-                autocast_dtype: torch.dtype | None = None, pad_id: int | None = None) -> tuple[float, int]:
-    """(sum of token losses, number of predicted tokens) over `batches`."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    for batch in batches:
-        batch = batch.to(device)
-        n = int((batch[:, 1:] != pad_id).sum()) if pad_id is not None else batch[:, 1:].numel()
-        if n:
-            total += float(next_token_loss(model, batch, autocast_dtype, pad_id)) * n
-        count += n
-    model.train(was_training)
-    return total, count
+from kiln.model.loss import summed_loss
 
 
 @torch.no_grad()
@@ -81,12 +65,13 @@ def report(total: float, count: int, text_bytes: int | None = None) -> dict:
 
 
 def evaluate_checkpoint(folder: Path, text_file: Path | None = None, max_samples: int | None = None) -> dict:
-    """Loss, perplexity and bits per byte of a checkpoint on the run's validation shards, or on a UTF-8 text file.
+    """Loss, perplexity and bits per byte of a checkpoint on the run's validation shards, or on a UTF-8 text file
+    (read as one document: after an EOS, as in training, and as the exported tokenizer encodes it by default).
 
     Bits per byte (the summed loss in bits over the UTF-8 bytes of the predicted text) compares runs with
     different tokenizers; on shards the bytes are those of the predicted tokens."""
-    from kiln.shards.format import ShardSet
-    from kiln.tokenizer import tokenizer_sha256
+    from kiln.shards.reader import ShardSet
+    from kiln.tokenizer import eos_id, tokenizer_sha256
 
     model, tok, cfg = load_eval_model(folder)
     device = torch.device("cpu")
@@ -97,7 +82,10 @@ def evaluate_checkpoint(folder: Path, text_file: Path | None = None, max_samples
             raise KilnError(f"{text_file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
         except OSError as exc:
             raise KilnError(f"{text_file}: cannot read ({exc.strerror})") from None
-        ids = tok.encode(text, add_special_tokens=False).ids
+        # As in training, the text follows an EOS, so every token of it is predicted (and counted in its bytes).
+        if not text:
+            raise KilnError(f"{text_file} is empty; nothing to evaluate")
+        ids = [eos_id(tok, cfg.tokenizer.eos_token)] + tok.encode(text, add_special_tokens=False).ids
         total, count = summed_loss(model, text_windows(ids, cfg.pack.seq_len + 1), device)
         return report(total, count, len(text.encode("utf-8")))
     shards = cfg.out / "shards"

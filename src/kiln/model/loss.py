@@ -1,6 +1,9 @@
-"""The training loss: next-token cross-entropy in fp32, in chunks of rows (the trainer's loss and eval's)."""
+"""The training loss: next-token cross-entropy in fp32, in chunks of rows (the trainer's loss and eval's), and its
+sum over batches (validation and `kiln eval`)."""
 
 from __future__ import annotations
+
+from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -44,3 +47,20 @@ def chunked_cross_entropy(
     losses = [F.cross_entropy(chunk.float(), t, ignore_index=ignore_index, reduction="sum")
               for chunk, t in zip(logits.split(rows), targets.split(rows))]
     return torch.stack(losses).sum() / (targets != ignore_index).sum().clamp(min=1)
+
+
+@torch.no_grad()
+def summed_loss(model: torch.nn.Module, batches: Iterable[torch.Tensor], device: torch.device,
+                autocast_dtype: torch.dtype | None = None, pad_id: int | None = None) -> tuple[float, int]:
+    """(sum of token losses, number of predicted tokens) over `batches`."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for batch in batches:
+        batch = batch.to(device)
+        n = int((batch[:, 1:] != pad_id).sum()) if pad_id is not None else batch[:, 1:].numel()
+        if n:
+            total += float(next_token_loss(model, batch, autocast_dtype, pad_id)) * n
+        count += n
+    model.train(was_training)
+    return total, count

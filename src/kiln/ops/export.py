@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -91,9 +90,24 @@ def rope_parameters(cfg: Config) -> dict:
 
 
 def token_names(cfg: Config, tok) -> dict[str, str | None]:
-    """{bos_token, eos_token, pad_token}: the config's names (tokenizer.*) that the tokenizer has; others None."""
+    """{bos_token, eos_token, pad_token} of the export: the config's names (tokenizer.*) that the tokenizer has,
+    others None; bos_token is the EOS token, the one every document follows in training (GPT-2's convention:
+    a <|bos|> the model never saw would be a worse start for lm-eval's empty contexts and for generate)."""
     names = {k: getattr(cfg.tokenizer, k) for k in NAME_KEYS}
-    return {k: v if v is not None and tok.token_to_id(v) is not None else None for k, v in names.items()}
+    names = {k: v if v is not None and tok.token_to_id(v) is not None else None for k, v in names.items()}
+    return names | {"bos_token": names["eos_token"]}
+
+
+def exported_tokenizer_json(tokenizer_file: Path, eos_token: str) -> str:
+    """The export's tokenizer.json: the run's tokenizer with a post-processor that puts `eos_token` first, so
+    transformers' `tok(text)` (and lm-eval on the folder) gives the model the conditioning it had in training."""
+    from tokenizers import processors
+
+    tok = load_tokenizer(tokenizer_file)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{eos_token} $A", pair=f"{eos_token} $A {eos_token}:1 $B:1",
+        special_tokens=[(eos_token, tok.token_to_id(eos_token))])
+    return tok.to_str()
 
 
 def hf_config(cfg: Config, vocab_size: int, tok, where: Path = Path(".")) -> dict:
@@ -172,14 +186,16 @@ def from_hf(state: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tens
 
 
 def tokenizer_files(names: dict[str, str | None], seq_len: int) -> dict[str, dict]:
-    # Kiln pads on the right in training (samples are packed, no padding), and Kiln encodes text that spells a
-    # special token as text (split_special_tokens), so the HF tokenizer must behave the same.
+    # Kiln pads on the right in training (samples are packed, no padding). A prompt that a user types with
+    # <|eos|> in it means the token (split_special_tokens false), unlike crawled text in Kiln's own encoding.
+    # add_bos_token: the post-processor (exported_tokenizer_json) already puts bos_token (= EOS) first; a
+    # transformers version that rebuilt it from this flag would put the same token first.
     present = {k: v for k, v in names.items() if v}
     return {
         "tokenizer_config.json": {
             "tokenizer_class": "PreTrainedTokenizerFast", **present,
-            "add_bos_token": False, "add_eos_token": False, "padding_side": "right", "model_max_length": seq_len,
-            "split_special_tokens": True, "clean_up_tokenization_spaces": False,
+            "add_bos_token": True, "add_eos_token": False, "padding_side": "right", "model_max_length": seq_len,
+            "split_special_tokens": False, "clean_up_tokenization_spaces": False,
         },
         "special_tokens_map.json": present,
     }
@@ -235,8 +251,9 @@ tok = AutoTokenizer.from_pretrained("{out_dir}")
 model = AutoModelForCausalLM.from_pretrained("{out_dir}")
 ```
 
-Documents in training follow `{cfg.tokenizer.eos_token}`: start a prompt with it for the model's view of
-"the start of a document".
+Documents in training follow `{cfg.tokenizer.eos_token}`, so the tokenizer puts it first by default
+(`tok(text)`; it is also the `bos_token`): that is the model's view of "the start of a document". A
+`{cfg.tokenizer.eos_token}` typed in a prompt is that token.
 
 ## Evaluate with lm-eval-harness
 
@@ -245,15 +262,14 @@ lm_eval --model hf --model_args pretrained={out_dir} --tasks hellaswag --device 
 ```
 
 The harness downloads its data sets; offline, `kiln eval CHECKPOINT --mc FILE.jsonl` scores a local
-multiple-choice file with the same definitions of acc and acc_norm.
+multiple-choice file with the harness's definitions of acc, acc_norm and acc_bytes, and the same numbers.
 """
 
 
 @writes_folder(EXPORT_STAGE, out="out_dir", inputs=("checkpoint",))
 def export_hf(checkpoint: Path, out_dir: Path) -> dict:
     """Write `out_dir` as a transformers Llama (or, for MoE, Mixtral) folder from a verified Kiln checkpoint."""
-    from kiln.train.checkpoint import check_loads, checkpoint_config
-    from kiln.train.sharded_checkpoint import CheckpointWeights
+    from kiln.train.checkpoint import CheckpointWeights, check_loads, checkpoint_config
 
     cfg = checkpoint_config(checkpoint)
     verify_folder(checkpoint)
@@ -267,8 +283,10 @@ def export_hf(checkpoint: Path, out_dir: Path) -> dict:
         write_atomic(tmp / "generation_config.json", json.dumps(
             {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
              "pad_token_id": config["pad_token_id"]}, indent=1))
-        shutil.copyfile(Path(checkpoint) / "tokenizer.json", tmp / "tokenizer.json")
-        for name, content in tokenizer_files(token_names(cfg, tok), cfg.pack.seq_len).items():
+        names = token_names(cfg, tok)
+        write_atomic(tmp / "tokenizer.json", exported_tokenizer_json(Path(checkpoint) / "tokenizer.json",
+                                                                     names["eos_token"]))
+        for name, content in tokenizer_files(names, cfg.pack.seq_len).items():
             write_atomic(tmp / name, json.dumps(content, indent=1))
         write_atomic(tmp / "README.md", model_card(cfg, config, checkpoint, out_dir, params))
         _readable(tmp)
@@ -288,7 +306,7 @@ def _write_hf_weights(weights, path: Path, checkpoint: Path, tied: bool) -> int:
     """model.safetensors of the export, one Kiln tensor in memory at a time (read, renamed, written, dropped):
     the names and shapes come from meta tensors first, then each tensor is read as the file reaches it. A tied
     lm_head is left out (HF ties it to embed_tokens on load). Returns the parameter count written."""
-    from kiln.train.shard_storage import write_safetensors
+    from kiln.train.checkpoint import write_safetensors
 
     source: dict[str, str] = {}
     names = []
@@ -367,13 +385,23 @@ def safetensors_files(hf_dir: Path) -> list[Path]:
                     "weights (convert a pytorch_model.bin with transformers' save_pretrained)")
 
 
+def same_tokenizer(run_tokenizer: Path, hf_tokenizer: Path, eos_token: str) -> bool:
+    """The folder's tokenizer.json is the run's, byte for byte, or what `export --hf` writes from it."""
+    if tokenizer_sha256(run_tokenizer) == tokenizer_sha256(hf_tokenizer):
+        return True
+    try:
+        return hf_tokenizer.read_text(encoding="utf-8") == exported_tokenizer_json(run_tokenizer, eos_token)
+    except (UnicodeDecodeError, KilnError):
+        return False
+
+
 def import_hf(hf_dir: Path, cfg: Config) -> Path:
     """Write `{out_dir}/run/checkpoints/step-00000000/` from an HF Llama/Mixtral folder; `kiln train` resumes from it.
 
     The config must describe the same model (checked against config.json), and the run's tokenizer and shards
     must exist and be the folder's tokenizer. No Trainer is built: no process group, data loader or watchdog
-    is started; the checkpoint is the state of a run at step 0 (train/state.py: its parts start fresh),
-    which `kiln train` resumes like any other.
+    is started; the checkpoint is the state of a run at step 0 (train/checkpoint/checkpointer.py: its parts start
+    fresh), which `kiln train` resumes like any other.
     """
     from kiln.lock import OutputLock
     from kiln.train.checkpoint import list_checkpoints
@@ -389,7 +417,7 @@ def import_hf(hf_dir: Path, cfg: Config) -> Path:
     except json.JSONDecodeError as exc:
         raise KilnError(f"{hf_dir / 'config.json'}: not valid JSON ({exc})") from None
     run_tok = cfg.out / "tokenizer" / "tokenizer.json"
-    if not run_tok.is_file() or tokenizer_sha256(run_tok) != tokenizer_sha256(hf_dir / "tokenizer.json"):
+    if not run_tok.is_file() or not same_tokenizer(run_tok, hf_dir / "tokenizer.json", cfg.tokenizer.eos_token):
         raise KilnError(
             f"{run_tok} is missing or differs from {hf_dir / 'tokenizer.json'}; the run's shards must be packed "
             f"with the model's own tokenizer: set tokenizer.path: {hf_dir} (and tokenizer.eos_token to its "
@@ -419,13 +447,12 @@ def write_step_zero(cfg: Config, weights: dict[str, torch.Tensor], source: Path)
     the optimizer state is a fresh AdamW's and the RNG state the one a run has after building its model, so
     the run that resumes from here is the run that would have started with these weights.
     """
-    from kiln.train import resume as resume_checks
-    from kiln.train.checkpoint import rng_state
+    from kiln.train.checkpoint import FullCheckpoint, RunInputs, TrainState, config_hash, rng_state
+    from kiln.train.checkpoint import resume as resume_checks
     from kiln.train.data import open_splits
     from kiln.train.determinism import layout
     from kiln.train.engine import build_optimizer
     from kiln.train.parallel import Dist
-    from kiln.train.state import FullCheckpoint, RunInputs, TrainState, config_hash
     from kiln import env
     from kiln.model.build import build_model
 

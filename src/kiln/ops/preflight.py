@@ -26,7 +26,8 @@ from kiln.errors import KilnError
 from kiln.manifest import read_manifest, staging_dir, write_atomic, write_manifest
 from kiln.ops.check import Check, guarded, print_checks
 from kiln.ops.report import read_records
-from kiln.shards.format import IDX_ENTRY, ShardHeader, ShardSet, read_header, write_shard
+from kiln.shards.format import IDX_ENTRY, ShardHeader, read_header, write_shard
+from kiln.shards.reader import ShardSet
 
 
 def write_slice(shards: Path, out: Path, counts: dict[str, int]) -> None:
@@ -77,26 +78,28 @@ def judge(
     cfg: Config, steps: list[dict], loader_tps: float, model_state: dict, ckpt_folder: Path | None
 ) -> list[Check]:
     """The five signals, from the smoke run's step records, the loader probe and the checkpoint it wrote."""
-    from kiln.train.checkpoint import load_checkpoint, verify_checkpoint
-
     p = cfg.preflight
     timed = steps[1:] or steps  # the first step pays for allocation and warm-up
     step_time = statistics.median(s["step_time_s"] for s in timed)
     train_tps = statistics.median(s["tokens_per_s"] for s in timed)
-    checks = []
+    return [_loader_check(p, loader_tps, train_tps), _utilisation_check(cfg, timed, loader_tps, step_time),
+            _memory_check(p, steps), _grad_norm_check(p, steps), _checkpoint_check(model_state, ckpt_folder)]
 
+
+def _loader_check(p, loader_tps: float, train_tps: float) -> Check:
     ratio = loader_tps / train_tps
-    checks.append(
-        Check(
-            "loader",
-            ratio >= p.min_loader_ratio,
-            f"loader {loader_tps:,.0f} tokens/s = {ratio:.1f}× the {train_tps:,.0f} tokens/s a step consumes",
-            ""
-            if ratio >= p.min_loader_ratio
-            else "move shards to local disk or page cache; the device will wait for data",
-        )
+    return Check(
+        "loader",
+        ratio >= p.min_loader_ratio,
+        f"loader {loader_tps:,.0f} tokens/s = {ratio:.1f}× the {train_tps:,.0f} tokens/s a step consumes",
+        ""
+        if ratio >= p.min_loader_ratio
+        else "move shards to local disk or page cache; the device will wait for data",
     )
 
+
+def _utilisation_check(cfg: Config, timed: list[dict], loader_tps: float, step_time: float) -> Check:
+    p = cfg.preflight
     if all(isinstance(s.get("time_data_s"), (int, float)) for s in timed):
         waiting = statistics.median(s["time_data_s"] / s["step_time_s"] for s in timed)
         how = "data wait measured by the trainer"
@@ -106,15 +109,15 @@ def judge(
     busy = 1 - waiting
     mfu = [s["mfu"] for s in timed if isinstance(s.get("mfu"), (int, float))]
     detail = f"device busy {busy:.0%} of the step ({how})" + (f"; MFU {statistics.median(mfu):.1%}" if mfu else "")
-    checks.append(
-        Check(
-            "utilisation",
-            busy >= p.min_utilisation,
-            detail,
-            "" if busy >= p.min_utilisation else "the step waits for data: raise loader throughput or the batch",
-        )
+    return Check(
+        "utilisation",
+        busy >= p.min_utilisation,
+        detail,
+        "" if busy >= p.min_utilisation else "the step waits for data: raise loader throughput or the batch",
     )
 
+
+def _memory_check(p, steps: list[dict]) -> Check:
     from kiln.train.metrics import peak_memory_gb
 
     # Reserved, not only allocated: the allocator's cache and fragments are what runs out (telemetry, on GPUs).
@@ -123,15 +126,15 @@ def judge(
                default=peak_memory_gb(torch.device("cuda" if torch.cuda.is_available() else "cpu")))
     total = _device_memory_gb()
     ok = peak / total <= p.max_memory_fraction
-    checks.append(
-        Check(
-            "memory",
-            ok,
-            f"peak {peak:.2f} GiB of {total:.1f} GiB ({peak / total:.0%})",
-            "" if ok else "lower train.micro_batch_size, or turn on parallel.activation_checkpointing / fsdp",
-        )
+    return Check(
+        "memory",
+        ok,
+        f"peak {peak:.2f} GiB of {total:.1f} GiB ({peak / total:.0%})",
+        "" if ok else "lower train.micro_batch_size, or turn on parallel.activation_checkpointing / fsdp",
     )
 
+
+def _grad_norm_check(p, steps: list[dict]) -> Check:
     norms = [s["grad_norm"] for s in steps]
     bad = [
         n
@@ -139,41 +142,37 @@ def judge(
         if not (isinstance(n, (int, float)) and math.isfinite(n) and p.min_grad_norm <= n <= p.max_grad_norm)
     ]
     losses_ok = all(math.isfinite(s["loss"]) for s in steps)
-    checks.append(
-        Check(
-            "grad_norm",
-            not bad and losses_ok,
-            f"{min(norms):.3g} .. {max(norms):.3g} over {len(norms)} steps; "
-            f"loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}",
-            ""
-            if not bad and losses_ok
-            else f"outside [{p.min_grad_norm:g}, {p.max_grad_norm:g}] or not finite: "
-            "check train.lr, model.init_std, the data",
-        )
+    return Check(
+        "grad_norm",
+        not bad and losses_ok,
+        f"{min(norms):.3g} .. {max(norms):.3g} over {len(norms)} steps; "
+        f"loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}",
+        ""
+        if not bad and losses_ok
+        else f"outside [{p.min_grad_norm:g}, {p.max_grad_norm:g}] or not finite: "
+        "check train.lr, model.init_std, the data",
     )
 
+
+def _checkpoint_check(model_state: dict, ckpt_folder: Path | None) -> Check:
+    from kiln.train.checkpoint import load_checkpoint, verify_checkpoint
+
     if ckpt_folder is None:
-        checks.append(
-            Check(
-                "checkpoint", False, "the smoke run wrote no checkpoint", "check disk space and permissions of out_dir"
-            )
+        return Check(
+            "checkpoint", False, "the smoke run wrote no checkpoint", "check disk space and permissions of out_dir"
         )
-    else:
-        verify_checkpoint(ckpt_folder)
-        loaded = load_checkpoint(ckpt_folder)["model"]
-        same = loaded.keys() == model_state.keys() and all(
-            torch.equal(loaded[k].cpu(), model_state[k].cpu()) for k in loaded
-        )
-        checks.append(
-            Check(
-                "checkpoint",
-                same,
-                f"{ckpt_folder.name}: {len(loaded)} tensors written, verified and loaded back "
-                + ("identical" if same else "DIFFERENT from the model in memory"),
-                "" if same else "a checkpoint does not round-trip: report this as a Kiln bug",
-            )
-        )
-    return checks
+    verify_checkpoint(ckpt_folder)
+    loaded = load_checkpoint(ckpt_folder)["model"]
+    same = loaded.keys() == model_state.keys() and all(
+        torch.equal(loaded[k].cpu(), model_state[k].cpu()) for k in loaded
+    )
+    return Check(
+        "checkpoint",
+        same,
+        f"{ckpt_folder.name}: {len(loaded)} tensors written, verified and loaded back "
+        + ("identical" if same else "DIFFERENT from the model in memory"),
+        "" if same else "a checkpoint does not round-trip: report this as a Kiln bug",
+    )
 
 
 def preflight(cfg: Config) -> tuple[dict, list[Check]]:

@@ -55,7 +55,7 @@ def matmul_tflops(dtype: str = "fp32", size: int | None = None, seconds: float =
 
 def loader_tokens_per_s(shards: Path, batch_size: int, seed: int, seconds: float = 1.0) -> float:
     """Tokens/s of the training Loader itself (seeded permutation, memmap reads, int64 tensors) on the train split."""
-    from kiln.shards.format import ShardSet
+    from kiln.shards.reader import ShardSet
     from kiln.train.loader import Loader
 
     samples = ShardSet(shards, "train")
@@ -119,18 +119,17 @@ def _allreduce_worker(rank: int, world: int, init_file: str, sizes: list[int], s
 def group_allreduce(sizes: list[int], seconds: float, timeout_s: float = 600) -> dict:
     """All-reduce over every rank of the torchrun group this process belongs to (several nodes too):
     {"backend", "world", "hosts", "results"} with rank 0's measurement, the same on every rank."""
-    from kiln.train.consensus import broadcast, gather
-    from kiln.train.parallel import init_distributed
+    from kiln.train.parallel import all_gather_objects, broadcast_object, init_distributed
 
     torch.set_num_threads(1)
     d = init_distributed(timeout_s)
     try:
-        hosts = sorted(set(gather(d, d.host)))
+        hosts = sorted(set(all_gather_objects(d, d.host)))
         results = measure_allreduce(d.rank, d.world, d.device, sizes, seconds)
-        correct = gather(d, all(r["correct"] for r in results.values()))
+        correct = all_gather_objects(d, all(r["correct"] for r in results.values()))
         summary = {"backend": dist.get_backend(), "world": d.world, "hosts": hosts, "results": results,
                    "wrong_ranks": [r for r, ok in enumerate(correct) if not ok]}
-        return broadcast(d, summary)
+        return broadcast_object(d, summary)
     finally:
         dist.destroy_process_group()
 

@@ -117,7 +117,7 @@ def plot_loss_by_tokens_and_time(records: Records):
 
 
 def plot_tasks(records: Records):
-    """Downstream tasks (eval.tasks): acc and acc_norm per task against steps."""
+    """Downstream tasks (eval.tasks): acc, acc_norm and acc_bytes per task against steps."""
     tasks = sorted({r["task"] for r in records if r.get("event") == "task" and "task" in r})
     if not tasks:
         return None
@@ -127,6 +127,8 @@ def plot_tasks(records: Records):
         steps = [r["step"] for r in rows]
         ax.plot(steps, [r["acc"] for r in rows], "o-", ms=4, label=f"{name} acc")
         ax.plot(steps, [r["acc_norm"] for r in rows], "s--", ms=4, label=f"{name} acc_norm")
+        if all("acc_bytes" in r for r in rows):  # runs before acc_bytes was logged have none
+            ax.plot(steps, [r["acc_bytes"] for r in rows], "^:", ms=4, label=f"{name} acc_bytes")
     ax.set(xlabel="step", ylabel="accuracy", ylim=(0, 1))
     ax.legend(fontsize=8)
     return fig
@@ -437,7 +439,9 @@ def _summary(records: Records) -> list[dict]:
     for r in records:
         if r.get("event") == "task":
             rows.append({"what": f"task {r['task']} at step {r['step']}",
-                         "value": f"acc {r['acc']:.3f}, acc_norm {r['acc_norm']:.3f} (n {r['n']})"})
+                         "value": f"acc {r['acc']:.3f}, acc_norm {r['acc_norm']:.3f}"
+                                  + (f", acc_bytes {r['acc_bytes']:.3f}" if "acc_bytes" in r else "")
+                                  + f" (n {r['n']})"})
     return [r for r in rows if r["value"] is not None]
 
 

@@ -10,7 +10,8 @@ import numpy as np
 
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import verify_folder
-from kiln.shards.format import ShardSet, read_index
+from kiln.shards.format import read_index
+from kiln.shards.reader import ShardSet
 from kiln.shards.provenance import read_rows, side_file
 from kiln.tokenizer import load_tokenizer, tokenizer_sha256
 

@@ -13,8 +13,6 @@ import re
 import torch
 from torch import nn
 
-from kiln.train.parallel import full_value
-
 GROUPS = ("embeddings", "lower", "middle", "upper")
 _BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -34,11 +32,6 @@ def layer_groups(model: nn.Module, n_layers: int, upper_layers: int) -> dict[str
             i = int(m.group(1))
             groups["lower" if i < k else "upper" if i >= n_layers - k else "middle"].append(p)
     return {g: ps for g, ps in groups.items() if ps}
-
-
-def group_norms(groups: dict[str, list[nn.Parameter]]) -> dict[str, torch.Tensor]:
-    return {g: full_value(torch.nn.utils.get_total_norm([p.grad for p in ps if p.grad is not None]))
-            for g, ps in groups.items()}
 
 
 def clip(groups: dict[str, list[nn.Parameter]], norms: dict[str, torch.Tensor], global_limit: float,

@@ -19,7 +19,7 @@ import numpy as np
 
 from kiln.config import Config, SourceConfig
 from kiln.errors import KilnError
-from kiln.shards.format import ShardSet
+from kiln.shards.reader import ShardSet
 from kiln.shards.remote import ShardCache
 
 

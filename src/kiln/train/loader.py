@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from kiln.shards.format import ShardSet
+from kiln.shards.reader import ShardSet
 from kiln.train.data import Mixture
 
 
@@ -119,7 +119,7 @@ def _close(running: list[Prefetcher]) -> None:
 
 
 class Loader:
-    state_key = "loader"  # saved in every checkpoint (train/state.py); a rollback keeps the position
+    state_key = "loader"  # saved in every checkpoint (train/checkpoint/checkpointer.py); a rollback keeps the position
 
     def __init__(self, samples: Mixture | ShardSet, global_batch: int, micro_batch: int, rank: int, world: int,
                  seed: int, prefetch: int = 0) -> None:

@@ -4,7 +4,7 @@ Always fp32: RMSNorm (it upcasts inside), the loss (logits are upcast before the
 and attention's softmax (scaled_dot_product_attention accumulates it in fp32). `train.fp32_modules`
 pins whole module kinds to fp32 as well, e.g. the output head when its logits overflow in fp16.
 Under autocast (one process, DDP) `apply_precision_policy` runs them with autocast off; under FSDP2,
-which casts parameters instead, `parallelize.apply_fsdp` shards them as groups gathered in fp32.
+which casts parameters instead, `parallel.fsdp.apply_fsdp` shards them as groups gathered in fp32.
 """
 
 from __future__ import annotations

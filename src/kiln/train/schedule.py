@@ -64,7 +64,7 @@ class Schedule:
     """Warmup, then `after_warmup`. Stateless schedules only implement `after_warmup`."""
 
     name = "schedule"
-    state_key = "schedule"  # saved in every checkpoint (train/state.py)
+    state_key = "schedule"  # saved in every checkpoint (train/checkpoint/checkpointer.py)
     restore_on_rollback = True  # the breathing phases and a calibrated warmup rewind with the step
     measures_noise = False  # whether observe_step needs a real param_norm (the trainer may skip computing it)
 

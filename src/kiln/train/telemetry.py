@@ -37,8 +37,7 @@ import torch.distributed as dist
 
 from kiln.config import TelemetryConfig
 from kiln.ops.nvml import BAD_THROTTLE
-from kiln.train.consensus import gather
-from kiln.train.parallel import Dist
+from kiln.train.parallel import Dist, all_gather_objects
 
 GB = 2**30
 # The per-rank figures gathered at log steps, in this order (NaN where a rank has none).
@@ -108,7 +107,7 @@ class Telemetry:
         self.handle = nvml_handle(nvml, d.device) if nvml is not None else None
         cuda = d.device.type == "cuda"
         self.memory_stats = memory_stats or ((lambda: torch.cuda.memory_stats(d.device)) if cuda else None)
-        self.hosts = gather(d, d.host)  # once: the names alerts give
+        self.hosts = all_gather_objects(d, d.host)  # once: the names alerts give
         self.compute_s: list[float] = []
         self.step_s: list[float] = []
         self.slow_windows = [0] * d.world  # consecutive windows each rank was a straggler

@@ -6,7 +6,8 @@ A run resumes from the newest valid checkpoint under {out_dir}/run/checkpoints
 and from there produces bitwise the losses of a run that was never interrupted.
 
 The parts (train/parts/) and what they hold are listed once, in `Trainer._parts`; what they save goes through
-the TrainState (train/state.py); the model is made parallel in one ordered function (parallel/parallelize.py).
+the TrainState (train/checkpoint/checkpointer.py); the model is made parallel in one ordered function
+(parallel/parallelize.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from kiln.model.build import build_model
 from kiln.model.loss import next_token_loss
 from kiln.tokenizer import tokenizer_sha256
 from kiln.train import checkpoint as ckpt
-from kiln.train import resume as resume_checks
+from kiln.train.checkpoint import Checkpointer, RunInputs, TrainState, config_hash
+from kiln.train.checkpoint import resume as resume_checks
 from kiln.train.console import TrainConsole, warnings_for
 from kiln.train.cpu_memory import keep_freed_memory
 from kiln.train.data import open_splits
@@ -49,7 +51,6 @@ from kiln.train.parts.signals import StopRequests
 from kiln.train.parts.validator import Validator
 from kiln.train.parts.watchdog import Watchdog
 from kiln.train.schedule import build_schedule
-from kiln.train.state import Checkpointer, RunInputs, TrainState, config_hash
 from kiln.train.telemetry import Telemetry
 
 class Trainer:
@@ -119,7 +120,8 @@ class Trainer:
         self.peak, self.peak_source = peak_tflops(d.device, t.dtype, t.peak_tflops)
         self.step_log = StepLog(t, d, self.flops_per_token, self.peak, Telemetry.create(d, cfg.telemetry, self.log),
                                 self.loader, self.escalation, self.budget, self.event, self.log)
-        tasks = DownstreamTasks(cfg.eval.tasks, cfg.eval.tasks_every, self.tokenizer_file, cfg.tokenizer.eos_token)
+        tasks = DownstreamTasks(cfg.eval.tasks, cfg.eval.tasks_every, self.tokenizer_file, cfg.tokenizer.eos_token,
+                                cfg.pack.seq_len)
         self.validator = Validator(t, self.val_set, self.loader.micro_batch, self.engine.parallel, d, self.pad_id,
                                    self.schedule, tasks, cfg.pack.seq_len, cfg.out / "shards", self.event, self.log,
                                    self.watchdog.beat)

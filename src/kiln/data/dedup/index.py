@@ -5,7 +5,7 @@ Layout of the folder (Kiln's own: `index.json` says so, and nothing else in it i
 
     index.json          {"kind": "kiln-dedup-index", "settings": {...}, "runs": [{"name", "key", "docs",
                          "documents", "parts": [{"name", "count"}]}]}, in the order the runs were added
-    run-NNNNN/          one finished run: per task of that run, the stage files (`stages.KINDS`, `ids.json`)
+    run-NNNNN/          one finished run: per task of that run, the stage files (`signatures.KINDS`, `ids.json`)
                         of the documents it kept (dedup survivors), and a manifest.json
 
 A run uses the runs listed before its own entry (all of them the first time), in that order, as
@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from kiln.config import DedupConfig
+from kiln.data.dedup.signatures import Part, npy_bytes
 from kiln.errors import ConfigError, IntegrityError
 from kiln.manifest import HASH_THREADS, staging_dir, verify_folder, write_atomic, write_manifest
 
@@ -99,8 +100,6 @@ def _verify_run(folder: Path, deep: bool) -> None:
 
 def index_parts(cfg: DedupConfig, key: str) -> list:
     """The parts of the runs this run deduplicates against, each run folder verified (sha256) first."""
-    from kiln.data.dedup.stages import Part
-
     folder = Path(cfg.index) if cfg.index else None
     runs = runs_before(cfg, key)
     for run in runs:
@@ -152,7 +151,8 @@ def check_use(cfg, inputs: list[str], docs: Path) -> None:
     from other inputs or settings (`cfg` is the DataConfig; the inputs as given, globs too)."""
     if not cfg.dedup.index:
         return
-    from kiln.data.pipeline import expand_inputs, index_key  # the pipeline imports this module
+    from kiln.data.plan import index_key
+    from kiln.data.sources import expand_inputs
 
     key = index_key(expand_inputs(inputs, cfg.storage_options), cfg)
     _check_docs(cfg.dedup, read_index(cfg.dedup), docs, key)
@@ -186,8 +186,6 @@ def add_run(cfg: DedupConfig, key: str, docs: str, layout, removed: Callable[[in
 
 def _kept_files(layout, k: int, keep: np.ndarray) -> dict[str, bytes]:
     """One task's stage files restricted to the documents in `keep` (local indices renumbered)."""
-    from kiln.data.dedup.stages import npy_bytes
-
     renumber = np.cumsum(keep) - 1
     out = {"ids.json": json.dumps([i for i, k in zip(layout.array(k, "ids.json"), keep) if k],
                                   ensure_ascii=False).encode()}

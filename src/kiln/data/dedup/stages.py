@@ -1,13 +1,9 @@
 """Dedup as partitioned stages on the workers: each step's memory is bounded by a constant or by the
 duplicates, never by the corpus.
 
-1. Signatures, inside each data task (`Signer`): for every kept document, in task order, the exact key
-   (xxh3-128 of the normalised text) and, for near-duplicate dedup, one key per band (MinHash: a hash of
-   the band's rows; SimHash: a block of the fingerprint) and what confirmation needs. Written beside the
-   task's outcome (`task-NNNNN.<kind>.npy`, see `KINDS`), each array sorted so a key range is one slice:
-   `exact` 3 x n uint64 (key high, key low, local index), sorted by key; `bands` bands x 2 x n uint64
-   (per band: the sorted keys, their local indices); `shingles` + `spans` (MinHash: the shingle sets and
-   where each starts) or `prints` (SimHash); `ids.json`. Memory: one task's documents.
+1. Signatures, inside each data task (`signatures.Signer`): every kept document's exact key and band keys,
+   written beside the task's outcome, each array sorted so a key range is one slice. Memory: one task's
+   documents.
 2. Exact dedup (`exact_partition`): the 2^64 key space is cut into R equal ranges, R = kept documents /
    `data.dedup.bucket_docs` rounded up. A range is a task: it takes that range's slice of every task's
    sorted run (binary search in the memory-mapped file), merges them and emits (duplicate, first) for
@@ -31,11 +27,9 @@ both must be on storage every node mounts.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
-import tempfile
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
@@ -47,122 +41,19 @@ import numpy as np
 
 from kiln.config import DedupConfig
 from kiln.data.dedup.clusters import PAIR, Clusters, Pair, confirm_band, ledger_rows, name_rows, unique_pairs
-from kiln.data.dedup.exact import text_key
-from kiln.data.dedup.minhash import MinHasher
-from kiln.data.dedup.shingles import jaccard, shingle_hashes
-from kiln.data.dedup.simhash import block_keys, hamming_confirm, simhash
+from kiln.data.dedup.shingles import jaccard
+from kiln.data.dedup.signatures import Part, npy_bytes
+from kiln.data.dedup.simhash import hamming_confirm
 from kiln.data.vouch import Recording, matches, record
 
-KINDS = ("exact", "bands", "shingles", "spans", "prints")
 STAGE_DIR = "dedup"  # in the work folder: layout.json; ranges-NNNNN/: exact-RRRRR.npy, band-BBB-RRRRR.npy, ...
-
-
-def npy_bytes(array: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
-    return buf.getvalue()
 
 
 def band_count(cfg: DedupConfig) -> int:
     return {"minhash": cfg.bands, "simhash": cfg.hamming + 1}.get(cfg.method, 0)
 
 
-class Signer:
-    """Collects one task's kept documents and returns the files `KINDS` describes (`files`), or writes them
-    (`write`). Memory: per document its keys, signature or fingerprint and id (under 1 KB); the MinHash
-    shingle sets, the bulk, wait in a spill file and are copied into `shingles.npy` by `write`."""
-
-    def __init__(self, cfg: DedupConfig) -> None:
-        self.cfg = cfg
-        self.hasher = MinHasher(cfg.bands, cfg.rows, cfg.seed) if cfg.method == "minhash" else None
-        self.ids: list[str] = []
-        self.keys: list[bytes] = []
-        self.near: list[Any] = []  # MinHash signatures or SimHash fingerprints
-        self.sizes: list[int] = []  # each document's shingles (MinHash), spilled to `_spill` in order
-        self._spill = tempfile.TemporaryFile() if self.hasher is not None else None
-
-    def add(self, doc_id: str, text: str) -> None:
-        self.ids.append(doc_id)
-        self.keys.append(text_key(text))
-        if self.cfg.method == "none":
-            return
-        shingles = shingle_hashes(text, self.cfg.ngram, self.cfg.tokens)
-        if self.hasher is not None:
-            self.near.append(self.hasher.signature(shingles))
-            self._spill.write(shingles.tobytes())
-            self.sizes.append(len(shingles))
-        else:
-            self.near.append(simhash(shingles))
-
-    def files(self) -> dict[str, bytes]:
-        out = self._files()
-        if self._spill is not None:
-            out["shingles.npy"] = b"".join(self._shingles_npy())
-        return out
-
-    def write(self, folder: Path, stem: str) -> dict[str, dict[str, Any]]:
-        """Write the files as `folder/stem.<kind>`, each atomically; returns their records (`vouch.record`)."""
-        from kiln.manifest import writing_atomic
-
-        done = {}
-        for suffix, data in self._files().items():
-            with writing_atomic(folder / f"{stem}.{suffix}") as f:
-                f.write(data)
-            done[suffix] = record(data)
-        if self._spill is not None:
-            with writing_atomic(folder / f"{stem}.shingles.npy") as f:
-                out = Recording(f)
-                for block in self._shingles_npy():
-                    out.write(block)
-            done["shingles.npy"] = out.record()
-        return done
-
-    def _shingles_npy(self) -> Iterator[bytes]:
-        """shingles.npy (as np.save writes the shingle sets end to end), from the spill file, in blocks."""
-        header = io.BytesIO()
-        np.lib.format.write_array_header_1_0(header, {"descr": np.dtype(np.uint64).str, "fortran_order": False,
-                                                      "shape": (sum(self.sizes),)})
-        yield header.getvalue()
-        self._spill.seek(0)
-        while block := self._spill.read(1 << 20):
-            yield block
-
-    def _files(self) -> dict[str, bytes]:
-        """Every file but shingles.npy."""
-        n = len(self.ids)
-        local = np.arange(n, dtype=np.uint64)
-        key = np.frombuffer(b"".join(self.keys), dtype=">u8").reshape(n, 2).astype(np.uint64)
-        order = np.lexsort((local, key[:, 1], key[:, 0]))
-        out = {"exact.npy": npy_bytes(np.stack([key[order, 0], key[order, 1], local[order]])),
-               "ids.json": json.dumps(self.ids, ensure_ascii=False).encode()}
-        if self.cfg.method == "none":
-            return out
-        if self.hasher is not None:
-            sigs = np.stack(self.near) if n else np.empty((0, self.cfg.bands * self.cfg.rows), dtype=np.uint32)
-            keys = self.hasher.band_keys(sigs)
-            sizes = np.array(self.sizes, dtype=np.int64)
-            out["spans.npy"] = npy_bytes(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
-        else:
-            prints = np.array(self.near, dtype=np.uint64)
-            keys = block_keys(prints, self.cfg.hamming)
-            out["prints.npy"] = npy_bytes(prints)
-        bands = np.empty((keys.shape[1], 2, n), dtype=np.uint64)
-        for b in range(keys.shape[1]):
-            order = np.argsort(keys[:, b], kind="stable")
-            bands[b, 0], bands[b, 1] = keys[order, b], order
-        out["bands.npy"] = npy_bytes(bands)
-        return out
-
-
 # --- where every document's signatures are ------------------------------------------------------
-
-@dataclass(frozen=True)
-class Part:
-    folder: str  # a work folder, or a run folder inside data.dedup.index
-    name: str  # task-NNNNN
-    count: int  # kept documents (before dedup)
-    run: str | None = None  # the index run it belongs to; None: this run
-
 
 class NpyFile:
     """Random reads from one .npy file with `os.pread`, not a memory map: the pages read stay in the page

@@ -40,11 +40,6 @@ from kiln.data.gates.text import words
 NO_HOST = "(no host)"
 
 
-def record_field(source_key: str) -> str:
-    """The JSONL/Parquet field that `field:NAME` names ("" for file and host): the reader keeps its value."""
-    return source_key[len("field:"):] if source_key.startswith("field:") else ""
-
-
 def source_group(source_key: str, source: str, url: str | None, field_value: str | None) -> str:
     """Which source a document counts for: its input file, its URL's host (lower case, no port) or the
     value the reader took from its record field (`field:NAME`; WARC input has no fields: its file)."""

@@ -94,7 +94,7 @@ def prepare(cfg, files: list[str], work: Path):
     if not path.is_file():
         from kiln.data.document import ReadReport
         from kiln.data.extract import extract
-        from kiln.data.pipeline import Task, read_task
+        from kiln.data.plan import Task, read_task
 
         corpus, n = work / "semantic-corpus.txt", 0
         with open(corpus, "w", encoding="utf-8") as f:

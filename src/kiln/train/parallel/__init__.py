@@ -2,8 +2,9 @@
 model into what the engine trains (parallelize.py). The process-group names are re-exported here, where the CLI
 and the probes import them."""
 
-from kiln.train.parallel.dist import (Dist, all_reduce_, all_reduce_mean, all_reduce_sum, full_value,
-                                      init_distributed, local_device_index, set_step_timeout, shutdown)
+from kiln.train.parallel.dist import (Dist, all_gather_objects, all_reduce_, all_reduce_mean, all_reduce_sum,
+                                      broadcast_object, full_value, group_norms, init_distributed,
+                                      local_device_index, set_step_timeout, shutdown)
 
-__all__ = ["Dist", "all_reduce_", "all_reduce_mean", "all_reduce_sum", "full_value", "init_distributed",
-           "local_device_index", "set_step_timeout", "shutdown"]
+__all__ = ["Dist", "all_gather_objects", "all_reduce_", "all_reduce_mean", "all_reduce_sum", "broadcast_object",
+           "full_value", "group_norms", "init_distributed", "local_device_index", "set_step_timeout", "shutdown"]

@@ -9,6 +9,7 @@ import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -121,6 +122,12 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def group_norms(groups: dict[str, list[torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
+    """The gradient norm of each layer group (clip.layer_groups) of the whole model, on every rank."""
+    return {g: full_value(torch.nn.utils.get_total_norm([p.grad for p in ps if p.grad is not None]))
+            for g, ps in groups.items()}
+
+
 def init_single_process_group(d: Dist) -> None:
     """A process group of one, in memory, for FSDP2 on one device (no torchrun)."""
     if not dist.is_initialized():
@@ -145,6 +152,24 @@ def all_reduce_(t: torch.Tensor, d: Dist) -> torch.Tensor:
 
 def all_reduce_mean(value: float, d: Dist) -> float:
     return all_reduce_sum([value], d)[0] / d.world
+
+
+def all_gather_objects(d: Dist, value: Any, group=None) -> list[Any]:
+    """Every rank's `value`, in rank order (all_gather_object over `group`, by default the default group)."""
+    if d.world == 1:
+        return [value]
+    values: list[Any] = [None] * d.world
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def broadcast_object(d: Dist, value: Any, group=None) -> Any:
+    """Rank 0's `value` on every rank."""
+    if d.world == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
 
 
 def shutdown() -> None:

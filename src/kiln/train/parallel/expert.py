@@ -130,7 +130,7 @@ class ExpertParallel:
             g.copy_(reduced)
 
     def group_norms(self, groups: dict[str, list[nn.Parameter]]) -> dict[str, torch.Tensor]:
-        """kiln.train.clip.group_norms of the whole model: dense gradients are the same on every rank, each
+        """dist.group_norms of the whole model: dense gradients are the same on every rank, each
         rank's expert gradients are a slice, so their squares add over the expert group (one all-reduce)."""
         import torch.distributed as dist
 

@@ -24,10 +24,12 @@ from torch import nn
 
 from kiln.config import ParallelConfig, TrainConfig
 from kiln.errors import KilnError
-from kiln.train.clip import GROUPS, group_norms
-from kiln.train.parallel.dist import Dist, all_reduce_, init_single_process_group
-from kiln.train.parallel.mesh import Degrees, Mesh, resolve_degrees
-from kiln.train.precision import apply_precision_policy, modules_of_kind
+from kiln.model.loss import summed_loss
+from kiln.train.clip import GROUPS
+from kiln.train.parallel.dist import Dist, all_reduce_, group_norms
+from kiln.train.parallel.fsdp import apply_fsdp
+from kiln.train.parallel.mesh import Mesh, resolve_degrees
+from kiln.train.precision import apply_precision_policy
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,7 +53,7 @@ class Parallelized:
     sharded = False  # parameters are shards (DTensors): per-rank sums need one more all-reduce
     pipeline = None  # a pipeline.Pipeline: the engine then steps through its schedule (Engine.train_step)
     every_rank_reads = False  # a resume reads the full checkpoint on every rank (each keeps its part), not rank 0
-    writes_sharded_checkpoints = True  # checkpoint.format=sharded can save it (sharded_checkpoint.py)
+    writes_sharded_checkpoints = True  # checkpoint.format=sharded can save it (checkpoint/sharded.py)
     splits_parameters = False  # some parameter is split over ranks: sharded checkpoints are then the default
 
     def __init__(self, model: nn.Module, d: Dist, autocast: torch.dtype | None, loss_fn: Callable,
@@ -105,13 +107,11 @@ class Parallelized:
         """After the step's last backward, before the norms (expert parallel averages its experts' gradients)."""
 
     def grad_norms(self, groups: dict[str, list[nn.Parameter]]) -> dict[str, torch.Tensor]:
-        """The whole model's gradient norm per layer group (clip.group_norms where every rank sees every group)."""
+        """The whole model's gradient norm per layer group (dist.group_norms where every rank sees every group)."""
         return group_norms(groups)
 
     def summed_loss(self, batches, pad_id: int | None) -> tuple[float, int]:
         """(sum of token losses, predicted tokens) over `batches` of this rank's validation rows."""
-        from kiln.eval import summed_loss
-
         return summed_loss(self.module, batches, self.d.device, self.autocast, pad_id)
 
 
@@ -416,40 +416,3 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     # graph: the MoE blocks then ran eagerly. Recomputing gives the same numbers, so the replay may be skipped
     # (torchtitan sets the same).
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
-
-
-def apply_fsdp(model: nn.Module, d: Dist, mesh: Mesh | None = None, param_dtype: torch.dtype | None = None,
-               fp32_kinds: list[str] = (), ignored: set[nn.Parameter] = frozenset()) -> None:
-    """FSDP2: shard each block, then the root, over `mesh.dp_mesh` (mesh.py): the data-parallel dimensions of the
-    run's one DeviceMesh, [dp_replicate, dp_shard] for hybrid sharding (HSDP). `mesh` None: plain FSDP2 over all
-    d.world ranks (benchmarks and tests of a bare model), a Mesh all the same.
-
-    `fp32_kinds` (train.fp32_modules) are sharded as groups of their own whose parameters are gathered in
-    fp32 and whose inputs are cast to fp32: FSDP2's counterpart of running them outside autocast. Their
-    outputs return in the compute dtype, which the rest of the block expects, except the output head's:
-    fp32 logits are why one keeps the head in fp32. `ignored`: parameters FSDP2 leaves whole and local (expert
-    parallel's experts, each rank's own share already).
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    if model.config.tie_embeddings and {"output", "embeddings"} & set(fp32_kinds):
-        raise ValueError("train.fp32_modules with 'output' or 'embeddings' needs untied embeddings under FSDP2 "
-                        "(one weight cannot sit in two shard groups of different dtypes); set "
-                        "model.tie_embeddings: false, or use parallel.mode=ddp")
-    init_single_process_group(d)  # FSDP2 on one device (no torchrun), before the DeviceMesh is made
-    dp_mesh = (mesh or Mesh(Degrees(dp_shard=d.world, mode="fsdp"), d.rank, d.device.type)).dp_mesh
-    # Parameters are gathered in the compute dtype; gradients are reduced in fp32 so small updates survive.
-    # Inputs are not cast: a block's activations are already in the compute dtype, and casting would turn the
-    # fp32 RoPE tables to bf16 in every block, which DDP under autocast does not do (torchtitan: the same).
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    if param_dtype is not None and param_dtype != torch.float32:
-        for kind in fp32_kinds:
-            keep = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
-                                        output_dtype=None if kind == "output" else param_dtype)
-            for module in modules_of_kind(model, kind):
-                fully_shard(module, mesh=dp_mesh, mp_policy=keep, ignored_params=set(ignored))
-    for block in model.layers:
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, ignored_params=set(ignored))
-    # The root group (embeddings, final norm, head) is used again at once by backward: resharding it after
-    # forward would only gather it again. A GPU run confirms the memory/communication trade on the 1B model.
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=set(ignored))

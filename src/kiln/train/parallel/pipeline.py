@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kiln.train.parallel.fsdp import apply_fsdp
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
@@ -175,8 +177,6 @@ def build_pipeline(model: nn.Module, mesh, sharded: bool, d, cfg, precision, pad
     `cfg`: the parallel section; `precision`: parallelize.Precision. Returns (this rank's part, the pipeline).
     The whole model was initialised on every rank first (the same seed, the same weights as one process); the
     other stages' blocks are freed once `model` is dropped."""
-    from kiln.train.parallel.parallelize import apply_fsdp
-
     schedule = cfg.pp_schedule
     part, stages = split_model(model, mesh.pp_rank, mesh.pp, schedule)
     if sharded:
@@ -198,7 +198,7 @@ def build_pipeline(model: nn.Module, mesh, sharded: bool, d, cfg, precision, pad
 def evaluate(pipeline: Pipeline, batches, device: torch.device, autocast_dtype: torch.dtype | None,
              pad_id: int | None) -> tuple[float, int]:
     """(sum of token losses, predicted tokens) over `batches`, forward only through the pipeline: the same
-    numbers as kiln.eval.summed_loss on the whole model (each micro-batch's mean loss times its token count)."""
+    numbers as kiln.model.loss.summed_loss on the whole model (each micro-batch's mean loss times its token count)."""
     total, count = 0.0, 0
     for batch in batches:
         batch = batch.to(device)

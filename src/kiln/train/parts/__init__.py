@@ -13,7 +13,8 @@ The engine calls the schedule probes' `before_clip(engine)` and `after_step(engi
 and asks the guards' `check(loss, grad_norm)`.
 
 State: a class with a `state_key` is saved as `state[state_key] = part.state_dict()` in every checkpoint and
-restored by that key on resume (train/state.py); `restore_on_rollback = True` restores it on a rollback too.
+restored by that key on resume (train/checkpoint/checkpointer.py); `restore_on_rollback = True` restores it on a
+rollback too.
 Adding a stateful part is one class, listed once in Trainer.parts.
 """
 

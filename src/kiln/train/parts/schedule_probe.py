@@ -7,8 +7,7 @@ from typing import Any
 
 import torch
 
-from kiln.train.clip import group_norms
-from kiln.train.parallel import full_value
+from kiln.train.parallel import full_value, group_norms
 from kiln.train.schedule import Schedule
 
 

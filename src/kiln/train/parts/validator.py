@@ -66,7 +66,7 @@ class Validator:
                                            self.d.world, reduce):
             self.event({"event": "task", "step": step, "task": name, **result})
             self.log(f"step {step} {name}: acc {result['acc']:.4f} acc_norm {result['acc_norm']:.4f} "
-                     f"(n {result['n']})")
+                     f"acc_bytes {result['acc_bytes']:.4f} (n {result['n']})")
         self.beat(step)
 
     def best_step(self) -> int | None:

@@ -15,42 +15,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import torch.distributed as dist
 
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import HASH_THREADS, MANIFEST, read_manifest, sha256_file, verify_folder
-from kiln.train import checkpoint as ckpt
-from kiln.train.parallel import Dist
+from kiln.train.checkpoint.folder import SMALL_FILES, list_checkpoints, step_dir, step_of, verify_signature
+from kiln.train.checkpoint.read import check_loads, load_checkpoint
 # The checkpoint's own gloo group (checkpoint.save_timeout_s), which saves talk over: the agreement waits for
 # hashing as a save waits for writing.
-from kiln.train.sharded_checkpoint import _group as checkpoint_group, is_sharded
-
-
-def gather(d: Dist, value: Any, group=None) -> list[Any]:
-    """Every rank's `value`, in rank order (all_gather_object over `group`, by default the default group)."""
-    if d.world == 1:
-        return [value]
-    values: list[Any] = [None] * d.world
-    dist.all_gather_object(values, value, group=group)
-    return values
-
-
-def broadcast(d: Dist, value: Any, group=None) -> Any:
-    """Rank 0's `value` on every rank."""
-    if d.world == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
+from kiln.train.checkpoint.sharded import checkpoint_group, is_sharded
+from kiln.train.checkpoint.storage import rank_file
+from kiln.train.parallel import Dist, all_gather_objects, broadcast_object
 
 
 def check_same_inputs(d: Dist, inputs: dict[str, tuple[str, Path]]) -> None:
     """`inputs` maps a name ("data", "tokenizer") to (this rank's fingerprint, the file it comes from). Every
     rank must hold rank 0's; else every rank raises the same KilnError naming the ranks that differ."""
     mine = {name: fp for name, (fp, _) in inputs.items()}
-    seen = gather(d, (d.host, mine))
+    seen = all_gather_objects(d, (d.host, mine))
     first = seen[0][1]
     bad = [(rank, host, name) for rank, (host, fps) in enumerate(seen) for name in inputs if fps[name] != first[name]]
     if bad:
@@ -65,7 +46,7 @@ def hash_shares(files: dict[str, dict], views: list, sharded: bool) -> list[list
     """Which of a checkpoint's files (its manifest's `files`) each rank hashes at resume, so that each is hashed
     once and the ranks hash at the same time; every rank computes the same shares from the same manifest.
 
-    The small files every rank reads itself (checkpoint.SMALL_FILES) are in no share: each rank verifies its own.
+    The small files every rank reads itself (folder.SMALL_FILES) are in no share: each rank verifies its own.
     - sharded: rank R's own files (model-R, optimizer-R, index-R: it wrote them, and on the same layout reads
       them) go to rank R; the rest, largest first, to the rank with the fewest bytes so far. The format needs a
       filesystem every rank sees, so any rank may hash any file.
@@ -74,8 +55,6 @@ def hash_shares(files: dict[str, dict], views: list, sharded: bool) -> list[list
       rank 0 sees (`views`: every rank's `_view`, equal for those ranks).
     One file is hashed by one rank (sha256 does not split), so the largest file bounds the time.
     """
-    from kiln.train.shard_storage import rank_file
-
     world = len(views)
     shares: list[list[str]] = [[] for _ in range(world)]
     load = [0] * world
@@ -84,7 +63,7 @@ def hash_shares(files: dict[str, dict], views: list, sharded: bool) -> list[list
     helpers = list(range(world)) if sharded else [r for r in range(world) if views[r] == views[0]]
     rest = []
     for name, meta in files.items():
-        if name in ckpt.SMALL_FILES:
+        if name in SMALL_FILES:
             continue
         size = meta.get("size", 0) if isinstance(meta, dict) else 0
         if name in own:
@@ -129,11 +108,11 @@ def _verdict(folder: Path, d: Dist, views: list, public_key: str | None) -> tupl
     except (IntegrityError, OSError) as exc:
         return str(exc), SHARE, None
     try:
-        ckpt.load_checkpoint(folder, verify=True, weights=False)  # the small files this rank reads itself
+        load_checkpoint(folder, verify=True, weights=False)  # the small files this rank reads itself
         if public_key:
-            ckpt.verify_signature(folder, public_key)
+            verify_signature(folder, public_key)
         if d.is_main:
-            ckpt.check_loads(folder)
+            check_loads(folder)
         return None, whose, sha256_file(folder / MANIFEST)
     except (IntegrityError, OSError) as exc:
         return str(exc), whose, None
@@ -151,16 +130,16 @@ def agreed_checkpoint(d: Dist, root: Path, log: Callable[[str], None], public_ke
     The collectives go over the checkpoint's own gloo group with `timeout_s` (checkpoint.save_timeout_s): ranks
     wait for the slowest hasher, which is no hung collective (the caller tells the watchdog: Checkpointer.agreed).
     """
-    candidates = [c for c in ckpt.list_checkpoints(root) if before is None or ckpt.step_of(c) < before]
+    candidates = [c for c in list_checkpoints(root) if before is None or step_of(c) < before]
     group = checkpoint_group(d, timeout_s)
-    views = gather(d, _view(root, d), group)
+    views = all_gather_objects(d, _view(root, d), group)
     candidates = candidates if d.is_main else []
     while True:
-        step = broadcast(d, ckpt.step_of(candidates.pop()) if candidates else -1, group)
+        step = broadcast_object(d, step_of(candidates.pop()) if candidates else -1, group)
         if step < 0:
             return None
-        folder = ckpt.step_dir(root, step)
-        seen = gather(d, (d.host, *_verdict(folder, d, views, public_key)), group)
+        folder = step_dir(root, step)
+        seen = all_gather_objects(d, (d.host, *_verdict(folder, d, views, public_key)), group)
         manifest = seen[0][3]
         # a hash mismatch first: the line one process would give (a file that does not hash may not load either)
         corrupt = [why for _, why, whose, _ in sorted(seen, key=lambda v: -v[2]) if why and whose != OWN]

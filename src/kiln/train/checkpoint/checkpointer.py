@@ -1,5 +1,5 @@
-"""TrainState: where the run is and what its parts hold, and the one path by which it is saved, resumed and rolled
-back (OLMo-core's trainer state over its callbacks).
+"""The loop's checkpointing: `TrainState` (where the run is and what its parts hold) and `Checkpointer`, the one path
+by which it is saved, resumed and rolled back (OLMo-core's trainer state over its callbacks).
 
 A checkpoint's state.json is `{"step", "tokens_seen", "world_size", "config_hash", **{key: part.state_dict()}}`
 for every registered part (a part is registered by having a `state_key`, see train/parts/__init__.py); a
@@ -9,8 +9,8 @@ checkpoints written before this registry resume unchanged. A part a checkpoint h
 state.
 
 The weights and the optimizer state go through a checkpoint format with four methods (gather, write, read,
-load), chosen by checkpoint.format: `FullCheckpoint` (whole tensors gathered on every rank and written by rank 0)
-or `sharded_checkpoint.ShardedCheckpoint` (every rank writes its own pieces; any world size reads them). A
+load), chosen by checkpoint.format: `full.FullCheckpoint` (whole tensors gathered on every rank and written by
+rank 0) or `sharded.ShardedCheckpoint` (every rank writes its own pieces; any world size reads them). A
 checkpoint is read back by the format it was written in, whatever the run's checkpoint.format.
 """
 
@@ -21,17 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-import torch.distributed as dist
-
 from kiln import env
 from kiln.config import CheckpointConfig, GuardConfig, TrainConfig
 from kiln.errors import ConfigError, KilnError
-from kiln.train import checkpoint as ckpt
-from kiln.train import consensus
-from kiln.train import resume as resume_checks
+from kiln.train.checkpoint import agreement
+from kiln.train.checkpoint import resume as resume_checks
+from kiln.train.checkpoint.folder import list_checkpoints, restore_rng, retain, rng_state
+from kiln.train.checkpoint.full import FullCheckpoint
+from kiln.train.checkpoint.saver import Saver, all_finite, snapshot
+from kiln.train.checkpoint.sharded import ShardedCheckpoint, is_sharded, resolve_format, save_barrier
 from kiln.train.determinism import layout_warning
-from kiln.train.sharded_checkpoint import ShardedCheckpoint, is_sharded, resolve_format, save_barrier
-from kiln.train.parallel import Dist
+from kiln.train.parallel import Dist, all_gather_objects
 from kiln.train.parallel.parallelize import Parallelized
 
 
@@ -68,30 +68,6 @@ class TrainState:
             if key in state and (not rollback or getattr(part, "restore_on_rollback", False)):
                 part.load_state_dict(state[key])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
-
-
-class FullCheckpoint:
-    """The checkpoint format of checkpoint.write_checkpoint: whole (unsharded) weights and optimizer state."""
-
-    every_rank_writes = False  # rank 0 writes; the others only take part in the gather
-
-    def gather(self, parallel: Parallelized, optimizer) -> tuple[dict, dict]:
-        """Every rank takes part (FSDP2 gathers); the whole tensors, on CPU."""
-        return parallel.full_states(optimizer)
-
-    def write(self, root: Path, step: int, weights: tuple[dict, dict], rngs: list, state: dict, config_yaml: str,
-              tokenizer_file: Path, fields: dict, signing_key: str | None) -> Path:
-        """Rank 0 only."""
-        return ckpt.write_checkpoint(root, step, *weights, rngs, state, config_yaml, tokenizer_file, fields,
-                                     signing_key)
-
-    def read(self, folder: Path, d: Dist, every_rank: bool = False) -> dict[str, Any]:
-        # Verified by consensus.agreed_checkpoint; only rank 0 reads the weights, and broadcasts them (load),
-        # unless `every_rank` (Parallelized.every_rank_reads: pipeline stages, expert slices keep their part).
-        return ckpt.load_checkpoint(folder, verify=False, weights=d.is_main or every_rank)
-
-    def load(self, parallel: Parallelized, optimizer, data: dict[str, Any]) -> None:
-        parallel.load(optimizer, data["model"], data["optimizer"])
 
 
 @dataclass(frozen=True)
@@ -140,7 +116,7 @@ class Checkpointer:
         self.state, self.engine, self.d, self.inputs, self.config_yaml = state, engine, d, inputs, config_yaml
         self.best_step, self.event, self.log, self.watchdog = best_step, event, log, watchdog
         self.format = fmt or checkpoint_format(cfg, engine.parallel, d)
-        self.saver = ckpt.Saver(cfg.async_save, log)
+        self.saver = Saver(cfg.async_save, log)
         self.saver.busy = self.saving
 
     def saving(self):
@@ -161,11 +137,8 @@ class Checkpointer:
             # A sharded gather talks over the checkpoint group, which a background save may still be using.
             waited = self.saver.wait() if every else 0.0
             weights = self.format.gather(self.engine.parallel, self.engine.optimizer)
-            mine = (ckpt.rng_state(self.d.device), ckpt.all_finite(*weights) if every or self.d.is_main else True)
-            gathered = [mine]
-            if self.d.world > 1:
-                gathered = [None] * self.d.world
-                dist.all_gather_object(gathered, mine)
+            mine = (rng_state(self.d.device), all_finite(*weights) if every or self.d.is_main else True)
+            gathered = all_gather_objects(self.d, mine)
             if not all(finite for _, finite in gathered):
                 self.event({"event": "save", "step": step, "refused": "non-finite weights or optimizer state"})
                 if self.d.is_main:
@@ -181,13 +154,13 @@ class Checkpointer:
         fields = self.inputs.manifest_fields(self.state.config_hash)
         best = self.best_step() if cfg.keep_best else None
         if self.saver.async_save:  # the snapshot must not change while the thread writes
-            weights = (ckpt.snapshot(weights[0]), ckpt.snapshot(weights[1]))
+            weights = (snapshot(weights[0]), snapshot(weights[1]))
 
         def write() -> None:
             self.format.write(self.ckpt_dir, step, weights, rngs, state, self.config_yaml, self.inputs.tokenizer_file,
                               fields, cfg.signing_key)
             if self.d.is_main:
-                ckpt.retain(self.ckpt_dir, cfg.keep_last, cfg.keep_every, best)
+                retain(self.ckpt_dir, cfg.keep_last, cfg.keep_every, best)
 
         stall = waited + self.saver.save(write)
         record = {"event": "save", "step": step, "reason": reason, "stall_s": round(stall, 4),
@@ -212,7 +185,7 @@ class Checkpointer:
         self.state.load_state_dict(state, rollback=rollback)
         if not rollback:
             rngs = data["rng"]
-            ckpt.restore_rng(rngs[self.d.rank] if self.d.rank < len(rngs) else rngs[0], self.d.device)
+            restore_rng(rngs[self.d.rank] if self.d.rank < len(rngs) else rngs[0], self.d.device)
         return state
 
     def reader(self, folder: Path) -> FullCheckpoint | ShardedCheckpoint:
@@ -223,12 +196,12 @@ class Checkpointer:
         return self.format if isinstance(self.format, FullCheckpoint) else FullCheckpoint()
 
     def agreed(self, before: int | None = None) -> Path | None:
-        """The newest checkpoint every rank can read (consensus.agreed_checkpoint), or None. The ranks hash their
+        """The newest checkpoint every rank can read (agreement.agreed_checkpoint), or None. The ranks hash their
         shares of it under `saving`: judged against checkpoint.save_timeout_s, like a save (a rollback's watchdog
         is running)."""
         quiet = self.log if self.d.is_main and before is None else (lambda *_: None)
         with self.saving():
-            return consensus.agreed_checkpoint(self.d, self.ckpt_dir, quiet, self.cfg.public_key, before=before,
+            return agreement.agreed_checkpoint(self.d, self.ckpt_dir, quiet, self.cfg.public_key, before=before,
                                                timeout_s=self.cfg.save_timeout_s)
 
     def check_env(self, saved: dict[str, Any], folder: Path) -> None:
@@ -254,11 +227,11 @@ class Checkpointer:
         (`data_resets`, parts/data_resets.py)."""
         quiet = self.log if self.d.is_main else (lambda *_: None)
         i = self.inputs
-        consensus.check_same_inputs(self.d, {"data": (i.data_fingerprint, i.manifest),
+        agreement.check_same_inputs(self.d, {"data": (i.data_fingerprint, i.manifest),
                                              "tokenizer": (i.tokenizer_sha, i.tokenizer_file)})
         folder = self.agreed()
         if folder is None:
-            if self.cfg.public_key and ckpt.list_checkpoints(self.ckpt_dir):
+            if self.cfg.public_key and list_checkpoints(self.ckpt_dir):
                 raise KilnError(f"{self.ckpt_dir}: no checkpoint carries a valid signature for checkpoint.public_key")
             return None
         manifest = self.read_manifest(folder)

@@ -1,4 +1,8 @@
-"""The data stage's tasks: every input file cut into pieces by one mechanism, and each piece read on its own.
+"""What a run of the data stage is made of, below the stage that runs it (pipeline.py) and the parts that need it
+(the dedup index names a run by `index_key`; the semantic gate reads tasks to train its vectors):
+- `index_key(files, cfg)`: the inputs' identities and the settings that change the output.
+- `Task`, `plan_tasks` and `read_task`: every input file cut into pieces by one mechanism, each piece read on its
+  own, numbered in the canonical order.
 
 A task is one piece of one input file: its records, in file order, with provenance as a read of the whole
 file gives it (source, byte offset / row, line number), so the output never depends on the cut. How a file
@@ -17,21 +21,23 @@ The formats:
   counting its newlines, so each range knows how many lines come before it (the ids FILE:LINE and the `line`
   signals are those of a whole read) and the first range checks that the file is not compressed after all.
 - JSONL, .gz/.zst: a compressed stream cannot be entered in the middle, so one probe per file reads it once,
-  start to end, and writes it back into the spool folder as zstd chunks of about task_bytes of whole lines
-  (`spool`), each with its decompressed offset and lines before it; every chunk is a task. A cut or damaged
-  stream ends the last chunk after its last whole line and that chunk reports the cut, as a whole read
-  does. Memory: one decompression window; disk: about the file again, until the stage ends. A spooled
+  start to end, and writes it back into the work folder's spool/ as zstd chunks of about task_bytes of whole
+  lines (`spool`), each with its decompressed offset and lines before it; every chunk is a task. A cut or
+  damaged stream ends the last chunk after its last whole line and that chunk reports the cut, as a whole
+  read does. Memory: one decompression window; disk: about the file again, until the stage ends. A spooled
   chunk counts only with its record (size, xxh3) in its file's spool index; a task reading a chunk that no
   longer matches stops the run and removes the index, so the next run spools that file again.
 - Parquet: runs of whole row groups holding about task_bytes (compressed sizes, from the footer); a row
   group is the smallest piece, so the writer's row group size bounds a task's memory. Probe: the footer.
 A file the probe finds unreadable (empty, compressed otherwise than its name says, no text column) is one
-task, whose read reports the error as before. A new format (issue 31's Arrow folders, say) is a class with
-these three methods in FORMATS and a name `input_format` returns.
+task, whose read reports the error as before. A new format (a `datasets.save_to_disk` folder's Arrow files,
+say: record-batch runs from each file's footer) is a class with these three methods in FORMATS and a name
+`input_format` returns.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -45,7 +51,6 @@ import zstandard
 
 from kiln.config import DataConfig
 from kiln.data.document import Document, ReadReport
-from kiln.data.gates.distribution import record_field
 from kiln.data.read import read_warc, splittable
 from kiln.data.sources import (
     StorageWatch,
@@ -54,12 +59,25 @@ from kiln.data.sources import (
     input_format,
     input_size,
     jsonl_records,
+    input_identity,
     open_input,
     read_jsonl,
     read_parquet,
 )
 from kiln.data.vouch import Recording, matches
 from kiln.errors import IntegrityError, KilnError
+
+# Settings that change how the work runs, never what it outputs (storage_options may hold secrets).
+EXECUTION_KEYS = {"inputs", "workers", "executor", "ray_address", "task_bytes", "storage_options"}
+
+
+def index_key(files: list[str], cfg: DataConfig) -> str:
+    """The fingerprint without the index: the name of this run's entry in data.dedup.index."""
+    # data.dedup.index is left out: the same run finds its own entry wherever the index folder has moved
+    settings = cfg.model_dump(mode="json", exclude={**dict.fromkeys(EXECUTION_KEYS, True),
+                                                    "dedup": {"bucket_docs", "index"}})
+    ident = [input_identity(str(f), cfg.storage_options) for f in files]
+    return hashlib.sha256(json.dumps([ident, settings], sort_keys=True).encode()).hexdigest()[:16]
 
 SPOOL = "spool"  # in the work folder: FFFFF-CCCCC.jsonl.zst chunks and FFFFF.json, the index vouching for them
 READ_ATTEMPTS = 3
@@ -404,3 +422,8 @@ def _limited(reader, n: int) -> Iterator[bytes]:
     while n > 0 and (block := reader.read(min(1 << 16, n))):
         n -= len(block)
         yield block
+
+
+def record_field(source_key: str) -> str:
+    """The JSONL/Parquet field that `field:NAME` names ("" for file and host): the reader keeps its value."""
+    return source_key[len("field:"):] if source_key.startswith("field:") else ""

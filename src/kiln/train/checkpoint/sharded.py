@@ -35,7 +35,7 @@ checkpoint until every rank's files are in its manifest. Rank 0 holds its own pi
 
 Loading executes no code: safetensors and JSON only (rng.pt is read with weights_only=True, as in the full
 format). Each rank fills its own shard of the model it has (any world size, FSDP2, HSDP, DDP or one process)
-from the pieces that overlap it (`shard_storage.PieceIndex.read_box`), reading only those slices: a tp=2
+from the pieces that overlap it (`storage.PieceIndex.read_box`), reading only those slices: a tp=2
 checkpoint loads into one process and back, FSDP2 into tensor parallel, a pipeline's into one model.
 
 Every file is in the manifest, so `kiln ckpt verify`, signing, retention and the fallback to an older
@@ -60,9 +60,11 @@ from torch import nn
 
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import STAGING_MARK, read_manifest, sha256_file, staging_dir, write_atomic, write_manifest
-from kiln.train import checkpoint as ckpt
-from kiln.train.shard_storage import (FROM_SAFETENSORS, Piece, PieceIndex, dtype_name, rank_file, write_index,
-                                      write_pieces)
+from kiln.train.checkpoint.folder import check_manifest, loads_safely, read_small_files, sign_manifest, step_dir
+from kiln.train.checkpoint.saver import Saver, all_finite, snapshot
+from kiln.train.checkpoint.storage import (FROM_SAFETENSORS, Piece, PieceIndex, dtype_name, rank_file, write_index,
+                                           write_pieces)
+from kiln.train.parallel.dist import all_gather_objects, broadcast_object
 
 INDEX = "index.json"
 FORMAT = "kiln-sharded"
@@ -83,7 +85,7 @@ def is_sharded(folder: Path) -> bool:
 _GROUP: dict[str, Any] = {}
 
 
-def _group(d, timeout_s: float):
+def checkpoint_group(d, timeout_s: float):
     """A gloo group for the checkpoint's collectives, with the save's timeout: a background save talks over it
     while training uses the default group, and a long write on one rank is not a hung collective (the default
     group's timeout is parallel.step_timeout_s). Made on first use, by every rank at the same point."""
@@ -106,29 +108,13 @@ def _gather(d, group, value: Any) -> list[Any] | None:
     return out
 
 
-def _all_gather(d, group, value: Any) -> list[Any]:
-    if d.world == 1:
-        return [value]
-    out: list[Any] = [None] * d.world
-    dist.all_gather_object(out, value, group=group)
-    return out
-
-
-def _broadcast(d, group, value: Any) -> Any:
-    if d.world == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
 def save_barrier(d, watchdog, timeout_s: float) -> None:
     """The end of a save on every rank: a barrier with the save's timeout, while the watchdog knows a save is in
     progress (rank 0 may still be writing a full-format checkpoint while the others wait here)."""
     if d.world == 1:
         return
     with watchdog.saving(timeout_s) if watchdog is not None else nullcontext():
-        dist.barrier(group=_group(d, timeout_s))
+        dist.barrier(group=checkpoint_group(d, timeout_s))
 
 
 # --- state dicts and pieces ------------------------------------------------------------------
@@ -251,7 +237,7 @@ def _my_pieces(d, group, states: dict[str, dict], slices: Slices) -> tuple[dict[
                 offsets, glob = _plain_box(slices, kind, key, t)
                 name = f"{kind}:{key}@{list(offsets)}"
                 plain[name], mine[name] = t.numel() * t.element_size(), (kind, key, offsets, glob)
-    held = _all_gather(d, group, plain)
+    held = all_gather_objects(d, plain, group)
     load = [0] * len(held)
     for name in sorted(set().union(*held), key=lambda n: (-max(h.get(n, 0) for h in held), n)):
         writer = min((r for r, h in enumerate(held) if name in h), key=lambda r: (load[r], r))
@@ -294,7 +280,7 @@ def _jsonable_groups(groups: list[dict]) -> list[dict]:
 # --- saving ----------------------------------------------------------------------------------
 
 class ShardedCheckpoint:
-    """checkpoint.format=sharded, the four methods of state.FullCheckpoint: every rank gathers nothing but its own
+    """checkpoint.format=sharded, the four methods of full.FullCheckpoint: every rank gathers nothing but its own
     pieces and writes them (`every_rank_writes`); the save's collectives use the checkpoint's own gloo group
     with checkpoint.save_timeout_s. Memory: this rank's pieces, once more when async (the snapshot)."""
 
@@ -311,9 +297,9 @@ class ShardedCheckpoint:
     def pieces(self, model: nn.Module, optimizer: torch.optim.Optimizer, slices: Slices | None = None
                ) -> tuple[dict, dict]:
         states, param_groups = _state_dicts(model, optimizer)
-        group = _group(self.d, self.timeout_s)
+        group = checkpoint_group(self.d, self.timeout_s)
         tensors, boxes = _my_pieces(self.d, group, states, slices or {})
-        groups = _merged_groups(_all_gather(self.d, group, _jsonable_groups(param_groups)))
+        groups = _merged_groups(all_gather_objects(self.d, _jsonable_groups(param_groups), group))
         return tensors, {"boxes": boxes, "param_groups": groups}
 
     def write(self, root: Path, step: int, weights: tuple[dict, dict], rngs: list, state: dict, config_yaml: str,
@@ -321,8 +307,8 @@ class ShardedCheckpoint:
         """Every rank, at the same step (in the background when async): rank 0 makes the staging folder, every
         rank writes its files into it, rank 0 the small files and the manifest, and commits."""
         d, (tensors, meta) = self.d, weights
-        group = _group(d, self.timeout_s)
-        final = ckpt.step_dir(root, step)
+        group = checkpoint_group(d, self.timeout_s)
+        final = step_dir(root, step)
         stage, tmp = _open_stage(d, group, final)
         index = {"format": FORMAT, "version": 1, "world_size": d.world, "kinds": list(KINDS),
                  "index_files": [rank_file("index", r, "json") for r in range(d.world)],
@@ -335,7 +321,7 @@ class ShardedCheckpoint:
     def read(self, folder: Path, d, every_rank: bool = False) -> dict[str, Any]:
         """The small files; "model" holds meta tensors of the weights' shapes (the vocabulary check). Every rank
         reads them (`every_rank` is FullCheckpoint's choice; here each rank reads its own slices in `load`)."""
-        data = ckpt.load_checkpoint(folder, verify=False, weights=False)
+        data = read_folder(folder, verify=False, weights=False)
         return {**data, "model": model_shapes(folder), "folder": Path(folder)}
 
     def load(self, parallel, optimizer: torch.optim.Optimizer, data: dict[str, Any]) -> None:
@@ -352,28 +338,29 @@ def _open_stage(d, group, final: Path):
             tmp = str(stage.__enter__())
         except BaseException as exc:
             tmp = KilnError(f"{final}: cannot create its staging folder ({exc})")
-    tmp = _broadcast(d, group, tmp)
+    tmp = broadcast_object(d, tmp, group)
     if isinstance(tmp, KilnError):
         raise tmp
     return stage, Path(tmp)
 
 
-def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, d, saver: ckpt.Saver, *,
+def save(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, d, saver: Saver, *,
          state: dict[str, Any], rng: dict[str, Any], config_yaml: str, tokenizer_file: Path,
          manifest_fields: dict[str, Any], signing_key: str | None, timeout_s: float,
          after_commit: Callable[[], Any] = lambda: None) -> tuple[float, str | None]:
-    """A sharded save of a bare model (benchmarks, tests), as state.Checkpointer.save does it with this format;
+    """A sharded save of a bare model (benchmarks, tests), as checkpointer.Checkpointer.save does it with this format;
     every rank calls this at the same step. Returns (the stall in seconds, a refusal or None): refused, and
     written by no rank, when any rank's pieces hold NaN/inf. `after_commit` runs on rank 0 after the commit."""
     t0 = time.perf_counter()
     saver.wait()  # the checkpoint group is free again: no background save talks over it
     fmt = ShardedCheckpoint(d, timeout_s)
     weights = fmt.pieces(model, optimizer)
-    gathered = _all_gather(d, _group(d, timeout_s), (rng, ckpt.all_finite(*weights)))
+    group = checkpoint_group(d, timeout_s)
+    gathered = all_gather_objects(d, (rng, all_finite(*weights)), group)
     if not all(finite for _, finite in gathered):
         return time.perf_counter() - t0, "non-finite weights or optimizer state"
     if saver.async_save:  # the snapshot must not change while the thread writes
-        weights = ckpt.snapshot(weights)
+        weights = snapshot(weights)
 
     def write() -> None:
         fmt.write(root, step, weights, [r for r, _ in gathered], state, config_yaml, tokenizer_file,
@@ -443,7 +430,7 @@ def _write_job(d, group, tmp: Path, stage, tensors: dict, boxes: dict, small: di
                     outcome = f"{where}: {plain}"
                 except BaseException:
                     pass
-    outcome = _broadcast(d, group, outcome)
+    outcome = broadcast_object(d, outcome, group)
     if outcome:
         raise KilnError(outcome)
 
@@ -460,7 +447,7 @@ def _write_small_files(tmp: Path, small: dict, hashed: dict[str, dict], signing_
     write_manifest(tmp, hashed=hashed, stage="checkpoint", step=small["step"], tokens_seen=state.get("tokens_seen"),
                    world_size=len(small["rngs"]), **small["fields"])
     if signing_key:
-        ckpt.sign_manifest(tmp, signing_key)
+        sign_manifest(tmp, signing_key)
 
 
 # --- reading ---------------------------------------------------------------------------------
@@ -500,6 +487,15 @@ def check_loads(folder: Path) -> None:
     except Exception as exc:
         raise IntegrityError(f"{folder}: matches its manifest but does not load ({type(exc).__name__}: "
                              f"{str(exc)[:160]})") from None
+
+
+def read_folder(folder: Path, verify: bool = True, weights: bool = True) -> dict[str, Any]:
+    """{"model", "optimizer", "rng", "state"} as full.read_folder gives them: the weights assembled whole (or empty
+    when not `weights`), the optimizer state None (`load` reads it piece by piece, into the model it fills)."""
+    folder = Path(folder)
+    check_manifest(folder, verify, weights)
+    with loads_safely(folder):
+        return {"model": full_model_state(folder) if weights else {}, "optimizer": None, **read_small_files(folder)}
 
 
 def full_model_state(folder: Path) -> dict[str, torch.Tensor]:
@@ -555,7 +551,7 @@ def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, d, ti
                                                          set_model_state_dict, set_optimizer_state_dict)
 
     folder, slices = Path(folder), slices or {}
-    group = _group(d, timeout_s)
+    group = checkpoint_group(d, timeout_s)
     error, index, optim_sd = None, {}, {"param_groups": []}
     try:
         index = read_index(folder)
@@ -572,7 +568,7 @@ def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, d, ti
     except (KilnError, OSError, RuntimeError, ValueError) as exc:
         error = f"rank {d.rank}: {exc}"
     # Each rank's parameter names too: a pipeline stage's groups are a part of the checkpoint's.
-    held = _all_gather(d, group, (error, [g["params"] for g in optim_sd["param_groups"]]))
+    held = all_gather_objects(d, (error, [g["params"] for g in optim_sd["param_groups"]]), group)
     _raise_first([e for e, _ in held])
     try:
         optim_sd["param_groups"] = _restore_groups(index["param_groups"], optim_sd["param_groups"],
@@ -580,7 +576,7 @@ def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, d, ti
         set_optimizer_state_dict(model, optimizer, optim_sd)
     except (KilnError, OSError, RuntimeError, ValueError) as exc:
         error = f"rank {d.rank}: {exc}"
-    _raise_first(_all_gather(d, group, error))
+    _raise_first(all_gather_objects(d, error, group))
 
 
 def _restore_groups(saved: list[dict], current: list[dict], everyone: list[list[list[str]]], folder: Path

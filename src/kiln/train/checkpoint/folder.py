@@ -1,0 +1,181 @@
+"""A checkpoint folder, whatever its format: `checkpoints/step-NNNNNNNN/`, committed by rename after its manifest.
+
+Every checkpoint folder holds, beside its format's weights (full.py: model.safetensors, optimizer.pt;
+sharded.py: each rank's pieces and index.json):
+  rng.pt              RNG states of every rank (python, numpy, torch CPU, the rank's own CUDA device)
+  state.json          step, tokens seen and the train state's parts (checkpointer.TrainState)
+  config.yaml         the resolved config of the run
+  tokenizer.json      the tokenizer, so the folder alone can evaluate and generate
+  manifest.json       size and sha256 of each file above, step, tokens seen, config hash, data
+                      fingerprint, world size, environment fingerprint, Kiln version; written last
+  manifest.sig        optional Ed25519 signature of manifest.json's bytes
+Here: the folder's name, listing and retention, the RNG states, signing, and reading the small files
+(rng.pt, state.json) that every rank reads itself.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from kiln.errors import IntegrityError, KilnError
+from kiln.manifest import MANIFEST, read_manifest, verify_folder, write_atomic
+
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+SIGNATURE = "manifest.sig"
+# What a rank other than 0 reads on resume: rank 0 reads the weights and broadcasts them.
+SMALL_FILES = {"rng.pt", "state.json"}
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def step_of(folder: Path) -> int:
+    return int(STEP_DIR.match(Path(folder).name).group(1))
+
+
+# --- RNG -------------------------------------------------------------------------------------
+
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """This process's RNG states as tensors and plain lists, so they load with weights_only=True.
+
+    CUDA: only this rank's own device (`device`), not every visible one, so a resume where each process sees
+    fewer GPUs (a launcher that masks them) restores what it saved instead of failing on a missing index.
+    """
+    py = random.getstate()
+    np_state = np.random.get_state()
+    cuda = device is not None and device.type == "cuda"
+    return {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if cuda else None,
+    }
+
+
+def restore_rng(state: dict[str, Any], device: torch.device | None = None) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np_state = state["numpy"]
+    np.random.set_state((np_state[0], np_state[1].numpy().astype(np.uint32), *np_state[2:]))
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if device is None or device.type != "cuda" or cuda is None or (isinstance(cuda, list) and not cuda):
+        return
+    if isinstance(cuda, list):  # written before states were per device: every visible device's, by index
+        index = device.index or 0
+        cuda = cuda[index] if index < len(cuda) else cuda[0]
+    torch.cuda.set_rng_state(cuda, device)
+
+
+# --- signing ---------------------------------------------------------------------------------
+
+def _read_key(path: str, private: bool):
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        data = Path(path).read_bytes()
+        if private:
+            return serialization.load_pem_private_key(data, password=None)
+        return serialization.load_pem_public_key(data)
+    except (OSError, ValueError) as exc:
+        kind = "checkpoint.signing_key" if private else "checkpoint.public_key"
+        raise KilnError(f"{kind} {path}: not a readable Ed25519 PEM key ({exc})") from None
+
+
+def sign_manifest(folder: Path, key_path: str) -> None:
+    key = _read_key(key_path, private=True)
+    write_atomic(Path(folder) / SIGNATURE, key.sign((Path(folder) / MANIFEST).read_bytes()).hex())
+
+
+def verify_signature(folder: Path, public_key_path: str) -> None:
+    from cryptography.exceptions import InvalidSignature
+
+    sig = Path(folder) / SIGNATURE
+    if not sig.is_file():
+        raise IntegrityError(f"{folder}: unsigned, but checkpoint.public_key requires a signature ({SIGNATURE})")
+    try:
+        _read_key(public_key_path, private=False).verify(
+            bytes.fromhex(sig.read_text().strip()), (Path(folder) / MANIFEST).read_bytes()
+        )
+    except (InvalidSignature, ValueError):
+        raise IntegrityError(
+            f"{folder}/{SIGNATURE}: signature does not match manifest.json under {public_key_path}"
+        ) from None
+
+
+
+# --- listing and retention -----------------------------------------------------------------
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Committed checkpoint folders, oldest first (temporary folders are ignored)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name))
+
+
+
+def retain(root: Path, keep_last: int, keep_every: int | None, best_step: int | None) -> list[Path]:
+    """Delete committed checkpoints that no rule keeps: the last K, every M-th, the best. Returns the deleted."""
+    ckpts = list_checkpoints(root)
+    keep = set(ckpts[-keep_last:])
+    keep |= {c for c in ckpts if keep_every and step_of(c) % keep_every == 0}
+    keep |= {c for c in ckpts if best_step is not None and step_of(c) == best_step}
+    gone = [c for c in ckpts if c not in keep and _written_by_kiln(c)]  # never a folder Kiln cannot vouch for
+    for c in gone:
+        shutil.rmtree(c, ignore_errors=True)
+    return gone
+
+
+def _written_by_kiln(folder: Path) -> bool:
+    try:
+        return json.loads((folder / MANIFEST).read_text()).get("stage") == "checkpoint"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+
+def checkpoint_config(folder: Path):
+    from kiln.config import load_config
+
+    path = Path(folder) / "config.yaml"
+    if not path.is_file():
+        raise KilnError(f"{folder}: no config.yaml; is this a Kiln checkpoint folder (run/checkpoints/step-NNNNNNNN)?")
+    return load_config(path)
+
+
+# --- reading the small files -----------------------------------------------------------------
+
+def check_manifest(folder: Path, verify: bool, weights: bool) -> None:
+    """Before a format reads its files: every file hashed against manifest.json (`verify`; only SMALL_FILES when
+    not `weights`), else the manifest read (a folder without one is refused)."""
+    if verify:
+        verify_folder(folder, only=None if weights else SMALL_FILES)
+    else:
+        read_manifest(folder)
+
+
+@contextmanager
+def loads_safely(folder: Path) -> Iterator[None]:
+    """Anything that fails to load inside (UnpicklingError for a pickle that is not plain data, SafetensorError,
+    ...) is an IntegrityError naming the folder."""
+    try:
+        yield
+    except Exception as exc:
+        raise IntegrityError(f"{folder}: cannot be loaded safely ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def read_small_files(folder: Path) -> dict[str, Any]:
+    """{"rng", "state"}: rng.pt with weights_only torch.load, state.json as JSON (no code runs)."""
+    return {"rng": torch.load(folder / "rng.pt", map_location="cpu", weights_only=True),
+            "state": json.loads((folder / "state.json").read_text())}

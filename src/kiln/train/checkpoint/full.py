@@ -1,0 +1,99 @@
+"""The full checkpoint format (`checkpoint.format: full`): whole weights and optimizer state, written by rank 0.
+
+Beside the files every checkpoint has (folder.py), a full `step-NNNNNNNN/` holds
+  model.safetensors   the weights (no pickle, loads without running code); under FSDP2 the full weights are
+                      gathered and written by rank 0, so any world size resumes
+  optimizer.pt        AdamW state, read back with torch.load(weights_only=True)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln.errors import IntegrityError
+from kiln.manifest import staging_dir, write_atomic, write_manifest
+from kiln.train.checkpoint.folder import check_manifest, loads_safely, read_small_files, sign_manifest, step_dir
+
+if TYPE_CHECKING:
+    from kiln.train.parallel import Dist
+    from kiln.train.parallel.parallelize import Parallelized
+
+
+def write_checkpoint(root: Path, step: int, model_state: dict[str, torch.Tensor], optimizer_state: dict,
+                     rng_states: list[dict[str, Any]], state: dict[str, Any], config_yaml: str,
+                     tokenizer_file: Path, manifest_fields: dict[str, Any], signing_key: str | None = None) -> Path:
+    """Write step-NNNNNNNN/ atomically: files, fsync, manifest (+ signature), rename, parent fsync."""
+    final = step_dir(root, step)
+    with staging_dir(final) as tmp:
+        # safetensors refuses tensors that share memory (tied embeddings): store each once.
+        save_file(
+            {k: v.detach().cpu().contiguous().clone() for k, v in model_state.items()}, str(tmp / "model.safetensors")
+        )
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+        torch.save(rng_states, tmp / "rng.pt")
+        write_atomic(tmp / "state.json", json.dumps(state, indent=1))
+        write_atomic(tmp / "config.yaml", config_yaml)
+        shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
+        write_manifest(tmp, stage="checkpoint", step=step, tokens_seen=state.get("tokens_seen"),
+                       world_size=len(rng_states), **manifest_fields)
+        if signing_key:
+            sign_manifest(tmp, signing_key)
+    return final
+
+
+def read_folder(folder: Path, verify: bool = True, weights: bool = True) -> dict[str, Any]:
+    """{"model", "optimizer", "rng", "state"}: the weights via safetensors, the rest via weights_only torch.load
+    or JSON. `weights=False` leaves the model and optimizer state empty (a rank that receives them by broadcast).
+    """
+    folder = Path(folder)
+    check_manifest(folder, verify, weights)
+    with loads_safely(folder):
+        return {
+            "model": load_file(str(folder / "model.safetensors")) if weights else {},
+            "optimizer": torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True) if weights else {},
+            **read_small_files(folder),
+        }
+
+
+def check_loads(folder: Path) -> None:
+    """That the weights, optimizer and RNG files open as what they claim to be, without reading their tensors."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            f.keys()
+        for name in ("optimizer.pt", "rng.pt"):
+            torch.load(folder / name, map_location="cpu", weights_only=True, mmap=True)
+        json.loads((folder / "state.json").read_text())
+    except Exception as exc:  # SafetensorError, UnpicklingError, RuntimeError (not a zip), ValueError
+        raise IntegrityError(f"{folder}: matches its manifest but does not load ({type(exc).__name__}: "
+                             f"{str(exc)[:160]})") from None
+
+
+class FullCheckpoint:
+    """The full format's four methods (gather, write, read, load), as checkpointer.Checkpointer uses them."""
+
+    every_rank_writes = False  # rank 0 writes; the others only take part in the gather
+
+    def gather(self, parallel: Parallelized, optimizer) -> tuple[dict, dict]:
+        """Every rank takes part (FSDP2 gathers); the whole tensors, on CPU."""
+        return parallel.full_states(optimizer)
+
+    def write(self, root: Path, step: int, weights: tuple[dict, dict], rngs: list, state: dict, config_yaml: str,
+              tokenizer_file: Path, fields: dict, signing_key: str | None) -> Path:
+        """Rank 0 only."""
+        return write_checkpoint(root, step, *weights, rngs, state, config_yaml, tokenizer_file, fields, signing_key)
+
+    def read(self, folder: Path, d: Dist, every_rank: bool = False) -> dict[str, Any]:
+        # Verified by agreement.agreed_checkpoint; only rank 0 reads the weights, and broadcasts them (load),
+        # unless `every_rank` (Parallelized.every_rank_reads: pipeline stages, expert slices keep their part).
+        return read_folder(folder, verify=False, weights=d.is_main or every_rank)
+
+    def load(self, parallel: Parallelized, optimizer, data: dict[str, Any]) -> None:
+        parallel.load(optimizer, data["model"], data["optimizer"])
