@@ -126,6 +126,18 @@ def timed(name, stage):
             stages[name] = {"wall_s": time.perf_counter() - t, "cpu_s": cpu_seconds() - c, "peak_mb": hwm / 1024}
     return run
 kiln.flow.STAGES.update({name: timed(name, stage) for name, stage in kiln.flow.STAGES.items()})
+import kiln.data.pipeline, kiln.shards.pack
+from pathlib import Path
+work_mb = {}  # each stage's work folder when it is complete: the data stage's as the merge starts, pack's tasks
+def du(folder):
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file()) / 1e6
+def measured(name, fn, folder):
+    def run(*args, **kw):
+        work_mb[name] = du(folder(args))
+        return fn(*args, **kw)
+    return run
+kiln.data.pipeline._merge = measured("data", kiln.data.pipeline._merge, lambda a: a[0])
+kiln.shards.pack.assemble = measured("pack", kiln.shards.pack.assemble, lambda a: a[0][0][0].parent)
 t0, load0 = time.perf_counter(), os.getloadavg()[0]
 rc = main(["run", sys.argv[1], "--until", "pack"])
 me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -134,7 +146,8 @@ me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource
 hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
 print(json.dumps({"rc": rc, "wall_s": time.perf_counter() - t0, "load": [load0, os.getloadavg()[0]],
                   "cpu_s": me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime,
-                  "driver_rss_mb": hwm / 1024, "worker_rss_mb": kids.ru_maxrss / 1024, "stages": stages}))
+                  "driver_rss_mb": hwm / 1024, "worker_rss_mb": kids.ru_maxrss / 1024, "stages": stages,
+                  "work_mb": work_mb}))
 """
 
 
@@ -400,7 +413,8 @@ def main() -> None:
                   f"stages {t['dedup_stages']:.1f} + profiles {t['profiles']:.1f} + merge {t['merge']:.1f}, then "
                   f"tokenizer and pack {r['wall_s'] - r['data_s']:.1f}), "
                   f"driver {r['driver_rss_mb']:.0f} MB (in the data stage {r['stages']['data']['peak_mb']:.0f}), "
-                  f"workers {r['worker_rss_mb']:.0f} MB, largest process {r['largest_mb']:.0f} MB, "
+                  f"workers {r['worker_rss_mb']:.0f} MB, largest process {r['largest_mb']:.0f} MB, work folders "
+                  f"{' / '.join(f'{k} {v:.0f} MB' for k, v in r.get('work_mb', {}).items())}, "
                   f"{r['stats']['tasks']} data tasks, their CPU s by worker "
                   f"{' + '.join(f'{c:.0f}' for c in r['task_cpu'])} (second's share {r['second_share']:.2f}), "
                   f"manifest {r['manifest_bytes']:,} B, recall {r['recall']:.4f} (0.80-0.92: "
