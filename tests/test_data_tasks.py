@@ -203,3 +203,22 @@ def test_spooled_chunks_are_reused_and_a_changed_one_is_refused(tmp_path):
     again = plan_tasks([str(path)], config, work)  # the index went with the refusal: spooled again
     assert again == tasks and chunks[1].read_bytes() != bytes(raw)
     assert [outcome(d) for d in read_task(again[1], config, ReadReport())]
+
+
+def test_a_damaged_row_group_cuts_its_own_task_only(tmp_path):
+    """A whole read stops at a damaged row group, keeping the rows of the batches before it (pyarrow's batches
+    of 1,024 rows span row groups: here none); read in runs of row groups, only the run holding it stops, and
+    every other run is read in full."""
+    path = tmp_path / "one.parquet"
+    parquet_file(path, 600, 50)
+    meta = pq.ParquetFile(path).metadata
+    column = meta.row_group(6).column(meta.schema.to_arrow_schema().names.index("text"))
+    raw = bytearray(path.read_bytes())
+    raw[column.data_page_offset:column.data_page_offset + 16] = b"\xff" * 16  # its page header, unreadable
+    path.write_bytes(bytes(raw))
+    whole, whole_cuts, _ = read_pieces(path, small(task_bytes=WHOLE), None)
+    pieces, cuts, n = read_pieces(path, small(task_bytes=4096), None)
+    assert whole_cuts == [0] and whole == []
+    run = next(t for t in plan_tasks([str(path)], small(task_bytes=4096)) if t.start <= 6 < t.end)
+    assert n > 3 and cuts == [run.before]  # the damaged run's cut, at its first batch
+    assert [r["offset"] for r in pieces] == [k for k in range(600) if not run.before <= k < run.end * 50]
