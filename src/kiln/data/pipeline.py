@@ -237,7 +237,7 @@ def _run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None
                 on_done(_commit(work, summary))
         t_process = time.perf_counter() - t0
         cpu.append(cpu_seconds())
-        summaries = [json.loads((work / f"{t.name}.done.json").read_text()) for t in tasks]
+        summaries = [_held(json.loads((work / f"{t.name}.done.json").read_text())) for t in tasks]
         if todo:  # dedup results of an earlier attempt were made from tasks' files that are written anew now
             shutil.rmtree(work / STAGE_DIR, ignore_errors=True)
         layout = dedup_layout(work, summaries, cfg.dedup, index_key(files, cfg))
@@ -269,6 +269,12 @@ def _run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None
         if re.fullmatch(rf"\.{re.escape(out.name)}-work-[0-9a-f]{{16}}", stale.name):  # work_key's name, ours
             shutil.rmtree(stale, ignore_errors=True)
     return stats
+
+
+def _held(summary: dict[str, Any]) -> dict[str, Any]:
+    """A task's summary as the driver keeps it until the merge: without the file records its marker vouches with
+    and the spooled chunk (~1 KB a task then, not ~4: the driver holds one per task)."""
+    return {k: v for k, v in summary.items() if k not in ("files", "chunk")}
 
 
 def cpu_seconds() -> float:

@@ -57,9 +57,9 @@ from kiln.data.sources import (
     _check_compression,
     _chunks,
     input_format,
+    input_identity,
     input_size,
     jsonl_records,
-    input_identity,
     open_input,
     read_jsonl,
     read_parquet,
@@ -69,6 +69,8 @@ from kiln.errors import IntegrityError, KilnError
 
 # Settings that change how the work runs, never what it outputs (storage_options may hold secrets).
 EXECUTION_KEYS = {"inputs", "workers", "executor", "ray_address", "task_bytes", "storage_options"}
+SPOOL = "spool"  # in the work folder: FFFFF-CCCCC.jsonl.zst chunks and FFFFF.json, the index vouching for them
+READ_ATTEMPTS = 3
 
 
 def index_key(files: list[str], cfg: DataConfig) -> str:
@@ -78,9 +80,6 @@ def index_key(files: list[str], cfg: DataConfig) -> str:
                                                     "dedup": {"bucket_docs", "index"}})
     ident = [input_identity(str(f), cfg.storage_options) for f in files]
     return hashlib.sha256(json.dumps([ident, settings], sort_keys=True).encode()).hexdigest()[:16]
-
-SPOOL = "spool"  # in the work folder: FFFFF-CCCCC.jsonl.zst chunks and FFFFF.json, the index vouching for them
-READ_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -149,8 +148,8 @@ class Warc:
 class Jsonl:
     """Plain: byte ranges, each probe counting its range's newlines. Compressed: spooled chunks (`spool`)."""
 
-    # A compressed file this size or larger is spooled; a smaller one is one task (its text is rarely more
-    # than 4 x task_bytes / 4, and a stream that turns out to fit one chunk is read in place all the same).
+    # A compressed file of task_bytes / SPOOL_FROM or more is spooled (text compresses 3-5x, so its stream is
+    # about task_bytes or longer); a smaller one is one task. A stream that fits one chunk is read in place.
     SPOOL_FROM = 4
 
     def survey(self, file: InputFile, cfg: DataConfig, spool: Path | None) -> list[Any]:
