@@ -366,8 +366,10 @@ def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, 
         if work is None:
             shutil.rmtree(tmp / ".task-00000")
         manifest = _write_manifest(tmp, spec, fingerprint, splits, hashed, [s for _, s in tasks])
-    if work is not None:
-        shutil.rmtree(work, ignore_errors=True)
+    if work is not None:  # this run's work folder, and any of an earlier plan for this folder (work_key's names)
+        for stale in out.parent.glob(f".{out.name}-work-*"):
+            if re.fullmatch(rf"\.{re.escape(out.name)}-work-[0-9a-f]{{16}}", stale.name):
+                shutil.rmtree(stale, ignore_errors=True)
     return manifest
 
 
