@@ -362,3 +362,23 @@ def test_spilled_profiles_rank_the_corpus_one_token_partition_at_a_time(tmp_path
     assert sum(sizes) == len(whole) > 10_000 and max(sizes) < 2 * len(whole) / TOKEN_PARTITIONS
     docs = sum((Counter({f"a{t % 3}": 15, f"b{t % 5}": 15}) for t in range(12)), Counter())
     assert {src: row["docs"] for src, row in spilled.report().items()} == dict(sorted(docs.items()))
+
+
+def test_a_part_on_disk_is_added_a_block_at_a_time_as_the_part_in_memory(tmp_path):
+    """The data stage's driver copies each task's part from the file a worker wrote, piece by piece
+    (`add_file`): the partitions' files, and so the report, are those of adding the part held in memory."""
+    from kiln.data.gates.distribution import SpilledProfiles, part_bytes, profile_part
+
+    rng = random.Random(3)
+    vocab = [f"t{i}" for i in range(300)]
+    parts = [profile_part([(f"site-{k % 40}.example", " ".join(rng.choices(vocab, k=80))) for k in range(120)])
+             for _ in range(3)]
+    held, copied = (SpilledProfiles(tmp_path / name, top_tokens=50, max_z=3.0) for name in ("held", "copied"))
+    for k, part in enumerate(parts):
+        held.add(part)
+        (tmp_path / f"part-{k}").write_bytes(part_bytes(part))
+        copied.add_file(tmp_path / f"part-{k}")
+    assert held.fragments == copied.fragments
+    assert {p.name: p.read_bytes() for p in (tmp_path / "held").iterdir()} == \
+        {p.name: p.read_bytes() for p in (tmp_path / "copied").iterdir()}
+    assert held.report() == copied.report() and len(copied.report()) == 40

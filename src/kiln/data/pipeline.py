@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import re
 import resource
 import shutil
@@ -36,7 +35,7 @@ from kiln.data.dedup.index import add_run, runs_before, use_index
 from kiln.data.dedup.signatures import Signer
 from kiln.data.dedup.stages import STAGE_DIR, Layout, VerdictFiles, dedup_layout, run_stages
 from kiln.data.docs import PartWriter, read_part
-from kiln.data.gates.distribution import Composition, SpilledProfiles, profile_part, source_group
+from kiln.data.gates.distribution import Composition, SpilledProfiles, part_bytes, profile_part, source_group
 from kiln.data.tables import TABLES, InputCounts, SpilledCounts, TableWriter, composition_rows, write_table
 from kiln.data.document import Document, ReadReport
 from kiln.data.executor import engine, run_tasks
@@ -306,12 +305,12 @@ def _progress_sink(progress, tasks: list[Task], todo: list[Task]):
     return nullcontext(lambda _summary: None)
 
 
-def profile_task(args: tuple[str, int, list[int], DataConfig]) -> tuple[int, dict[str, Any]]:
+def profile_task(args: tuple[str, int, int, DataConfig]) -> tuple[int, dict[str, Any]]:
     """After dedup, on a worker: the distribution profile (per-source token frequency sums) of one data
-    task's kept documents, those dedup removed left out (`removed`: their numbers within the task). The worker
-    writes it into the work folder (`profiles/parts/NNNNN.pkl`, as the data tasks write their files) and
-    returns the file's record: a part is the sources' vocabularies, which never pass through the driver's pipe
-    nor wait there for their turn."""
+    task's kept documents, those dedup removed left out (its part's verdict file: `VerdictFiles.removed_in`).
+    The worker writes it into the work folder (`profiles/parts/NNNNN.pkl`, `part_bytes`, as the data tasks
+    write their files) and returns the file's record: a part is the sources' vocabularies, which never pass
+    through the driver's pipe nor wait there for their turn, and the driver copies its pieces a block at a time."""
     work, index, k, cfg = args
     gone = set(VerdictFiles(Layout.load(work)).removed_in(k).tolist())
 
@@ -325,7 +324,7 @@ def profile_task(args: tuple[str, int, list[int], DataConfig]) -> tuple[int, dic
                                     rec.get("source_group")), rec.get("text") or "")
             local += 1
 
-    data = pickle.dumps(profile_part(kept()), protocol=pickle.HIGHEST_PROTOCOL)
+    data = part_bytes(profile_part(kept()))
     write_atomic(_profile_part(Path(work), index), data)
     return index, record(data)
 
@@ -357,7 +356,7 @@ def source_profiles(work: Path, summaries: list[dict[str, Any]], layout, verdict
             if not matches(path, waiting.pop(turn)):
                 raise KilnError(f"{path}: the distribution profile a worker wrote is missing or changed; run the "
                                 f"same command again (the work folder must be on storage every worker sees)")
-            spilled.add(pickle.loads(path.read_bytes()))
+            spilled.add_file(path)
             path.unlink()
             turn = next(order, None)
     if turn is not None or waiting:  # a task's part never came, or came for no task: the sums would be short

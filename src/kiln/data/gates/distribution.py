@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import json
 import math
 import pickle
 import zlib
@@ -203,6 +204,15 @@ def profile_part(documents: Iterable[tuple[str, str]], batch: int = 512) -> dict
             "fragments": {q: len(frames) for q, frames in by_source.items()}}
 
 
+def part_bytes(part: dict) -> bytes:
+    """A task's part (`profile_part`) as a worker writes it: a JSON line naming each piece (kind, partition, size)
+    and the sources' fragments, then the pieces end to end (`SpilledProfiles.add_file` copies them)."""
+    pieces = [("tokens", p, b) for p, b in part["tokens"].items()] + \
+        [("sources", q, b) for q, b in part["sources"].items()]
+    header = {"pieces": [[kind, k, len(b)] for kind, k, b in pieces], "fragments": part["fragments"]}
+    return json.dumps(header).encode() + b"\n" + b"".join(b for *_, b in pieces)
+
+
 class SpilledProfiles:
     """The corpus's source report (SourceProfiles.report) summed from per-task parts (`profile_part`), in task
     order, with memory bounded neither by the corpus's vocabulary nor by its number of sources (a crawl keyed by
@@ -217,9 +227,9 @@ class SpilledProfiles:
     3. takes the corpus's top_tokens, their means and deviations, and scores the sources from the spilled arrays.
     The sums are those a SourceProfiles holding everything makes, added in another (fixed) order: the report is
     the same for any number of workers, and agrees with SourceProfiles's to float rounding (`rank_key`).
-    Memory: one part while adding; then one token partition's tokens (the corpus vocabulary / TOKEN_PARTITIONS,
-    which a real crawl's vocabulary keeps growing, slowly), SOURCES_AT_ONCE x 2 x 2 top_tokens floats (16 MB at
-    the default top_tokens=1000); `rows` streams the report, one source at a time."""
+    Memory: a part's header while adding (`add_file`); then one token partition's tokens (the corpus vocabulary /
+    TOKEN_PARTITIONS, which a real crawl's vocabulary keeps growing, slowly), SOURCES_AT_ONCE x 2 x 2 top_tokens
+    floats (16 MB at the default top_tokens=1000); `rows` streams the report, one source at a time."""
 
     SOURCES_AT_ONCE = 512
 
@@ -237,8 +247,25 @@ class SpilledProfiles:
     def _sources(self, q: int) -> Path:
         return self.folder / f"sources-{q:03d}.pkl"
 
+    def add_file(self, path: Path) -> None:
+        """A task's part as `part_bytes` wrote it to disk, each piece copied to its partition's file a block at a
+        time: memory the header, not the part (whose sources grow with the task's). The caller adds them in task
+        order."""
+        with open(path, "rb") as f:
+            header = json.loads(f.readline())
+            for kind, k, size in header["pieces"]:
+                with open(self._partition(k) if kind == "tokens" else self._sources(k), "ab") as out:
+                    while size:
+                        block = f.read(min(size, 1 << 20))
+                        if not block:
+                            raise EOFError(f"{path}: cut inside its pieces")
+                        out.write(block)
+                        size -= len(block)
+        for q, n in header["fragments"].items():
+            self.fragments[int(q)] += n
+
     def add(self, part: dict) -> None:
-        """A task's part (`profile_part`): the caller adds them in task order."""
+        """A task's part (`profile_part`) held in memory: the caller adds them in task order."""
         for path, piece in [*((self._partition(p), b) for p, b in part["tokens"].items()),
                             *((self._sources(q), b) for q, b in part["sources"].items())]:
             with open(path, "ab") as out:
