@@ -34,7 +34,7 @@ letters, repeated lines), exact and near-duplicate dedup run.
     N=50000 HOST_DOCS=25 ONE_WORKER=off python -m benchmarks data_scale  # source_key=host, a host every 25
                                                                          # documents: the sources grow with N
     N=100000 ONE_FILE=jsonl python -m benchmarks data_scale     # the corpus as ONE file (or ONE_FILE=parquet,
-                                                                 # row groups of ROW_GROUP=5000 rows)
+                                                                 # row groups of ROW_GROUP=2000 rows)
 
 ONE_FILE: the corpus is a single JSONL (or Parquet) file, which the data stage cuts into tasks
 (data.task_bytes, the default 32 MB). N and 4N with 2 workers, N with 1 worker and N on Ray (2 CPUs; RAY=off
@@ -74,7 +74,7 @@ FILE_DOCS = int(os.environ.get("FILE_DOCS", max(500, min(5000, N // 10))))  # 5,
 # (as a crawl's hosts do); FILE_DOCS=k grows the files (source_key=file, the default) the same way.
 HOST_DOCS = int(os.environ.get("HOST_DOCS", "0"))
 ONE_FILE = os.environ.get("ONE_FILE", "")  # jsonl | parquet: the whole corpus in one file
-ROW_GROUP = int(os.environ.get("ROW_GROUP", "5000"))  # ONE_FILE=parquet: rows a row group
+ROW_GROUP = int(os.environ.get("ROW_GROUP", "2000"))  # ONE_FILE=parquet: rows a row group (~4 MB of text)
 TOKENIZER_DOCS = min(20_000, N // 2)  # the same sample size at N and 4N
 SHARD_SAMPLES = int(os.environ.get("SHARD_SAMPLES", "65536"))  # pack.samples_per_shard's default
 # Quality gates off unless GATES=on: what this measures grows with the corpus (dedup, manifest, pack), and on

@@ -27,8 +27,9 @@ The formats:
   read does. Memory: one decompression window; disk: about the file again, until the stage ends. A spooled
   chunk counts only with its record (size, xxh3) in its file's spool index; a task reading a chunk that no
   longer matches stops the run and removes the index, so the next run spools that file again.
-- Parquet: runs of whole row groups holding about task_bytes (compressed sizes, from the footer); a row
-  group is the smallest piece, so the writer's row group size bounds a task's memory. Probe: the footer.
+- Parquet: runs of whole row groups holding about task_bytes (uncompressed, from the footer, as JSONL's are
+  decompressed bytes); a row group is the smallest piece, so the writer's row group size bounds a task's
+  memory. Probe: the footer.
 A file the probe finds unreadable (empty, compressed otherwise than its name says, no text column) is one
 task, whose read reports the error as before. A new format (a `datasets.save_to_disk` folder's Arrow files,
 say: record-batch runs from each file's footer) is a class with these three methods in FORMATS and a name
@@ -189,7 +190,8 @@ class Parquet:
         return [(file.source, cfg.storage_options, cfg.text_field)] if file.size > cfg.task_bytes else []
 
     def probe(self, job: tuple[str, dict, str]) -> list[tuple[int, int]] | None:
-        """Each row group's (rows, compressed bytes), or None when the file is to be read whole (it will say why)."""
+        """Each row group's (rows, bytes uncompressed, as a task holds them), or None when the file is to be read
+        whole (it will say why)."""
         import pyarrow.parquet as pq
 
         source, storage_options, text_field = job
@@ -199,8 +201,7 @@ class Parquet:
                 meta = pq.ParquetFile(raw).metadata
                 if text_field not in meta.schema.to_arrow_schema().names:
                     return None
-                return [(meta.row_group(g).num_rows,
-                         sum(meta.row_group(g).column(c).total_compressed_size for c in range(meta.num_columns)))
+                return [(meta.row_group(g).num_rows, meta.row_group(g).total_byte_size)
                         for g in range(meta.num_row_groups)]
             except Exception:
                 if raw.error is not None:
