@@ -403,7 +403,7 @@ def main() -> None:
             t0 = time.perf_counter()
             corpus, truth = corpus_of(tmp, n)
             built = time.perf_counter() - t0
-            out = tmp / f"out-{n}-{workers}-{executor}"
+            out = tmp / f"out-{corpus.name}-{workers}-{executor}"  # BENCH_DIR may hold runs of other corpora
             shutil.rmtree(out, ignore_errors=True)
             r = run(corpus, out, workers, executor) | score(out, truth)
             rows[label] = r
