@@ -33,6 +33,16 @@ letters, repeated lines), exact and near-duplicate dedup run.
                                                                      # pinned to the workers
     N=50000 HOST_DOCS=25 ONE_WORKER=off python -m benchmarks data_scale  # source_key=host, a host every 25
                                                                          # documents: the sources grow with N
+    N=100000 ONE_FILE=jsonl python -m benchmarks data_scale     # the corpus as ONE file (or ONE_FILE=parquet,
+                                                                 # row groups of ROW_GROUP=2000 rows)
+
+ONE_FILE: the corpus is a single JSONL (or Parquet) file, which the data stage cuts into tasks
+(data.task_bytes, the default 32 MB). N and 4N with 2 workers, N with 1 worker and N on Ray (2 CPUs; RAY=off
+leaves it out); the docs (stats.json's timings aside) and the shards (manifest's fingerprint aside: it names the
+docs manifest, which hashes stats.json) of every N run are compared byte for byte. Each run also gives the
+largest process (/usr/bin/time -v over the run and its children, benchmarks/_proctree.py; Ray's workers are
+polled from /proc) and the data tasks' CPU seconds by worker process (stats.json
+`timings_s.task_cpu_by_worker`): the second worker's share says whether both were busy.
 
 With `workers: 1`, pack encodes in the driver and the tokenizers library (Rust, rayon) trains and encodes on
 every core, so a "1 worker" run already uses the machine's 2 cores in those stages. THREADS=workers sets
@@ -63,6 +73,8 @@ FILE_DOCS = int(os.environ.get("FILE_DOCS", max(500, min(5000, N // 10))))  # 5,
 # HOST_DOCS=k: k documents a URL host and data.distribution.source_key=host, so the sources grow with the corpus
 # (as a crawl's hosts do); FILE_DOCS=k grows the files (source_key=file, the default) the same way.
 HOST_DOCS = int(os.environ.get("HOST_DOCS", "0"))
+ONE_FILE = os.environ.get("ONE_FILE", "")  # jsonl | parquet: the whole corpus in one file
+ROW_GROUP = int(os.environ.get("ROW_GROUP", "2000"))  # ONE_FILE=parquet: rows a row group (~4 MB of text)
 TOKENIZER_DOCS = min(20_000, N // 2)  # the same sample size at N and 4N
 SHARD_SAMPLES = int(os.environ.get("SHARD_SAMPLES", "65536"))  # pack.samples_per_shard's default
 # Quality gates off unless GATES=on: what this measures grows with the corpus (dedup, manifest, pack), and on
@@ -114,6 +126,18 @@ def timed(name, stage):
             stages[name] = {"wall_s": time.perf_counter() - t, "cpu_s": cpu_seconds() - c, "peak_mb": hwm / 1024}
     return run
 kiln.flow.STAGES.update({name: timed(name, stage) for name, stage in kiln.flow.STAGES.items()})
+import kiln.data.pipeline, kiln.shards.pack
+from pathlib import Path
+work_mb = {}  # each stage's work folder when it is complete: the data stage's as the merge starts, pack's tasks
+def du(folder):
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file()) / 1e6
+def measured(name, fn, folder):
+    def run(*args, **kw):
+        work_mb[name] = du(folder(args))
+        return fn(*args, **kw)
+    return run
+kiln.data.pipeline._merge = measured("data", kiln.data.pipeline._merge, lambda a: a[0])
+kiln.shards.pack.assemble = measured("pack", kiln.shards.pack.assemble, lambda a: a[0][0][0].parent)
 t0, load0 = time.perf_counter(), os.getloadavg()[0]
 rc = main(["run", sys.argv[1], "--until", "pack"])
 me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -122,7 +146,8 @@ me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource
 hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
 print(json.dumps({"rc": rc, "wall_s": time.perf_counter() - t0, "load": [load0, os.getloadavg()[0]],
                   "cpu_s": me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime,
-                  "driver_rss_mb": hwm / 1024, "worker_rss_mb": kids.ru_maxrss / 1024, "stages": stages}))
+                  "driver_rss_mb": hwm / 1024, "worker_rss_mb": kids.ru_maxrss / 1024, "stages": stages,
+                  "work_mb": work_mb}))
 """
 
 
@@ -209,9 +234,18 @@ def build(folder: Path, n: int, seed: int = 0) -> dict:
         go[f"exact{k}"] = (f"d{o}", 1.0)
     docs.sort(key=lambda d: d[0])
     folder.mkdir(parents=True, exist_ok=True)
-    for f in range(0, len(docs), FILE_DOCS):
-        with open(folder / f"part-{f // FILE_DOCS:05d}.jsonl", "w") as out:
-            for k, (_, doc_id, text) in enumerate(docs[f:f + FILE_DOCS], start=f):
+    if ONE_FILE == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"id": [d for _, d, _ in docs], "text": [t for _, _, t in docs],
+                                 "url": [f"https://bench.example/{d}" for _, d, _ in docs]}),
+                       folder / "corpus.parquet", row_group_size=ROW_GROUP)
+        return {"go": go, "unplanned": unplanned}
+    per_file = len(docs) if ONE_FILE else FILE_DOCS
+    for f in range(0, len(docs), per_file):
+        with open(folder / f"part-{f // per_file:05d}.jsonl", "w") as out:
+            for k, (_, doc_id, text) in enumerate(docs[f:f + per_file], start=f):
                 host = f"site-{k // HOST_DOCS}.example" if HOST_DOCS else "bench.example"
                 out.write(json.dumps({"id": doc_id, "text": text, "url": f"https://{host}/{doc_id}"}) + "\n")
     return {"go": go, "unplanned": unplanned}
@@ -221,35 +255,61 @@ def build_to(corpus: str, n: str, truth: str) -> None:
     Path(truth).write_text(json.dumps(build(Path(corpus), int(n))))
 
 
-def write_config(corpus: Path, out: Path, workers: int) -> Path:
+def write_config(corpus: Path, out: Path, workers: int, executor: str = "local") -> Path:
     config = out.parent / f"{out.name}.yaml"
+    pattern = "*.parquet" if ONE_FILE == "parquet" else "*.jsonl"
     config.write_text(json.dumps({  # JSON is YAML
         "out_dir": str(out), "seed": 1,
-        "data": {"inputs": [str(corpus / "*.jsonl")], "workers": workers, **GATES,
+        "data": {"inputs": [str(corpus / pattern)], "workers": workers, "executor": executor, **GATES,
                  **({"distribution": {**GATES.get("distribution", {}), "source_key": "host"}} if HOST_DOCS else {})},
         "tokenizer": {"vocab_size": 4096, "max_docs": TOKENIZER_DOCS},
-        "pack": {"seq_len": 1024, "samples_per_shard": SHARD_SAMPLES, "workers": workers}}))
+        "pack": {"seq_len": 1024, "samples_per_shard": SHARD_SAMPLES, "workers": workers, "executor": executor}}))
     return config
 
 
-def run(corpus: Path, out: Path, workers: int) -> dict:
-    config = write_config(corpus, out, workers)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+def run(corpus: Path, out: Path, workers: int, executor: str = "local") -> dict:
+    from benchmarks import _proctree
+
+    config = write_config(corpus, out, workers, executor)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "RAY_AUTH_MODE": "disabled"}
     if os.environ.get("THREADS") == "workers":  # see the docstring: rayon's pool sized like the process pools
         env["RAYON_NUM_THREADS"] = str(workers)
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(config)], capture_output=True, text=True, env=env, check=False, cwd=ROOT
-    )
-    if done.returncode:
+    done = _proctree.run([sys.executable, "-c", _CHILD, str(config)], env=env, cwd=ROOT)
+    if done.rc:
         raise RuntimeError(f"kiln run failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["largest_mb"] = done.largest_mb  # /usr/bin/time -v's, and every process polled (Ray's workers too)
     stats = json.loads((out / "docs" / "stats.json").read_text())
     result["manifest_bytes"] = (out / "shards" / "manifest.json").stat().st_size
     result["data_s"] = sum(stats["timings_s"][k] for k in ("process", "dedup_stages", "profiles", "merge"))
     result["stats"] = stats
     result["cpu_by_stage"] = {**stats["timings_s"]["cpu"],
                               **{k: result["stages"][k]["cpu_s"] for k in ("tokenizer", "pack")}}
+    workers_cpu = list(stats["timings_s"].get("task_cpu_by_worker", {}).values())
+    result["second_share"] = workers_cpu[1] / sum(workers_cpu) if len(workers_cpu) > 1 else 0.0
+    result["task_cpu"] = workers_cpu
+    result["digest"] = digest(out)
     return result
+
+
+def digest(out: Path) -> str:
+    """The sha256 of what a run produced: the docs (stats.json's timings and task counts aside) and the shards
+    (their manifest's fingerprint aside: it names the docs manifest, which hashes stats.json)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for folder in ("docs", "shards"):
+        for path in sorted((out / folder).rglob("*")):
+            if not path.is_file():
+                continue
+            data = path.read_bytes()
+            if path.name in ("stats.json", "manifest.json"):
+                rec = json.loads(data)
+                for key in ("timings_s", "tasks", "tasks_resumed", "dedup_tasks", "fingerprint", "files"):
+                    rec.pop(key, None)
+                data = json.dumps(rec, sort_keys=True).encode()
+            h.update(path.relative_to(out).as_posix().encode() + b"\0" + hashlib.sha256(data).digest())
+    return h.hexdigest()
 
 
 STAGE_NAMES = ("process", "dedup_stages", "profiles", "merge", "tokenizer", "pack")
@@ -283,7 +343,7 @@ def score(out: Path, truth: dict) -> dict:
 
 def corpus_of(tmp: Path, n: int) -> tuple[Path, dict]:
     """The corpus of n documents under tmp (built once, in a process of its own: see _CHILD) and its truth."""
-    corpus = tmp / f"corpus-{n}-{FILE_DOCS}-{HOST_DOCS}"
+    corpus = tmp / f"corpus-{n}-{ONE_FILE or FILE_DOCS}-{HOST_DOCS}"
     if not corpus.exists():
         code = "import sys; from benchmarks.bench_data_scale import build_to; build_to(*sys.argv[1:])"
         subprocess.run([sys.executable, "-c", code, str(corpus), str(n), str(corpus) + ".truth.json"],
@@ -332,16 +392,20 @@ def main() -> None:
     if os.environ.get("PROFILE") == "on":
         return profile()
     rows = {}
-    runs = [("N", N, 2)] + ([] if os.environ.get("SIZES") == "N" else [("4N", 4 * N, 2)])
-    runs += [] if os.environ.get("ONE_WORKER") == "off" else [("N, 1 worker", N, 1)]
+    runs = [("N", N, 2, "local")] + ([] if os.environ.get("SIZES") == "N" else [("4N", 4 * N, 2, "local")])
+    runs += [] if os.environ.get("ONE_WORKER") == "off" else [("N, 1 worker", N, 1, "local")]
+    runs += [("N, Ray", N, 2, "ray")] if ONE_FILE and os.environ.get("RAY") != "off" else []
+    keep = os.environ.get("BENCH_DIR")  # corpora kept there (a 4N corpus takes minutes to build)
     with tempfile.TemporaryDirectory(prefix="kiln-bench-scale-") as tmp:
-        tmp = Path(tmp)
-        for label, n, workers in runs:
+        tmp = Path(keep or tmp)
+        tmp.mkdir(parents=True, exist_ok=True)
+        for label, n, workers, executor in runs:
             t0 = time.perf_counter()
             corpus, truth = corpus_of(tmp, n)
             built = time.perf_counter() - t0
-            out = tmp / f"out-{n}-{workers}"
-            r = run(corpus, out, workers) | score(out, truth)
+            out = tmp / f"out-{corpus.name}-{workers}-{executor}"  # BENCH_DIR may hold runs of other corpora
+            shutil.rmtree(out, ignore_errors=True)
+            r = run(corpus, out, workers, executor) | score(out, truth)
             rows[label] = r
             t = r["stats"]["timings_s"]
             print(f"{label:>12}: {n:,} docs, {workers} worker(s): {r['wall_s']:.1f} s, {r['cpu_s']:.1f} CPU s, load "
@@ -349,20 +413,26 @@ def main() -> None:
                   f"stages {t['dedup_stages']:.1f} + profiles {t['profiles']:.1f} + merge {t['merge']:.1f}, then "
                   f"tokenizer and pack {r['wall_s'] - r['data_s']:.1f}), "
                   f"driver {r['driver_rss_mb']:.0f} MB (in the data stage {r['stages']['data']['peak_mb']:.0f}), "
-                  f"workers {r['worker_rss_mb']:.0f} MB, manifest "
-                  f"{r['manifest_bytes']:,} B, recall {r['recall']:.4f} (0.80-0.92: {r['recall_0.80_0.92']:.4f}), "
-                  f"precision {r['precision']:.4f} [{r['planted']} planted, {r['removed']} removed; corpus built in "
-                  f"{built:.0f} s]; CPU s by stage (data tasks / dedup stages / profiles / merge / tokenizer / "
-                  f"pack): {cpu_line(r)}", flush=True)
+                  f"workers {r['worker_rss_mb']:.0f} MB, largest process {r['largest_mb']:.0f} MB, work folders "
+                  f"{' / '.join(f'{k} {v:.0f} MB' for k, v in r.get('work_mb', {}).items())}, "
+                  f"{r['stats']['tasks']} data tasks, their CPU s by worker "
+                  f"{' + '.join(f'{c:.0f}' for c in r['task_cpu'])} (second's share {r['second_share']:.2f}), "
+                  f"manifest {r['manifest_bytes']:,} B, recall {r['recall']:.4f} (0.80-0.92: "
+                  f"{r['recall_0.80_0.92']:.4f}), precision {r['precision']:.4f} [{r['planted']} planted, "
+                  f"{r['removed']} removed; corpus built in {built:.0f} s]; CPU s by stage (data tasks / dedup "
+                  f"stages / profiles / merge / tokenizer / pack): {cpu_line(r)}", flush=True)
             shutil.rmtree(out, ignore_errors=True)
+    at_n = {label: r["digest"] for label, r in rows.items() if label.startswith("N")}
+    print(f"docs and shards at N identical across {', '.join(at_n)}: {len(set(at_n.values())) == 1}")
     one, four = rows["N"], rows.get("4N")
     if four is None:
         return print(f"1 -> 2 workers at N: {rows['N, 1 worker']['wall_s'] / one['wall_s']:.2f}x speed-up end to end")
     rss = max(four["driver_rss_mb"], four["worker_rss_mb"]) / max(one["driver_rss_mb"], one["worker_rss_mb"])
-    ratio = {k: four[k] / one[k] for k in ("driver_rss_mb", "worker_rss_mb", "manifest_bytes", "wall_s", "cpu_s")}
+    ratio = {k: four[k] / one[k] for k in ("driver_rss_mb", "worker_rss_mb", "manifest_bytes", "wall_s", "cpu_s",
+                                           "largest_mb")}
     data_peak = four["stages"]["data"]["peak_mb"] / one["stages"]["data"]["peak_mb"]
-    print(f"4N / N: largest process RSS {rss:.2f}x (target <= 1.25), driver {ratio['driver_rss_mb']:.2f}x "
-          f"(in the data stage {data_peak:.2f}x), "
+    print(f"4N / N: largest process RSS {rss:.2f}x ((/usr/bin/time -v and /proc: {ratio['largest_mb']:.2f}x; target "
+          f"<= 1.25), driver {ratio['driver_rss_mb']:.2f}x (in the data stage {data_peak:.2f}x), "
           f"workers {ratio['worker_rss_mb']:.2f}x; manifest {ratio['manifest_bytes']:.2f}x (<= 1.25); "
           f"time {ratio['wall_s']:.2f}x (<= 4.6), CPU {ratio['cpu_s']:.2f}x")
     print("4N / N CPU seconds by stage: " + ", ".join(

@@ -38,6 +38,7 @@ from kiln.data.extract import binary_fraction, decode_html, looks_binary
 from kiln.data.gates import low_letters, repetitive_lines, too_short
 from kiln.data.docs import read_docs
 from kiln.data.pipeline import expand_inputs, run_data
+from kiln.data.tables import table
 from kiln.errors import KilnError
 from kiln.manifest import MANIFEST, read_manifest, verify_folder
 
@@ -517,7 +518,7 @@ def test_resume_redoes_only_unfinished_files(tmp_path, three_inputs, monkeypatch
     # a killed run: task 0 finished (output + done marker), tasks 1 and 2 never ran
     out = tmp_path / "resumed" / "docs"
     tasks = pipeline.plan_tasks(expand_inputs(three_inputs), config)
-    key = pipeline.work_key(pipeline.fingerprint(expand_inputs(three_inputs), config), tasks)
+    key = pipeline.work_key(pipeline.fingerprint(expand_inputs(three_inputs), config), config)
     work = out.parent / f".{out.name}-work-{key}"
     work.mkdir(parents=True)
     pipeline._commit(work, pipeline.run_task((tasks[0], config, str(work))))
@@ -547,7 +548,12 @@ def test_docs_folder_is_committed_atomically(tmp_path, three_inputs, monkeypatch
         "rejects/part-00000.jsonl.zst",
         "stats.json",
         "dedup_ledger.jsonl.zst",
+        "by_source.jsonl.zst",  # the per-source tables (kiln.data.tables), hashed like the rest
+        "composition_by_source.jsonl.zst",
+        "source_weights.jsonl.zst",
     }
+    assert manifest["tables"] == stats["tables"] and stats["tables"]["by_source"] == {
+        "file": "by_source.jsonl.zst", "rows": 3}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs"]  # no .tmp- folder, no work folder
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
     before = output_files(out)
@@ -731,5 +737,5 @@ def test_near_duplicates_across_files_are_removed_in_the_stage_with_a_ledger(tmp
         (out / "dedup_ledger.jsonl.zst").read_bytes(), max_output_size=1 << 24).decode().splitlines() if line]
     by_id = {d["id"]: d["url"] for d in read_docs(out)}
     assert len(rows) == 1 and by_id[rows[0]["survivor"]] == "http://a.example/orig" and rows[0]["similarity"] >= 0.8
-    weights = json.loads((out / "manifest.json").read_text())["source_weights"]
+    weights = table(out, "source_weights")
     assert str(a) in weights and {"weight", "z"} <= set(weights[str(a)])

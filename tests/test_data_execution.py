@@ -28,6 +28,7 @@ from kiln.data.docs import read_docs, read_part
 from kiln.data.pipeline import plan_tasks, run_data
 from kiln.errors import KilnError
 from kiln.data.read import find_member
+from kiln.data.tables import table
 from test_data import BASIC_GATES_ONLY, assert_same_output, english, members, page, rejects
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,7 +157,7 @@ def test_dedup_stages_identical_on_pool_and_ray_for_any_worker_count(tmp_path, m
             out = tmp_path / f"{executor}-{workers}" / "docs"
             stats = run_data(inputs, out, cfg(executor=executor, dedup={"bucket_docs": bucket_docs}), workers=workers)
             outs[executor, workers] = out
-            assert stats["documents"]["read"] == 46 and stats["dedup_tasks"] == 21 * -(-46 // min(bucket_docs, 46))
+            assert stats["documents"]["read"] == 46 and stats["dedup_tasks"] == 21 * -(-46 // min(bucket_docs, 46)) + 1
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     first = outs["local", 1]
@@ -178,10 +179,12 @@ def test_stats_per_source_stage_and_step(tmp_path, sample_warc):
     )
     out = tmp_path / "docs"
     stats = run_data([str(other), str(sample_warc)], out, cfg())
-    assert stats["by_source"][str(other)] == {"read": 4, "kept": 3, "rejected": 1}
-    s = stats["by_source"][str(sample_warc)]
+    by_source = table(out, "by_source")  # a side file: a dump has an input per WARC file
+    assert list(by_source) == [str(other), str(sample_warc)] and stats["tables"]["by_source"]["rows"] == 2
+    assert by_source[str(other)] == {"read": 4, "kept": 3, "rejected": 1}
+    s = by_source[str(sample_warc)]
     assert s["read"] == 120 == s["kept"] + s["rejected"]
-    assert sum(v["kept"] for v in stats["by_source"].values()) == stats["documents"]["kept"]
+    assert sum(v["kept"] for v in by_source.values()) == stats["documents"]["kept"]
     assert sum(stats["rejected_by_stage"].values()) == stats["documents"]["rejected"]
     assert stats["rejected_by_stage"]["dedup"] == 1
     steps = stats["timings_s"]["steps"]
@@ -331,5 +334,6 @@ def test_distribution_profile_off_when_disabled(tmp_path):
     inputs, _ = planted_jsonl(tmp_path)
     on = run_data(inputs, tmp_path / "on" / "docs", cfg())
     off = run_data(inputs, tmp_path / "off" / "docs", cfg(distribution={"enabled": False}))
-    assert sorted(on["source_weights"]) == sorted(inputs) and off["source_weights"] == {}
+    assert sorted(table(tmp_path / "on" / "docs", "source_weights")) == sorted(inputs)
+    assert "source_weights" not in off["tables"] and table(tmp_path / "off" / "docs", "source_weights") == {}
     assert on["documents"] == off["documents"]

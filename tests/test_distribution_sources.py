@@ -21,6 +21,7 @@ from kiln.config import DataConfig, SourceConfig, build_config
 from kiln.data.gates.distribution import NO_HOST, source_group
 from kiln.data.docs import read_docs
 from kiln.data.pipeline import run_data
+from kiln.data.tables import table
 from kiln.errors import ConfigError, KilnError
 from kiln.ops.report import composition_table
 from kiln.shards.reader import ShardSet
@@ -93,8 +94,8 @@ def test_kiln_data_groups_sources_by_source_key(tmp_path, key, expected):
     stats = run_data([str(src)], tmp_path / "docs", data_cfg(source_key=key))
     docs = list(read_docs(tmp_path / "docs"))
     assert Counter(d["source_group"] for d in docs) == expected
-    assert {s: w["docs"] for s, w in stats["source_weights"].items()} == expected
-    by_source = stats["composition"]["by_source"]
+    assert {s: w["docs"] for s, w in table(tmp_path / "docs", "source_weights").items()} == expected
+    by_source = table(tmp_path / "docs", "composition_by_source")
     assert {s: r["documents"] for s, r in by_source.items()} == expected
     for group in expected:  # characters: the kept texts of that source, exactly
         assert by_source[group]["chars"] == sum(len(d["text"]) for d in docs if d["source_group"] == group)
@@ -172,7 +173,7 @@ def drifting_corpus(tmp_path_factory):
 
 def test_a_drifting_source_is_packed_in_its_own_shard_group(drifting_corpus):
     cfg, stats, manifest = drifting_corpus
-    weights = {s: w["weight"] for s, w in stats["source_weights"].items()}
+    weights = {s: w["weight"] for s, w in table(cfg.out / "docs", "source_weights").items()}
     assert weights["alpha"] == weights["beta"] == weights["gamma"] == 1.0
     assert 0 < weights["forum"] < 0.9
     groups = manifest["splits"]["train"]["groups"]
@@ -195,7 +196,7 @@ def test_the_trainer_draws_a_drifting_source_by_its_weight(drifting_corpus):
     """One epoch of the training loader: the forum's share of samples is its share of the shards'
     samples scaled by its weight (odds ratio = weight), not its share of documents."""
     cfg, stats, manifest = drifting_corpus
-    weight = stats["source_weights"]["forum"]["weight"]
+    weight = table(cfg.out / "docs", "source_weights")["forum"]["weight"]
     train, _ = open_splits(cfg, manifest["tokenizer_sha256"])
     groups = manifest["splits"]["train"]["groups"]
     # which group each sample row comes from, by its tokens (independent of how the Mixture numbers them)
@@ -217,7 +218,7 @@ def test_the_trainer_draws_a_drifting_source_by_its_weight(drifting_corpus):
     assert drawn["forum"] < n_forum  # without the weight it would be drawn n_forum times an epoch
     odds = (drawn["forum"] / drawn[None]) / (n_forum / n_rest)
     assert odds == pytest.approx(weight, abs=1.5 / drawn["forum"])
-    doc_share = stats["composition"]["by_source"]["forum"]["doc_share"]
+    doc_share = table(cfg.out / "docs", "composition_by_source")["forum"]["doc_share"]
     assert doc_share == round(8 / 188, 4)
     sample_share = drawn["forum"] / total
     print(f"forum: weight {weight}, doc share {doc_share}, shard-sample share {n_forum / total:.4f}, "
@@ -232,7 +233,7 @@ def test_a_grouped_source_with_a_given_weight_keeps_it_in_total(drifting_corpus)
     run = cfg.model_copy(update={"loader": cfg.loader.model_copy(update={"sources": [
         SourceConfig(path=shards, weight=3.0), SourceConfig(path=shards, weight=1.0)]})})
     train, _ = open_splits(run, manifest["tokenizer_sha256"])
-    w = stats["source_weights"]["forum"]["weight"]
+    w = table(cfg.out / "docs", "source_weights")["forum"]["weight"]
     n_rest, n_forum = (g["samples"] for g in manifest["splits"]["train"]["groups"])
     total = 2 * (n_rest + n_forum)
     assert len(train.counts) == 4 and int(train.counts.sum()) == total
@@ -376,3 +377,23 @@ def test_spilled_profiles_rank_the_corpus_one_token_partition_at_a_time(tmp_path
     assert sum(sizes) == len(whole) > 10_000 and max(sizes) < 2 * len(whole) / TOKEN_PARTITIONS
     docs = sum((Counter({f"a{t % 3}": 15, f"b{t % 5}": 15}) for t in range(12)), Counter())
     assert {src: row["docs"] for src, row in spilled.report().items()} == dict(sorted(docs.items()))
+
+
+def test_a_part_on_disk_is_added_a_block_at_a_time_as_the_part_in_memory(tmp_path):
+    """The data stage's driver copies each task's part from the file a worker wrote, piece by piece
+    (`add_file`): the partitions' files, and so the report, are those of adding the part held in memory."""
+    from kiln.data.gates.distribution import SpilledProfiles, part_bytes, profile_part
+
+    rng = random.Random(3)
+    vocab = [f"t{i}" for i in range(300)]
+    parts = [profile_part([(f"site-{k % 40}.example", " ".join(rng.choices(vocab, k=80))) for k in range(120)])
+             for _ in range(3)]
+    held, copied = (SpilledProfiles(tmp_path / name, top_tokens=50, max_z=3.0) for name in ("held", "copied"))
+    for k, part in enumerate(parts):
+        held.add(part)
+        (tmp_path / f"part-{k}").write_bytes(part_bytes(part))
+        copied.add_file(tmp_path / f"part-{k}")
+    assert held.fragments == copied.fragments
+    assert {p.name: p.read_bytes() for p in (tmp_path / "held").iterdir()} == \
+        {p.name: p.read_bytes() for p in (tmp_path / "copied").iterdir()}
+    assert held.report() == copied.report() and len(copied.report()) == 40

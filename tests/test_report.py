@@ -23,9 +23,8 @@ CHROMIUM = Path("/usr/bin/chromium")
 def run_dir(prepared, tmp_path_factory):
     """A real 6-step run, its data stage's stats, and the events a long run adds (skips, a rollback)."""
     out = tmp_path_factory.mktemp("report") / "out"
-    for name in ("tokenizer", "shards"):
+    for name in ("docs", "tokenizer", "shards"):  # the docs folder: stats.json and its per-source tables
         shutil.copytree(prepared.out / name, out / name)
-    (out / "docs").mkdir()
     stats = json.loads((prepared.out / "docs" / "stats.json").read_text())
     stats["dedup"] = {"cluster_sizes": {"2": 5, "3": 1}}  # the near-dedup stage's figure, when it reports one
     (out / "docs" / "stats.json").write_text(json.dumps(stats))

@@ -706,8 +706,8 @@ def _cmdline(pid: int) -> str:
 def test_sigterm_to_kiln_pack_ends_its_encoding_workers(prepared, tmp_path):
     docs = list(read_docs(prepared.out / "docs"))
     folder = tmp_path / "docs"
-    with staging_dir(folder) as tmp:  # enough text that the encoding is still going when both workers are up
-        writer = PartWriter(tmp, 2000)
+    with staging_dir(folder) as tmp:  # enough text that the encoding is still going when both workers are up, in
+        writer = PartWriter(tmp, 100)  # parts enough for pack tasks on both
         copies = max(1, (24 << 20) // sum(len(d["text"]) for d in docs))
         for k in range(copies):
             for d in docs:

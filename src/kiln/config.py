@@ -265,10 +265,10 @@ class DataConfig(Section):
         "run stops naming the address (a head still starting; Ray alone would retry without end)"
     )
     task_bytes: int = Field(
-        256 << 20,
+        32 << 20,
         ge=1 << 12,
-        description="gzipped WARCs larger than this are split into tasks of about this many bytes, "
-        "at record (gzip member) boundaries",
+        description="input files larger than this are cut into tasks of about this many bytes: gzipped WARCs "
+        "at records, JSONL at lines (.gz/.zst decompressed once into chunks), Parquet at row groups",
     )
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
@@ -335,7 +335,13 @@ class PackConfig(Section):
         ge=1,
         description="best_fit: samples' worth of documents packed together (larger: fuller samples, more memory)",
     )
-    workers: int = Field(1, ge=1, description="encoding processes; the shards are byte-identical for any number")
+    workers: int = Field(1, ge=1, description="processes encoding at once (local) or Ray tasks at once; the shards "
+                         "are byte-identical for any number")
+    executor: Literal["local", "ray"] = Field("local", description="local: a process pool of pack.workers; ray: Ray "
+                                              "tasks (the work folder beside the shards on storage every node mounts)")
+    ray_address: str | None = Field(None, description="executor=ray: an existing cluster; null starts a local Ray")
+    task_parts: int = Field(2, ge=1, description="docs parts per pack task: each task packs its range of the docs "
+                            "into shards of its own (its stream's tail, under one sample, is dropped)")
 
 
 class SourceConfig(Section):

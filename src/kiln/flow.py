@@ -11,6 +11,7 @@ from kiln.config import Config
 from kiln.data.docs import read_docs
 from kiln.data.pipeline import expand_inputs, fingerprint as data_fingerprint, run_data
 from kiln.data.rejections import few_documents_message
+from kiln.data.tables import down_weighted
 from kiln.errors import KilnError
 from kiln.manifest import MANIFEST, is_complete, read_manifest, sha256_file
 from kiln.shards.pack import pack
@@ -88,8 +89,7 @@ def run_pack_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
         _skip(log, f"pack: skipping, {out} is complete and up to date")
     else:
         log(f"pack: encoding and packing into sequences of {cfg.pack.seq_len} -> {out}")
-        pack(read_docs(docs), tok, out, cfg.pack, fingerprint=fp,
-             source_weights=read_manifest(docs).get("source_weights"))
+        pack(read_docs(docs), tok, out, cfg.pack, fingerprint=fp, source_weights=down_weighted(docs))
     return read_manifest(out)
 
 

@@ -130,11 +130,11 @@ def cmd_pack(args) -> int:
     from kiln.data.docs import read_docs
     from kiln.shards.pack import pack
 
-    cfg = load_config(args.config, args.overrides)
-    from kiln.manifest import read_manifest
+    from kiln.data.tables import down_weighted
 
+    cfg = load_config(args.config, args.overrides)
     docs = Path(args.docs_dir)
-    weights = read_manifest(docs).get("source_weights") if (docs / "manifest.json").is_file() else None
+    weights = down_weighted(docs) if (docs / "manifest.json").is_file() else None
     m = pack(read_docs(docs), Path(args.tokenizer), Path(args.out), cfg.pack, source_weights=weights)
     print(json.dumps({k: m[k] for k in ("dtype", "vocab_size", "seq_len", "splits", "packing_efficiency")}, indent=1))
     return 0

@@ -77,21 +77,25 @@ class DocsReader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         manifest, parts = self.parts()
         for name in parts:
-            path = self.folder / name
-            with open(path, "rb") as f:
-                raw = _Hashing(f)
-                reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=False)
-                try:
-                    for line in io.TextIOWrapper(reader, encoding="utf-8"):
-                        if line.strip():
-                            yield json.loads(line)
-                except (zstandard.ZstdError, ValueError) as exc:  # ValueError: bad JSON or UTF-8
-                    raise IntegrityError(f"{path}: cannot be read ({str(exc)[:120]}); the docs folder changed after "
-                                         f"`kiln data` wrote it, run `kiln data` again") from None
-                digest = raw.finish()
-            if digest != manifest["files"][name]["sha256"]:
-                raise IntegrityError(f"{path}: sha256 {digest[:16]}… != {MANIFEST}; the docs folder changed after "
-                                     f"`kiln data` wrote it, run `kiln data` again")
+            yield from self.part(name, manifest["files"][name]["sha256"])
+
+    def part(self, name: str, sha256: str) -> Iterator[dict[str, Any]]:
+        """One part's records (a pack task reads its own parts), its sha256 checked when the last is read."""
+        path = self.folder / name
+        with open(path, "rb") as f:
+            raw = _Hashing(f)
+            reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=False)
+            try:
+                for line in io.TextIOWrapper(reader, encoding="utf-8"):
+                    if line.strip():
+                        yield json.loads(line)
+            except (zstandard.ZstdError, ValueError) as exc:  # ValueError: bad JSON or UTF-8
+                raise IntegrityError(f"{path}: cannot be read ({str(exc)[:120]}); the docs folder changed after "
+                                     f"`kiln data` wrote it, run `kiln data` again") from None
+            digest = raw.finish()
+        if digest != sha256:
+            raise IntegrityError(f"{path}: sha256 {digest[:16]}… != {MANIFEST}; the docs folder changed after "
+                                 f"`kiln data` wrote it, run `kiln data` again")
 
 
 def read_docs(folder: Path) -> Iterable[dict[str, Any]]:

@@ -13,6 +13,7 @@ import os
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from contextlib import contextmanager
 from itertools import islice
+from multiprocessing import get_context
 from typing import Any, Callable, Iterator
 
 from kiln.data.workers import POLL_S, ending_workers, worker_init
@@ -20,22 +21,25 @@ from kiln.errors import KilnError
 
 
 def run_tasks(fn: Callable[[Any], Any], tasks: list[Any], workers: int, executor: str = "local",
-              ray_address: str | None = None) -> Iterator[Any]:
-    """Yield fn(task) for every task, in completion order; at most `workers` run at once."""
+              ray_address: str | None = None, spawn: bool = False) -> Iterator[Any]:
+    """Yield fn(task) for every task, in completion order; at most `workers` run at once. `spawn`: the local
+    pool's processes are spawned, not forked (pack's: a fork after the tokenizers library's threads ran in the
+    driver, as `kiln run` trains the tokenizer there, would inherit them)."""
     if not tasks:
         return iter(())
     if executor == "ray":
         return _ray(fn, tasks, workers, ray_address)
     if workers <= 1:
         return (fn(t) for t in tasks)
-    return _pool(fn, tasks, workers)
+    return _pool(fn, tasks, workers, spawn)
 
 
-def _pool(fn, tasks, workers) -> Iterator[Any]:
+def _pool(fn, tasks, workers, spawn: bool = False) -> Iterator[Any]:
     # Submitting a bounded window (not pool.map over everything) keeps finished results
     # flowing back in completion order, so each is committed as soon as it exists.
     pending = iter(tasks)
-    with ProcessPoolExecutor(min(workers, len(tasks)), initializer=worker_init) as pool, \
+    context = get_context("spawn") if spawn else None
+    with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=context, initializer=worker_init) as pool, \
             ending_workers(pool) as signals:
         running = {pool.submit(fn, t) for t in islice(pending, workers * 2)}
         while running:

@@ -137,4 +137,15 @@ def describe(rec: dict[str, Any]) -> str:
 
 
 def explain(key: str, docs_dir: Path) -> str:
-    return "\n\n".join(describe(rec) for rec in find(key, docs_dir))
+    return "\n\n".join(describe(rec) + _weight(rec, docs_dir) for rec in find(key, docs_dir))
+
+
+def _weight(rec: dict[str, Any], docs_dir: Path) -> str:
+    """A kept document's source group and the sampling weight the distribution gate gave it (one scan of the
+    source_weights table, `kiln.data.tables`; nothing when the gate was off)."""
+    from kiln.data.tables import row_of
+
+    group = rec.get("source_group")
+    if rec["outcome"] != "kept" or group is None or (row := row_of(Path(docs_dir), "source_weights", group)) is None:
+        return ""
+    return f"\n  {'source group:':<13} {group} (sampling weight {row.get('weight')}, z {row.get('z')})"

@@ -1,29 +1,32 @@
 """The data stage: inputs -> read -> extract -> language -> quality gates -> dedup -> profiles -> docs/.
 
 `run_data` runs, on the engine (`executor.py`: a process pool or Ray), in this order:
-1. the data tasks (`plan.py`: a file, or a byte range of a large gzipped WARC): each reads its records
-   through `steps.task_steps` and writes its own files into the work folder (`.docs-work-<key>/`): every
-   document's outcome and the kept documents' dedup signatures; the driver writes the task's marker when the
-   summary comes back (`vouch.py`), so a killed run redoes only what is missing, cut or changed;
-2. the dedup stages (`dedup/stages.py`), tasks over key ranges of the signatures, and the clusters;
+1. the data tasks (`plan.py`: every input cut into pieces of about `data.task_bytes`, by format: byte ranges,
+   row groups or spooled chunks): each reads its records through `steps.task_steps` and streams its own files
+   into the work folder (`.docs-work-<key>/`): every document's outcome and the kept documents' dedup
+   signatures; the driver writes the task's marker when the summary comes back (`vouch.py`), so a killed run
+   redoes only what is missing, cut or changed;
+2. the dedup stages (`dedup/stages.py`), tasks over key ranges of the signatures, and the clusters; one
+   verdicts task writes each data task's verdicts to a file of its own;
 3. one profile task per data task (`profile_task`): the distribution profile of its kept documents;
 4. the merge, in the driver: the tasks' outcomes in canonical order (input order, then record order) through
-   `steps.merge_steps` (the dedup verdicts, the classifier's top fraction) into the docs parts, stats.json and
-   the manifest, committed atomically; then the work folder is removed.
+   `steps.merge_steps` (each task's verdicts, the classifier's top fraction) into the docs parts, stats.json,
+   the per-source side files (`tables.py`) and the manifest, committed atomically; then the work folder is
+   removed.
 The output is byte-identical whatever the number of workers, the engine or the number of interruptions.
-Memory: no task's outcome passes through the driver, which holds one task's records at a time, per-source
-counters and the dedup verdicts.
+Memory: no task's outcome, verdict or per-source row passes through the driver, which holds one task's
+records at a time.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
-import pickle
+import os
 import re
 import resource
 import shutil
+import socket
 import time
 from collections import Counter
 from dataclasses import asdict
@@ -36,23 +39,26 @@ from kiln.config import DataConfig
 from kiln.data.dedup import LEDGER, write_ledger
 from kiln.data.dedup.index import add_run, runs_before, use_index
 from kiln.data.dedup.signatures import Signer
-from kiln.data.dedup.stages import STAGE_DIR, Verdicts, dedup_layout, run_stages
+from kiln.data.dedup.stages import STAGE_DIR, Layout, VerdictFiles, dedup_layout, run_stages
 from kiln.data.docs import PartWriter, read_part
-from kiln.data.gates.distribution import Composition, SpilledProfiles, check_groups, profile_part, source_group
+from kiln.data.gates.distribution import (Composition, SpilledProfiles, check_groups, part_bytes, profile_part,
+                                          source_group)
+from kiln.data.tables import TABLES, InputCounts, SpilledCounts, TableWriter, composition_rows, write_table
 from kiln.data.document import Document, ReadReport
 from kiln.data.executor import engine, run_tasks
 from kiln.data.gates.semantic import REVIEW as SEMANTIC_REVIEW
 from kiln.data.gates.semantic import prepare as prepare_semantic
 from kiln.data.language import check_model
-from kiln.data.plan import Task, index_key, plan_tasks, read_task
 from kiln.data.shape import CorpusShape
 from kiln.data.steps import StepTimer, merge_steps, run_steps, task_steps
-from kiln.data.vouch import matches, record
+from kiln.data.vouch import Recording, matches, record
+from kiln.data.plan import READ_ATTEMPTS, Task, index_key, plan_tasks, read_task
 from kiln.data.sources import expand_inputs as _expand
-from kiln.errors import KilnError
-from kiln.manifest import staging_dir, write_atomic, write_manifest, writes_folder
+from kiln.errors import IntegrityError, KilnError
+from kiln.manifest import staging_dir, write_atomic, write_manifest, writes_folder, writing_atomic
 
-WORK_LAYOUT = 3  # what a task writes to the work folder (3: its outcome and dedup signatures, vouched by its marker)
+WORK_LAYOUT = 4  # what a task writes to the work folder (4: its outcome and dedup signatures, vouched by its marker;
+# tasks are pieces of any input format, kiln.data.plan)
 STEPS = ("read", "extract", "language", "gates")
 
 
@@ -70,10 +76,10 @@ def fingerprint(files: list[str], cfg: DataConfig) -> str:
 
 # --- tasks --------------------------------------------------------------------------------------
 
-def work_key(data_fingerprint: str, tasks: list[Task]) -> str:
-    """Names the work folder: finished tasks are reused only for the same inputs, settings and plan."""
-    plan = [(t.source, t.start, t.end) for t in tasks]
-    return hashlib.sha256(json.dumps([data_fingerprint, plan, WORK_LAYOUT]).encode()).hexdigest()[:16]
+def work_key(data_fingerprint: str, cfg: DataConfig) -> str:
+    """Names the work folder: finished tasks are reused only for the same inputs, settings and cut (the plan
+    of tasks is a function of the inputs, which the fingerprint names, and of data.task_bytes)."""
+    return hashlib.sha256(json.dumps([data_fingerprint, cfg.task_bytes, WORK_LAYOUT]).encode()).hexdigest()[:16]
 
 
 def process_task(task: Task, cfg: DataConfig, report: ReadReport, timer: StepTimer) -> Iterator[Document]:
@@ -81,16 +87,13 @@ def process_task(task: Task, cfg: DataConfig, report: ReadReport, timer: StepTim
     return run_steps(timer.wrap("read", read_task(task, cfg, report)), task_steps(cfg), timer)
 
 
-READ_ATTEMPTS = 3
-
-
 def run_task(args: tuple[Task, DataConfig, str]) -> dict[str, Any]:
     """One task, start to end, in a worker; returns its summary. The worker writes the task's files into the
-    work folder (each atomically): the zstd JSONL of every document's outcome (`jsonl.zst`) and the kept
-    documents' dedup signatures (`signatures.Signer`). The driver writes the completion marker when the summary
-    comes back (`_commit`), so files without a marker are a task to redo. The files do not pass through the
-    driver: its memory holds no task's outcome, and on Ray the work folder is on storage every node mounts,
-    as the dedup stages already need.
+    work folder (each atomically): the zstd JSONL of every document's outcome (`jsonl.zst`, streamed as the
+    documents come, so a task holds no outcome) and the kept documents' dedup signatures (`signatures.Signer`).
+    The driver writes the completion marker when the summary comes back (`_commit`), so files without a
+    marker are a task to redo. The files do not pass through the driver: its memory holds no task's outcome,
+    and on Ray the work folder is on storage every node mounts, as the dedup stages already need.
 
     A storage error (OSError: a dropped connection, a throttled bucket, a failing disk) is not damage in
     the data: recording it as a cut would commit a short task as finished and lose the rest of the file for
@@ -100,8 +103,7 @@ def run_task(args: tuple[Task, DataConfig, str]) -> dict[str, Any]:
     task, cfg, work = args
     for attempt in range(1, READ_ATTEMPTS + 1):
         try:
-            summary, files = _run_task_once(task, cfg)
-            break
+            return _run_task_once(task, cfg, Path(work))
         except OSError as exc:
             if attempt == READ_ATTEMPTS:
                 where = f" (bytes {task.start}-{task.end or 'end'})" if task.start or task.end else ""
@@ -109,47 +111,49 @@ def run_task(args: tuple[Task, DataConfig, str]) -> dict[str, Any]:
                                 f"finished so far are kept: fix the storage or network and run the same "
                                 f"command again to resume") from None
             time.sleep(0.5 * 2 ** attempt)
-    for suffix, data in files.items():
-        write_atomic(Path(work) / f"{task.name}.{suffix}", data)
-    return summary | {"files": {suffix: record(data) for suffix, data in files.items()}}
+    raise AssertionError("unreachable")
 
 
-def _run_task_once(task: Task, cfg: DataConfig) -> tuple[dict[str, Any], dict[str, bytes]]:
+def _run_task_once(task: Task, cfg: DataConfig, work: Path) -> dict[str, Any]:
     report, timer = ReadReport(), StepTimer()
     signer = Signer(cfg.dedup)
-    t0 = time.perf_counter()
-    buf = io.BytesIO()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     error = None
     read = kept = 0
     sign_s = 0.0
     scores: list[float] = []  # kept documents' classifier scores, for keep_top_fraction (one task's worth)
-    with zstandard.ZstdCompressor(level=3).stream_writer(buf, closefd=False) as zw:
-        try:
-            for doc in process_task(task, cfg, report, timer):
-                read += 1
-                kept += doc.rejection is None
-                if doc.rejection is None:
-                    t_sign = time.perf_counter()
-                    signer.add(doc.id, doc.text or "")
-                    sign_s += time.perf_counter() - t_sign
-                    if "quality_score" in doc.scores:
-                        scores.append(doc.scores["quality_score"])
-                rec = doc.kept_record() if doc.rejection is None else \
-                    doc.reject_record(with_text=doc.rejection.reason == SEMANTIC_REVIEW)
-                zw.write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
-        except KilnError as exc:
-            error = str(exc)
+    with writing_atomic(work / f"{task.name}.jsonl.zst") as f:
+        outcome = Recording(f)
+        with zstandard.ZstdCompressor(level=3).stream_writer(outcome, closefd=False) as zw:
+            try:
+                for doc in process_task(task, cfg, report, timer):
+                    read += 1
+                    kept += doc.rejection is None
+                    if doc.rejection is None:
+                        t_sign = time.perf_counter()
+                        signer.add(doc.id, doc.text or "")
+                        sign_s += time.perf_counter() - t_sign
+                        if "quality_score" in doc.scores:
+                            scores.append(doc.scores["quality_score"])
+                    rec = doc.kept_record() if doc.rejection is None else \
+                        doc.reject_record(with_text=doc.rejection.reason == SEMANTIC_REVIEW)
+                    zw.write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
+            except IntegrityError:  # the work folder's own files (a spooled chunk), not the input: stop
+                raise
+            except KilnError as exc:
+                error = str(exc)
     t_sign = time.perf_counter()
-    files = {"jsonl.zst": buf.getvalue(), **signer.files()}
+    files = {"jsonl.zst": outcome.record(), **signer.write(work, task.name)}
     sign_s += time.perf_counter() - t_sign
     summary = {**asdict(task), "records_by_type": report.records_by_type, "truncated_at": report.truncated_at,
                "error": error, "documents": read, "kept": kept, "seconds": round(time.perf_counter() - t0, 3),
-               "steps_s": timer.own() | {"signatures": round(sign_s, 4)}}
+               "steps_s": timer.own() | {"signatures": round(sign_s, 4)}, "files": files,
+               "worker": f"{socket.gethostname()}:{os.getpid()}", "cpu_s": round(time.process_time() - cpu0, 3)}
     if cfg.quality.classifier.keep_top_fraction:
         from kiln.data.gates.classifier import histogram
 
         summary |= {"score_histogram": histogram(scores), "keep_top_fraction": cfg.quality.classifier.keep_top_fraction}
-    return summary, files
+    return summary
 
 
 def _commit(work: Path, summary: dict[str, Any]) -> dict[str, Any]:
@@ -224,14 +228,14 @@ def _run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None
     check_config(cfg)
     files = expand_inputs(inputs, cfg.storage_options)
     fp = fingerprint(files, cfg)
-    tasks = plan_tasks(files, cfg)
-    work = out.parent / f".{out.name}-work-{work_key(fp, tasks)}"
+    work = out.parent / f".{out.name}-work-{work_key(fp, cfg)}"
     work.mkdir(parents=True, exist_ok=True)
     t0, cpu = time.perf_counter(), [cpu_seconds()]
     cfg = prepare_semantic(cfg, files, work)  # vectors trained on the corpus, when the semantic gate needs them
 
     workers = workers or cfg.workers
     with engine(cfg.executor, workers, cfg.ray_address, cfg.ray_connect_timeout_s):
+        tasks = plan_tasks(files, cfg, work, workers)
         todo = unfinished(work, tasks, cfg, workers)
         with _progress_sink(progress, tasks, todo) as on_done:
             for summary in run_tasks(run_task, [(t, cfg, str(work)) for t in todo], workers, cfg.executor,
@@ -239,38 +243,44 @@ def _run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None
                 on_done(_commit(work, summary))
         t_process = time.perf_counter() - t0
         cpu.append(cpu_seconds())
-        summaries = [json.loads((work / f"{t.name}.done.json").read_text()) for t in tasks]
+        summaries = [_held(json.loads((work / f"{t.name}.done.json").read_text())) for t in tasks]
         if todo:  # dedup results of an earlier attempt were made from tasks' files that are written anew now
             shutil.rmtree(work / STAGE_DIR, ignore_errors=True)
         layout = dedup_layout(work, summaries, cfg.dedup, index_key(files, cfg))
         verdicts = run_stages(layout, workers, cfg.executor, cfg.ray_address)
         t_dedup = time.perf_counter() - t0 - t_process
         cpu.append(cpu_seconds())
-        source_weights = source_profiles(work, summaries, layout, verdicts, cfg, workers)
-        check_groups(source_weights, cfg.distribution.source_key)
+        weights = source_profiles(work, summaries, layout, verdicts, cfg, workers)
     t_profiles = time.perf_counter() - t0 - t_process - t_dedup
     cpu.append(cpu_seconds())
 
     with staging_dir(out) as tmp:
-        stats = _merge(work, summaries, tmp, cfg, verdicts, layout.indexed, source_weights)
+        stats = _merge(work, summaries, tmp, cfg, verdicts, layout.indexed, weights)
         stats["timings_s"] |= {"process": round(t_process, 3), "dedup_stages": round(t_dedup, 3),
                                "profiles": round(t_profiles, 3),
                                "merge": round(time.perf_counter() - t0 - t_process - t_dedup - t_profiles, 3)}
         cpu.append(cpu_seconds())
         stats["timings_s"]["cpu"] = {k: round(b - a, 3) for k, a, b in
                                      zip(("process", "dedup_stages", "profiles", "merge"), cpu, cpu[1:])}
+        stats["timings_s"]["task_cpu_by_worker"] = cpu_by_worker(summaries)
         stats["tasks"] = len(tasks)
         stats["tasks_resumed"] = len(tasks) - len(todo)
         stats["dedup_tasks"] = verdicts.tasks  # how many key ranges: data.dedup.bucket_docs, not the output
         write_atomic(tmp / "stats.json", json.dumps(stats, indent=1, ensure_ascii=False))
         write_manifest(tmp, stage="data", fingerprint=fp, inputs=files, documents=stats["documents"]["kept"],
-                       source_weights=stats["source_weights"])
+                       docs_per_part=cfg.docs_per_part, tables=stats["tables"])
         if cfg.dedup.index:  # before the docs folder is committed: a crash in between re-runs onto the same index
-            add_run(cfg.dedup, index_key(files, cfg), str(out), layout, verdicts.removed())
+            add_run(cfg.dedup, index_key(files, cfg), str(out), layout, verdicts.removed_in)
     for stale in out.parent.glob(f".{out.name}-work-*"):  # this run's, and any from older plans of this folder
         if re.fullmatch(rf"\.{re.escape(out.name)}-work-[0-9a-f]{{16}}", stale.name):  # work_key's name, ours
             shutil.rmtree(stale, ignore_errors=True)
     return stats
+
+
+def _held(summary: dict[str, Any]) -> dict[str, Any]:
+    """A task's summary as the driver keeps it until the merge: without the file records its marker vouches with
+    and the spooled chunk (~1 KB a task then, not ~4: the driver holds one per task)."""
+    return {k: v for k, v in summary.items() if k not in ("files", "chunk")}
 
 
 def cpu_seconds() -> float:
@@ -279,6 +289,15 @@ def cpu_seconds() -> float:
     (a Ray cluster's workers are not children: there this counts the driver alone)."""
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def cpu_by_worker(summaries: list[dict[str, Any]]) -> dict[str, float]:
+    """CPU seconds of the data tasks by the worker process that ran them (host:pid), busiest first: how
+    evenly the engine spread the work (a task resumed from an earlier run counts for its worker then)."""
+    cpu: Counter[str] = Counter()
+    for s in summaries:
+        cpu[s.get("worker", "?")] += s.get("cpu_s", 0.0)
+    return {k: round(v, 3) for k, v in cpu.most_common()}
 
 
 def _progress_sink(progress, tasks: list[Task], todo: list[Task]):
@@ -293,14 +312,14 @@ def _progress_sink(progress, tasks: list[Task], todo: list[Task]):
     return nullcontext(lambda _summary: None)
 
 
-def profile_task(args: tuple[str, int, list[int], DataConfig]) -> tuple[int, dict[str, Any]]:
+def profile_task(args: tuple[str, int, int, DataConfig]) -> tuple[int, dict[str, Any]]:
     """After dedup, on a worker: the distribution profile (per-source token frequency sums) of one data
-    task's kept documents, those dedup removed left out (`removed`: their numbers within the task). The worker
-    writes it into the work folder (`profiles/parts/NNNNN.pkl`, as the data tasks write their files) and
-    returns the file's record: a part is the sources' vocabularies, which never pass through the driver's pipe
-    nor wait there for their turn."""
-    work, index, removed, cfg = args
-    gone = set(removed)
+    task's kept documents, those dedup removed left out (its part's verdict file: `VerdictFiles.removed_in`).
+    The worker writes it into the work folder (`profiles/parts/NNNNN.pkl`, `part_bytes`, as the data tasks
+    write their files) and returns the file's record: a part is the sources' vocabularies, which never pass
+    through the driver's pipe nor wait there for their turn, and the driver copies its pieces a block at a time."""
+    work, index, k, cfg = args
+    gone = set(VerdictFiles(Layout.load(work)).removed_in(k).tolist())
 
     def kept() -> Iterator[tuple[str, str]]:
         local = 0
@@ -312,7 +331,7 @@ def profile_task(args: tuple[str, int, list[int], DataConfig]) -> tuple[int, dic
                                     rec.get("source_group")), rec.get("text") or "")
             local += 1
 
-    data = pickle.dumps(profile_part(kept()), protocol=pickle.HIGHEST_PROTOCOL)
+    data = part_bytes(profile_part(kept()))
     write_atomic(_profile_part(Path(work), index), data)
     return index, record(data)
 
@@ -321,20 +340,17 @@ def _profile_part(work: Path, index: int) -> Path:
     return work / "profiles" / "parts" / f"{index:05d}.pkl"
 
 
-def source_profiles(work: Path, summaries: list[dict[str, Any]], layout, verdicts: Verdicts, cfg: DataConfig,
-                    workers: int) -> dict[str, dict[str, float | int]]:
-    """The corpus's per-source weights (SourceProfiles.report): one `profile_task` per data task on the engine,
-    its part added in task order (so the sums are the same for any number of workers). Memory: the numbers of
-    the tasks whose parts wait for their turn (the parts wait on disk), then SpilledProfiles's bound."""
+def source_profiles(work: Path, summaries: list[dict[str, Any]], layout, verdicts: VerdictFiles, cfg: DataConfig,
+                    workers: int) -> int | None:
+    """The corpus's per-source weights (SourceProfiles.report), written to `source_weights.jsonl.zst` in the work
+    folder (the merge moves it into the docs folder); returns its rows (None: the distribution gate is off). One
+    `profile_task` per data task on the engine (each reads its task's verdicts), its part added in task order (so
+    the sums are the same for any number of workers). Memory: the numbers of the tasks whose parts wait for their
+    turn (the parts wait on disk), then SpilledProfiles's bound; the weights are streamed to the table."""
     if not cfg.distribution.enabled:  # data.distribution.enabled=false: no weights, no profile
-        return {}
-    removed = verdicts.removed()
-    jobs = []
-    for k, part in enumerate(layout.parts):
-        if part.run is None:
-            start = int(layout.starts[k])
-            inside = removed[(removed >= start) & (removed < start + part.count)]
-            jobs.append((str(work), int(part.name.split("-")[1]), (inside - start).astype(int).tolist(), cfg))
+        return None
+    jobs = [(str(work), int(part.name.split("-")[1]), k, cfg) for k, part in enumerate(layout.parts)
+            if part.run is None]
     waiting: dict[int, dict[str, Any]] = {}
     order = iter([s["index"] for s in summaries])
     turn = next(order, None)
@@ -347,12 +363,22 @@ def source_profiles(work: Path, summaries: list[dict[str, Any]], layout, verdict
             if not matches(path, waiting.pop(turn)):
                 raise KilnError(f"{path}: the distribution profile a worker wrote is missing or changed; run the "
                                 f"same command again (the work folder must be on storage every worker sees)")
-            spilled.add(pickle.loads(path.read_bytes()))
+            spilled.add_file(path)
             path.unlink()
             turn = next(order, None)
     if turn is not None or waiting:  # a task's part never came, or came for no task: the sums would be short
         raise RuntimeError(f"distribution profile: task {turn}'s part is missing ({len(waiting)} waiting)")
-    return spilled.report()
+    first: list[dict[str, Any]] = []
+
+    def noting_the_first(rows: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        for row in rows:
+            first[:1] = first[:1] or [row]
+            yield row
+
+    n = write_table(work / TABLES["source_weights"], noting_the_first(spilled.rows()))
+    if n == 1:  # every kept document in one source: the group of those lacking the key is a typo's
+        check_groups({first[0]["source"]: first[0]}, cfg.distribution.source_key)
+    return n
 
 
 def _documents(work: Path, summaries: list[dict[str, Any]]) -> Iterator[Document]:
@@ -361,8 +387,11 @@ def _documents(work: Path, summaries: list[dict[str, Any]]) -> Iterator[Document
         yield from (Document.from_record(rec) for rec in read_part(work / f"task-{s['index']:05d}.jsonl.zst"))
 
 
-def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConfig, verdicts: Verdicts,
-           first: int, source_weights: dict[str, dict[str, float | int]]) -> dict[str, Any]:
+def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConfig, verdicts: VerdictFiles,
+           first: int, weights: int | None) -> dict[str, Any]:
+    """The tasks' outcomes in canonical order, through the merge steps, into the docs parts; the counts of
+    stats.json and the per-source tables (kiln.data.tables), each streamed. Memory: one document, a counter
+    per reason, language and length bin, one input's counts and `SpilledCounts`'s bound."""
     kept_w, rej_w = PartWriter(out, cfg.docs_per_part), PartWriter(out / "rejects", cfg.docs_per_part)
     review_w = PartWriter(out / "review", cfg.docs_per_part) if cfg.quality.semantic.action == "review" \
         and cfg.quality.semantic.keywords else None
@@ -370,67 +399,62 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
         write_ledger(out / LEDGER, verdicts.ledger())
     timer = StepTimer()
     docs = run_steps(timer.wrap("tasks", _documents(work, summaries)), merge_steps(verdicts, first, summaries), timer)
-    composition = Composition()
-    edits: Counter[str] = Counter()
-
-    reasons: Counter[str] = Counter()
-    langs: Counter[str] = Counter()
-    by_source = {s["source"]: Counter() for s in summaries}  # every input, in input order, even an empty one
-    read = kept = chars = 0
+    composition, langs, edits, reasons = Composition(), Counter(), Counter(), Counter()
+    by_group = SpilledCounts(work / "composition", ("documents", "chars"))
     shape = CorpusShape()
-    for doc in docs:
-        read += 1
-        shape.add(doc)
-        counts = by_source[doc.source]
-        counts["read"] += 1
-        if doc.rejection is None:
-            doc.source_group = source_group(cfg.distribution.source_key, doc.source, doc.url, doc.source_group)
-            kept_w.add(doc.kept_record())
-            composition.add(doc.source_group, doc.lang, len(doc.text or ""))
-            edits.update(doc.edits)
-            kept += 1
-            chars += len(doc.text or "")
-            langs[doc.lang] += 1
-            counts["kept"] += 1
-        else:
-            rej_w.add(doc.reject_record())
-            if review_w is not None and doc.rejection.reason == SEMANTIC_REVIEW:  # set aside, with its score
-                review_w.add(doc.kept_record() | {"semantic_score": doc.rejection.signals["semantic_score"]})
-            reasons[f"{doc.rejection.stage}/{doc.rejection.reason}"] += 1
-            counts["rejected"] += 1
-    kept_w.flush()
-    rej_w.flush()
-    if review_w is not None:
-        review_w.flush()
-    rejected = sum(reasons.values())
-    assert read == kept + rejected, "accounting broke: every document must be kept or rejected"
+    with TableWriter(out / TABLES["by_source"]) as by_input:
+        inputs = InputCounts(dict.fromkeys(s["source"] for s in summaries), by_input)
+        for doc in docs:
+            shape.add(doc)
+            inputs.add(doc.source, doc.rejection is None)
+            if doc.rejection is None:
+                doc.source_group = source_group(cfg.distribution.source_key, doc.source, doc.url, doc.source_group)
+                kept_w.add(doc.kept_record())
+                by_group.add(doc.source_group, 1, len(doc.text or ""))
+                composition.add(doc.lang, len(doc.text or ""))
+                langs[doc.lang] += 1
+                edits.update(doc.edits)
+            else:
+                rej_w.add(doc.reject_record())
+                if review_w is not None and doc.rejection.reason == SEMANTIC_REVIEW:  # set aside, with its score
+                    review_w.add(doc.kept_record() | {"semantic_score": doc.rejection.signals["semantic_score"]})
+                reasons[f"{doc.rejection.stage}/{doc.rejection.reason}"] += 1
+        inputs.close()
+    for writer in (kept_w, rej_w, review_w):
+        if writer is not None:
+            writer.flush()
+    kept, chars = by_group.totals
+    tables = {"by_source": by_input.rows,
+              "composition_by_source": write_table(out / TABLES["composition_by_source"], composition_rows(by_group))}
+    if weights is not None:
+        os.replace(work / TABLES["source_weights"], out / TABLES["source_weights"])
+        tables["source_weights"] = weights
+    counts = _counts(summaries, kept, reasons, langs)
+    steps = counts.pop("steps")
+    return {**counts, "kept_chars": chars, **shape.report(),
+            "edits": dict(sorted(edits.items())), "composition": {"by_lang": composition.report()},
+            "tables": {name: {"file": TABLES[name], "rows": n} for name, n in tables.items()},
+            "parts": kept_w.parts, "dedup": verdicts.stats(),
+            "timings_s": {"steps": {**{k: round(steps[k], 3) for k in STEPS},
+                                    "dedup": round(timer.own().get("dedup", 0.0) + verdicts.seconds
+                                                   + steps["signatures"], 3)}}}
 
+
+def _counts(summaries: list[dict[str, Any]], kept: int, reasons: Counter[str], langs: Counter[str]) -> dict[str, Any]:
+    """stats.json's counts of files, errors, cuts, records, documents and reasons (`read = kept + rejected`), and
+    the tasks' seconds by step ("steps", for the timings)."""
+    rejected = sum(reasons.values())
+    read = sum(s["documents"] for s in summaries)
+    assert read == kept + rejected, "accounting broke: every document must be kept or rejected"
     stages: Counter[str] = Counter()
     for reason, n in reasons.items():
         stages[reason.split("/")[0]] += n
-    totals = _task_totals(summaries)
-    steps = totals.pop("steps")
     return {
-        **totals,
+        **_task_totals(summaries),
         "documents": {"read": read, "kept": kept, "rejected": rejected},
         "rejected_by_reason": dict(sorted(reasons.items())),
         "rejected_by_stage": dict(sorted(stages.items())),
         "kept_by_lang": dict(sorted(langs.items(), key=lambda kv: (-kv[1], kv[0]))),
-        "by_source": {src: {k: c[k] for k in ("read", "kept", "rejected")} for src, c in by_source.items()},
-        "kept_chars": chars,
-        **shape.report(),
-        "edits": dict(sorted(edits.items())),
-        # per-source sampling weights: a source whose top tokens drift is down-weighted, never dropped
-        "source_weights": source_weights,
-        "composition": composition.report(),  # kept documents and chars by source_group and by language
-        "parts": kept_w.parts,
-        "dedup": verdicts.stats(),
-        "timings_s": {
-            "steps": {
-                **{k: round(steps[k], 3) for k in STEPS},
-                "dedup": round(timer.own().get("dedup", 0.0) + verdicts.seconds + steps["signatures"], 3),
-            }
-        },
     }
 
 

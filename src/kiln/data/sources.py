@@ -22,7 +22,7 @@ import os
 import re
 import zlib
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterable, Iterator
 
 import zstandard
 
@@ -222,8 +222,14 @@ def _chunks(raw: IO[bytes], source: str, size: int = 1 << 16) -> Iterator[bytes]
 
 
 def _lines(raw: IO[bytes], source: str, max_bytes: int | None = None) -> Iterator[tuple[bytes | None, int]]:
-    """Each line (with its newline) and its length, in time linear in the input. A line longer than
-    `max_bytes` comes as (None, length) and is never held whole: memory stays under max_bytes + a chunk."""
+    """Each line of the (decompressed) file, with its newline, and its length: `split_lines` of `_chunks`."""
+    return split_lines(_chunks(raw, source), max_bytes)
+
+
+def split_lines(chunks: Iterable[bytes], max_bytes: int | None = None) -> Iterator[tuple[bytes | None, int]]:
+    """Each line (with its newline) of a stream given in pieces, and its length, in time linear in the input.
+    A line longer than `max_bytes` comes as (None, length) and is never held whole: memory stays under
+    max_bytes + a piece."""
     carry: list[bytes] = []  # the pieces of a line that spans chunks
     held, over = 0, False
 
@@ -233,7 +239,7 @@ def _lines(raw: IO[bytes], source: str, max_bytes: int | None = None) -> Iterato
             return None, length
         return (b"".join(carry) + last if carry else last), length
 
-    for chunk in _chunks(raw, source):
+    for chunk in chunks:
         pieces = chunk.split(b"\n")
         if len(pieces) > 1:
             yield line(pieces[0] + b"\n")
@@ -314,36 +320,72 @@ def read_jsonl(
     fields: tuple[str, ...],
     storage_options: dict[str, Any] | None = None,
     max_record_bytes: int | None = None,
+    start: int = 0,
+    end: int | None = None,
+    lines_before: int = 0,
 ) -> Iterator[Document]:
+    """A JSONL file's records; with `start`/`end` (a plain file's byte range, kiln.data.plan), the lines that
+    start in [start, end), numbered after the `lines_before` newlines of the file before `start`."""
     if input_size(source, storage_options) == 0:
         raise KilnError(f"{source}: empty file (0 bytes), nothing to read; remove it from the inputs")
     with open_input(source, storage_options) as f:
-        _check_compression(source, f.read(4))
-        f.seek(0)
-        offset = 0
-        try:
-            for number, (line, length) in enumerate(_lines(StorageWatch(f), source, max_record_bytes), 1):
-                start = offset
-                offset += length
-                if line is None:
-                    yield Document(
-                        id=f"{Path(source).name}:{number}", source=source, offset=start, length=length
-                    ).reject("read", "too_large", line=number, bytes=length, limit=max_record_bytes)
-                    continue
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except (ValueError, RecursionError) as exc:  # also invalid UTF-8, and nesting deeper than Python's
-                    # stack (a line of 100,000 "[": one bad record, not the end of the run)
-                    yield Document(
-                        id=f"{Path(source).name}:{number}", source=source, offset=start, length=length
-                    ).reject("read", "invalid_json", line=number, error=str(exc)[:200])
-                    continue
-                yield _record_doc(rec, source, start, length, str(number), fields)
-        except (EOFError, zlib.error, zstandard.ZstdError):  # a cut or damaged .gz/.zst: keep every line
-            report.truncated_at = offset  # before it, say where. (An OSError is the storage failing, not the
-            # data: it propagates, and the task is read again; see pipeline.run_task.)
+        if start == 0:
+            _check_compression(source, f.read(4))
+            offset = 0
+        else:
+            offset, skipped = _next_line_start(f, start)
+            lines_before += skipped
+        f.seek(offset)
+        yield from jsonl_records(_chunks(StorageWatch(f), source), source, report, fields, max_record_bytes,
+                                 offset, lines_before, end)
+
+
+def _next_line_start(f: IO[bytes], start: int) -> tuple[int, int]:
+    """(where the first line starting at or after `start` begins, 1 when a newline at or after `start` was
+    passed to get there, else 0). Reads from start - 1 to that newline, a block at a time."""
+    pos = start - 1
+    f.seek(pos)
+    first = True
+    while block := f.read(1 << 20):
+        at = block.find(b"\n")
+        if at != -1:
+            return pos + at + 1, int(not (first and at == 0))
+        pos += len(block)
+        first = False
+    return pos, 0
+
+
+def jsonl_records(chunks: Iterable[bytes], source: str, report: ReadReport, fields: tuple[str, ...],
+                  max_record_bytes: int | None, offset: int = 0, lines_before: int = 0,
+                  end: int | None = None) -> Iterator[Document]:
+    """Documents of the JSONL lines in `chunks` (the decompressed stream from byte `offset` of the file, at a line
+    start, `lines_before` lines into it), up to the first line that starts at or after `end`. A cut or damaged
+    .gz/.zst keeps every line before it and says where (`report.truncated_at`)."""
+    try:
+        for number, (line, length) in enumerate(split_lines(chunks, max_record_bytes), lines_before + 1):
+            start = offset
+            if end is not None and start >= end:
+                return  # the next range owns this line
+            offset += length
+            if line is None:
+                yield Document(
+                    id=f"{Path(source).name}:{number}", source=source, offset=start, length=length
+                ).reject("read", "too_large", line=number, bytes=length, limit=max_record_bytes)
+                continue
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except (ValueError, RecursionError) as exc:  # also invalid UTF-8, and nesting deeper than Python's
+                # stack (a line of 100,000 "[": one bad record, not the end of the run)
+                yield Document(
+                    id=f"{Path(source).name}:{number}", source=source, offset=start, length=length
+                ).reject("read", "invalid_json", line=number, error=str(exc)[:200])
+                continue
+            yield _record_doc(rec, source, start, length, str(number), fields)
+    except (EOFError, zlib.error, zstandard.ZstdError):  # a cut or damaged .gz/.zst: keep every line
+        report.truncated_at = offset  # before it, say where. (An OSError is the storage failing, not the
+        # data: it propagates, and the task is read again; see pipeline.run_task.)
 
 
 # --- Parquet --------------------------------------------------------------------------------
@@ -354,8 +396,11 @@ def read_parquet(
     fields: tuple[str, ...],
     storage_options: dict[str, Any] | None = None,
     max_record_bytes: int | None = None,
+    row_groups: range | None = None,
+    rows_before: int = 0,
 ) -> Iterator[Document]:
-    """Rows as Documents; a row whose text is over `max_record_bytes` (UTF-8) is a `read/too_large` rejection."""
+    """Rows as Documents; a row whose text is over `max_record_bytes` (UTF-8) is a `read/too_large` rejection.
+    `row_groups`: only those (kiln.data.plan), whose first row is row `rows_before` of the file."""
     import pyarrow.parquet as pq
 
     with open_input(source, storage_options) as f:
@@ -367,9 +412,10 @@ def read_parquet(
                 raise raw.error from None
             raise KilnError(f"{source}: not a readable Parquet file ({exc})") from None
         columns = record_columns(source, pf.schema_arrow.names, fields)
-        row = 0
+        row = rows_before
         try:
-            for batch in pf.iter_batches(batch_size=1024, columns=columns):
+            for batch in pf.iter_batches(batch_size=1024, columns=columns,
+                                         row_groups=None if row_groups is None else list(row_groups)):
                 yield from batch_documents(batch, source, row, fields, max_record_bytes)
                 row += batch.num_rows
         except Exception:  # a damaged row group (ArrowInvalid, OSError): keep the rows before it, say where

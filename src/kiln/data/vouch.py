@@ -20,6 +20,25 @@ def record(data: bytes) -> dict[str, Any]:
     return {"size": len(data), "xxh3": xxhash.xxh3_128_hexdigest(data)}
 
 
+class Recording:
+    """A binary file being written whose record is taken from the bytes as they pass (no second read)."""
+
+    def __init__(self, f) -> None:
+        self.f, self.size, self.hash = f, 0, xxhash.xxh3_128()
+
+    def write(self, data: bytes) -> int:
+        self.f.write(data)
+        self.hash.update(data)
+        self.size += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def record(self) -> dict[str, Any]:
+        return {"size": self.size, "xxh3": self.hash.hexdigest()}
+
+
 def matches(path: Path, rec: Any) -> bool:
     """`path` is there with the size and hash of `rec` (memory: one chunk)."""
     try:

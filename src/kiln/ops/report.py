@@ -380,6 +380,28 @@ def _table(rows: list[dict], columns: list[str]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def with_tables(stats: dict, docs_dir: Path, inputs: int = 25, sources: int = 20) -> dict:
+    """stats.json with the rows the data section shows taken from its per-source tables (kiln.data.tables): the
+    first `inputs` inputs, the `sources` largest sources by characters and their weights, each table streamed
+    (and verified) once, holding those rows only. A stats.json that holds the tables itself (older) as it is."""
+    if "tables" not in stats:
+        return stats
+    from kiln.data.tables import largest, rows
+
+    try:
+        first: list[dict] = []
+        for row in rows(docs_dir, "by_source"):
+            if len(first) < inputs:
+                first.append(row)
+        top = largest(docs_dir, "composition_by_source", "chars", sources)
+        wanted = {r["source"] for r in top}
+        weights = {r.pop("source"): r for r in rows(docs_dir, "source_weights") if r["source"] in wanted}
+    except KilnError as exc:
+        return stats | {"tables_error": str(exc)}
+    return stats | {"by_source": {r.pop("source"): r for r in first}, "source_weights": weights,
+                    "composition": (stats.get("composition") or {}) | {"by_source": {r.pop("source"): r for r in top}}}
+
+
 def composition_table(stats: dict, top: int = 20) -> str:
     """The corpus by source (data.distribution.source_key) and by language, with each source's sampling
     weight: stats.json's `composition` and `source_weights`; "" when the data stage wrote no composition."""
@@ -567,10 +589,12 @@ def render(run_dir: Path) -> str:
     stats_file = run_dir.parent / "docs" / "stats.json"
     parts.append("<h2>Data</h2>")
     if stats_file.is_file():
-        stats = json.loads(stats_file.read_text())
+        stats = with_tables(json.loads(stats_file.read_text()), stats_file.parent)
         docs = stats.get("documents") or {}
         parts.append(f"<p>{html.escape(str(stats_file))}: read {docs.get('read')}, kept {docs.get('kept')}, "
                      f"rejected {docs.get('rejected')}.</p>")
+        if "tables_error" in stats:
+            parts.append(f"<p>Per-source tables not shown: {html.escape(stats['tables_error'])}</p>")
         parts.append(composition_table(stats))
         for title, plot in DATA_PLOTS:
             if (fig := plot(stats)) is not None:

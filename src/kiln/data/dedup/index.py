@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -179,8 +179,9 @@ def check_use(cfg, inputs: list[str], docs: Path) -> None:
     _check_docs(cfg.dedup, read_index(cfg.dedup), docs, key)
 
 
-def add_run(cfg: DedupConfig, key: str, docs: str, layout, removed: np.ndarray) -> None:
-    """Add this run's surviving documents to the index (nothing when it is there already)."""
+def add_run(cfg: DedupConfig, key: str, docs: str, layout, removed: Callable[[int], np.ndarray]) -> None:
+    """Add this run's surviving documents to the index (nothing when it is there already); `removed(k)`: the
+    numbers, among part k's kept documents, of those dedup removed."""
     index = read_index(cfg) or {"kind": "kiln-dedup-index", "settings": _settings(cfg), "runs": []}
     if any(run["key"] == key for run in index["runs"]):
         return
@@ -193,8 +194,7 @@ def add_run(cfg: DedupConfig, key: str, docs: str, layout, removed: np.ndarray) 
         for k, part in enumerate(layout.parts):
             if part.run is not None:
                 continue
-            start = int(layout.starts[k])
-            keep = ~np.isin(np.arange(start, start + part.count, dtype=np.uint64), removed)
+            keep = ~np.isin(np.arange(part.count), removed(k))
             for kind, data in _kept_files(layout, k, keep).items():
                 write_atomic(tmp / f"{part.name}.{kind}", data)
             layout.forget(k)  # its maps' pages leave the driver's memory: one part at a time

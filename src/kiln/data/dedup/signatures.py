@@ -4,7 +4,8 @@ band's rows; SimHash: a block of the fingerprint) and what confirmation needs. W
 outcome (`task-NNNNN.<kind>.npy`, see `KINDS`), each array sorted so a key range is one slice:
 `exact` 3 x n uint64 (key high, key low, local index), sorted by key; `bands` bands x 2 x n uint64 (per band:
 the sorted keys, their local indices); `shingles` + `spans` (MinHash: the shingle sets and where each starts)
-or `prints` (SimHash); `ids.json`. Memory: one task's documents.
+or `prints` (SimHash); `ids.json`. Memory: one task's keys and signatures (under 1 KB a document); the shingle
+sets wait in a spill file.
 
 `Part` says where one task's signatures are: this run's work folder, or a run folder of data.dedup.index.
 The stages (stages.py) and the index (index.py) both read them.
@@ -14,8 +15,10 @@ from __future__ import annotations
 
 import io
 import json
+import tempfile
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -24,6 +27,7 @@ from kiln.data.dedup.exact import words_key
 from kiln.data.dedup.minhash import MinHasher
 from kiln.data.dedup.shingles import hashed_shingles, lowered_tokens
 from kiln.data.dedup.simhash import block_keys, simhash
+from kiln.data.vouch import Recording, record
 
 KINDS = ("exact", "bands", "shingles", "spans", "prints")
 
@@ -35,7 +39,9 @@ def npy_bytes(array: np.ndarray) -> bytes:
 
 
 class Signer:
-    """Collects one task's kept documents and returns the files `KINDS` describes (memory: that task)."""
+    """Collects one task's kept documents and returns the files `KINDS` describes (`files`), or writes them
+    (`write`). Memory: per document its keys, signature or fingerprint and id (under 1 KB); the MinHash
+    shingle sets, the bulk, wait in a spill file and are copied into `shingles.npy` by `write`."""
 
     def __init__(self, cfg: DedupConfig) -> None:
         self.cfg = cfg
@@ -43,7 +49,8 @@ class Signer:
         self.ids: list[str] = []
         self.keys: list[bytes] = []
         self.near: list[Any] = []  # MinHash signatures or SimHash fingerprints
-        self.shingles: list[np.ndarray] = []
+        self.sizes: list[int] = []  # each document's shingles (MinHash), spilled to `_spill` in order
+        self._spill = tempfile.TemporaryFile() if self.hasher is not None else None
 
     def add(self, doc_id: str, text: str) -> None:
         self.ids.append(doc_id)
@@ -55,11 +62,46 @@ class Signer:
         shingles = hashed_shingles(lowered_tokens(low, self.cfg.tokens, split), self.cfg.ngram)
         if self.hasher is not None:
             self.near.append(self.hasher.signature(shingles))
-            self.shingles.append(shingles)
+            self._spill.write(shingles.tobytes())
+            self.sizes.append(len(shingles))
         else:
             self.near.append(simhash(shingles))
 
     def files(self) -> dict[str, bytes]:
+        out = self._files()
+        if self._spill is not None:
+            out["shingles.npy"] = b"".join(self._shingles_npy())
+        return out
+
+    def write(self, folder: Path, stem: str) -> dict[str, dict[str, Any]]:
+        """Write the files as `folder/stem.<kind>`, each atomically; returns their records (`vouch.record`)."""
+        from kiln.manifest import writing_atomic
+
+        done = {}
+        for suffix, data in self._files().items():
+            with writing_atomic(folder / f"{stem}.{suffix}") as f:
+                f.write(data)
+            done[suffix] = record(data)
+        if self._spill is not None:
+            with writing_atomic(folder / f"{stem}.shingles.npy") as f:
+                out = Recording(f)
+                for block in self._shingles_npy():
+                    out.write(block)
+            done["shingles.npy"] = out.record()
+        return done
+
+    def _shingles_npy(self) -> Iterator[bytes]:
+        """shingles.npy (as np.save writes the shingle sets end to end), from the spill file, in blocks."""
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, {"descr": np.dtype(np.uint64).str, "fortran_order": False,
+                                                      "shape": (sum(self.sizes),)})
+        yield header.getvalue()
+        self._spill.seek(0)
+        while block := self._spill.read(1 << 20):
+            yield block
+
+    def _files(self) -> dict[str, bytes]:
+        """Every file but shingles.npy."""
         n = len(self.ids)
         local = np.arange(n, dtype=np.uint64)
         key = np.frombuffer(b"".join(self.keys), dtype=">u8").reshape(n, 2).astype(np.uint64)
@@ -71,8 +113,7 @@ class Signer:
         if self.hasher is not None:
             sigs = np.stack(self.near) if n else np.empty((0, self.cfg.bands * self.cfg.rows), dtype=np.uint32)
             keys = self.hasher.band_keys(sigs)
-            sizes = np.array([len(s) for s in self.shingles], dtype=np.int64)
-            out["shingles.npy"] = npy_bytes(np.concatenate(self.shingles) if n else np.empty(0, np.uint64))
+            sizes = np.array(self.sizes, dtype=np.int64)
             out["spans.npy"] = npy_bytes(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
         else:
             prints = np.array(self.near, dtype=np.uint64)

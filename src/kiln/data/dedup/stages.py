@@ -44,7 +44,7 @@ from kiln.data.dedup.clusters import PAIR, Clusters, Pair, confirm_band, ledger_
 from kiln.data.dedup.shingles import jaccard
 from kiln.data.dedup.signatures import Part, npy_bytes
 from kiln.data.dedup.simhash import hamming_confirm
-from kiln.data.vouch import matches, record
+from kiln.data.vouch import Recording, matches, record
 
 STAGE_DIR = "dedup"  # in the work folder: layout.json; ranges-NNNNN/: exact-RRRRR.npy, band-BBB-RRRRR.npy, ...
 
@@ -310,8 +310,12 @@ class Results:
         from kiln.manifest import write_atomic
 
         write_atomic(self.folder / name, blob)
+        self.vouch(name, record(blob))
+
+    def vouch(self, name: str, rec: dict[str, Any]) -> None:
+        """A line for a result a worker wrote (its record made from the bytes it wrote)."""
         with open(self.log, "a") as f:
-            f.write(json.dumps({"name": name, **record(blob)}) + "\n")
+            f.write(json.dumps({"name": name, **rec}) + "\n")
             f.flush()
             os.fsync(f.fileno())
 
@@ -379,6 +383,98 @@ class Verdicts:
                                              + np.sum(self.near.survivor < self.layout.indexed))}
 
 
+VERDICTS = "verdicts"  # in a plan's results folder: one file per data task, task-NNNNN.jsonl.zst
+VERDICT_STATS = "verdicts.json"  # beside it: the counts of stats.json `dedup`
+
+
+def verdict_task(work: str) -> dict[str, Any]:
+    """On a worker: the run's verdicts (`verdicts`: the exact results and the clusters walk), written one file per
+    data task of this run, `verdicts/task-NNNNN.jsonl.zst`: a line per removed document, in document order,
+    `{"n": its number among the task's kept documents, "reason", "signals"}` and, for a near duplicate, its
+    ledger row (`"ledger"`). Returns the files' records and the counts. The driver then holds none of it: the
+    merge reads one task's file at a time (`VerdictFiles`). Memory here: `Verdicts`'s, ~100 bytes per removed
+    document, and the walk's while it is built (48 bytes per confirmed pair)."""
+    import zstandard
+
+    from kiln.manifest import writing_atomic
+
+    layout = Layout.load(work)
+    held = verdicts(layout)
+    ledger, rejections = held.ledger(), held.rejections()
+    nxt = next(rejections, None)
+    files = {}
+    (layout.results / VERDICTS).mkdir(exist_ok=True)
+    for k, part in enumerate(layout.parts):
+        if part.run is not None:
+            continue
+        start, end = int(layout.starts[k]), int(layout.starts[k + 1])
+        name = f"{VERDICTS}/{part.name}.jsonl.zst"
+        with writing_atomic(layout.results / name) as f:
+            out = Recording(f)
+            with zstandard.ZstdCompressor(level=3).stream_writer(out, closefd=False) as zw:
+                while nxt is not None and nxt[0] < end:
+                    q, reason, signals = nxt
+                    assert q >= start, f"dedup: a verdict for document {q}, which is not this run's"
+                    row = {"n": q - start, "reason": reason, "signals": signals}
+                    if reason == "near_duplicate":
+                        row["ledger"] = next(ledger)
+                    zw.write((json.dumps(row, ensure_ascii=False) + "\n").encode())
+                    nxt = next(rejections, None)
+        files[name] = out.record()
+    assert nxt is None, f"dedup: a verdict for document {nxt[0]}, past the run's documents"
+    return {"files": files, "stats": held.stats()}
+
+
+class VerdictFiles:
+    """The verdicts as the driver sees them: the verdicts task's files, read one data task at a time (memory: one
+    line), and its counts. `rejections()` and `ledger()` stream them in document order, as `Verdicts` gives them;
+    `removed_in(k)` is one part's removed documents (for its profile task and the index)."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.counts: dict[str, Any] = {}
+        self.seconds, self.tasks = 0.0, 0
+
+    def names(self) -> list[str]:
+        return [f"{VERDICTS}/{p.name}.jsonl.zst" for p in self.layout.parts if p.run is None] + [VERDICT_STATS]
+
+    def vouched(self, done: set[str]) -> bool:
+        return all(name in done for name in self.names())
+
+    def load(self) -> None:
+        self.counts = json.loads((self.layout.results / VERDICT_STATS).read_text())
+
+    def _rows(self, k: int) -> Iterator[dict[str, Any]]:
+        from kiln.data.docs import read_part
+
+        return read_part(self.layout.results / VERDICTS / f"{self.layout.parts[k].name}.jsonl.zst")
+
+    def _own(self) -> list[int]:
+        return [k for k, p in enumerate(self.layout.parts) if p.run is None]
+
+    def rejections(self) -> Iterator[tuple[int, str, dict[str, Any]]]:
+        for k in self._own():
+            start = int(self.layout.starts[k])
+            for row in self._rows(k):
+                yield start + row["n"], row["reason"], row["signals"]
+
+    def ledger(self) -> Iterator[dict[str, Any]]:
+        for k in self._own():
+            yield from (row["ledger"] for row in self._rows(k) if "ledger" in row)
+
+    def removed_in(self, k: int) -> np.ndarray:
+        """Part k's removed documents, by their number among its kept documents."""
+        return np.array([row["n"] for row in self._rows(k)], dtype=np.int64)
+
+    def removed(self) -> np.ndarray:
+        """Every removed document's number, sorted (a whole run's: for tests and benchmarks)."""
+        parts = [self.removed_in(k) + int(self.layout.starts[k]) for k in self._own()]
+        return np.concatenate(parts).astype(np.uint64) if parts else np.empty(0, np.uint64)
+
+    def stats(self) -> dict[str, Any]:
+        return self.counts
+
+
 def confirmed_pairs(folder: Path) -> np.ndarray:
     """Every band task's confirmed pairs, each pair once. Memory: at most about twice the unique pairs (the
     same pair found in several bands is folded in whenever what was read since outgrows what is held)."""
@@ -414,19 +510,27 @@ def dedup_layout(work: Path, summaries: list[dict[str, Any]], cfg: DedupConfig, 
     return layout
 
 
-def run_stages(layout: Layout, workers: int, executor: str = "local", ray_address: str | None = None) -> Verdicts:
-    """The exact stage, then the band stage, on the engine; results the driver has written (and vouched for)
-    are not redone."""
+def run_stages(layout: Layout, workers: int, executor: str = "local", ray_address: str | None = None) -> VerdictFiles:
+    """The exact stage, then the band stage, then the verdicts task, on the engine; results the driver has
+    written (and vouched for) are not redone, and the verdicts only when no stage result was."""
     from kiln.data.executor import run_tasks
 
     t0 = time.perf_counter()
     results = Results(layout)
     done = results.keep_vouched()
     exact, bands = stage_jobs(layout)
+    redone = False
     for fn, jobs in ((exact_partition, exact), (band_partition, bands)):
         todo = [job for job in jobs if result_name(job) not in done]
         for name, blob in run_tasks(fn, todo, workers, executor, ray_address):
             results.add(name, blob)
-    out = verdicts(layout)
-    out.seconds, out.tasks = time.perf_counter() - t0, len(exact) + len(bands)
+            redone = True
+    out = VerdictFiles(layout)
+    if redone or not out.vouched(done):
+        for found in run_tasks(verdict_task, [str(layout.work)], workers, executor, ray_address):
+            for name, rec in found["files"].items():
+                results.vouch(name, rec)
+            results.add(VERDICT_STATS, json.dumps(found["stats"]).encode())
+    out.load()
+    out.seconds, out.tasks = time.perf_counter() - t0, len(exact) + len(bands) + 1
     return out

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import json
 import math
 import pickle
 import zlib
@@ -62,27 +63,25 @@ def source_group(source_key: str, source: str, url: str | None, field_value: str
 
 
 class Composition:
-    """Kept documents and characters by source and by language: O(sources + languages) in memory."""
+    """Kept documents and characters by language: O(languages) in memory. (By source, a table of its own:
+    kiln.data.tables, as a crawl keyed by host has a source per site.)"""
 
     def __init__(self) -> None:
-        self.by_source: dict[str, Counter[str]] = defaultdict(Counter)
         self.by_lang: dict[str, Counter[str]] = defaultdict(Counter)
 
-    def add(self, source: str, lang: str | None, chars: int) -> None:
-        for row in (self.by_source[source], self.by_lang[lang or "unknown"]):
-            row["documents"] += 1
-            row["chars"] += chars
+    def add(self, lang: str | None, chars: int) -> None:
+        row = self.by_lang[lang or "unknown"]
+        row["documents"] += 1
+        row["chars"] += chars
 
-    def report(self) -> dict[str, dict[str, dict[str, float | int]]]:
-        """{"by_source"|"by_lang": {name: {documents, chars, doc_share, char_share}}}, largest first."""
-        out = {}
-        for axis, rows in (("by_source", self.by_source), ("by_lang", self.by_lang)):
-            docs, chars = sum(r["documents"] for r in rows.values()), sum(r["chars"] for r in rows.values())
-            out[axis] = {name: {"documents": r["documents"], "chars": r["chars"],
-                                "doc_share": round(r["documents"] / max(docs, 1), 4),
-                                "char_share": round(r["chars"] / max(chars, 1), 4)}
-                         for name, r in sorted(rows.items(), key=lambda kv: (-kv[1]["chars"], kv[0]))}
-        return out
+    def report(self) -> dict[str, dict[str, float | int]]:
+        """{lang: {documents, chars, doc_share, char_share}}, largest first."""
+        rows = self.by_lang
+        docs, chars = sum(r["documents"] for r in rows.values()), sum(r["chars"] for r in rows.values())
+        return {name: {"documents": r["documents"], "chars": r["chars"],
+                       "doc_share": round(r["documents"] / max(docs, 1), 4),
+                       "char_share": round(r["chars"] / max(chars, 1), 4)}
+                for name, r in sorted(rows.items(), key=lambda kv: (-kv[1]["chars"], kv[0]))}
 
 
 def rank_key(value: float, token: str) -> tuple[float, str]:
@@ -216,6 +215,15 @@ def profile_part(documents: Iterable[tuple[str, str]], batch: int = 512) -> dict
             "fragments": {q: len(frames) for q, frames in by_source.items()}}
 
 
+def part_bytes(part: dict) -> bytes:
+    """A task's part (`profile_part`) as a worker writes it: a JSON line naming each piece (kind, partition, size)
+    and the sources' fragments, then the pieces end to end (`SpilledProfiles.add_file` copies them)."""
+    pieces = [("tokens", p, b) for p, b in part["tokens"].items()] + \
+        [("sources", q, b) for q, b in part["sources"].items()]
+    header = {"pieces": [[kind, k, len(b)] for kind, k, b in pieces], "fragments": part["fragments"]}
+    return json.dumps(header).encode() + b"\n" + b"".join(b for *_, b in pieces)
+
+
 class SpilledProfiles:
     """The corpus's source report (SourceProfiles.report) summed from per-task parts (`profile_part`), in task
     order, with memory bounded neither by the corpus's vocabulary nor by its number of sources (a crawl keyed by
@@ -230,9 +238,9 @@ class SpilledProfiles:
     3. takes the corpus's top_tokens, their means and deviations, and scores the sources from the spilled arrays.
     The sums are those a SourceProfiles holding everything makes, added in another (fixed) order: the report is
     the same for any number of workers, and agrees with SourceProfiles's to float rounding (`rank_key`).
-    Memory: one part while adding; then one token partition's tokens (the corpus vocabulary / TOKEN_PARTITIONS,
-    which a real crawl's vocabulary keeps growing, slowly), SOURCES_AT_ONCE x 2 x 2 top_tokens floats (16 MB at
-    the default top_tokens=1000), and the report itself, one row per source."""
+    Memory: a part's header while adding (`add_file`); then one token partition's tokens (the corpus vocabulary /
+    TOKEN_PARTITIONS, which a real crawl's vocabulary keeps growing, slowly), SOURCES_AT_ONCE x 2 x 2 top_tokens
+    floats (16 MB at the default top_tokens=1000); `rows` streams the report, one source at a time."""
 
     SOURCES_AT_ONCE = 512
 
@@ -250,8 +258,25 @@ class SpilledProfiles:
     def _sources(self, q: int) -> Path:
         return self.folder / f"sources-{q:03d}.pkl"
 
+    def add_file(self, path: Path) -> None:
+        """A task's part as `part_bytes` wrote it to disk, each piece copied to its partition's file a block at a
+        time: memory the header, not the part (whose sources grow with the task's). The caller adds them in task
+        order."""
+        with open(path, "rb") as f:
+            header = json.loads(f.readline())
+            for kind, k, size in header["pieces"]:
+                with open(self._partition(k) if kind == "tokens" else self._sources(k), "ab") as out:
+                    while size:
+                        block = f.read(min(size, 1 << 20))
+                        if not block:
+                            raise EOFError(f"{path}: cut inside its pieces")
+                        out.write(block)
+                        size -= len(block)
+        for q, n in header["fragments"].items():
+            self.fragments[int(q)] += n
+
     def add(self, part: dict) -> None:
-        """A task's part (`profile_part`): the caller adds them in task order."""
+        """A task's part (`profile_part`) held in memory: the caller adds them in task order."""
         for path, piece in [*((self._partition(p), b) for p, b in part["tokens"].items()),
                             *((self._sources(q), b) for q, b in part["sources"].items())]:
             with open(path, "ab") as out:
@@ -314,7 +339,12 @@ class SpilledProfiles:
                     yield list(rows), np.asarray(docs, dtype=np.int64), s1[:len(rows)], s2[:len(rows)]
 
     def report(self) -> dict[str, dict[str, float | int]]:
-        """{source: {"docs", "z", "weight"}}, sources sorted by name: SourceProfiles.report of all the parts."""
+        """{source: {"docs", "z", "weight"}}, sources sorted by name: SourceProfiles.report of all the parts (a
+        dict of every source: for small corpora; the data stage streams `rows`)."""
+        return dict(sorted((row.pop("source"), row) for row in self.rows()))
+
+    def rows(self) -> Iterator[dict[str, float | int | str]]:
+        """{"source", "docs", "z", "weight"} for every source, one source partition (or slice) at a time."""
         candidates = sorted(self._candidates())
         column = {t: j for j, t in enumerate(candidates)}
         corpus_f1, corpus_f2, total_docs, spilled = np.zeros(len(column)), np.zeros(len(column)), 0, []
@@ -325,13 +355,12 @@ class SpilledProfiles:
             spilled.append(self.folder / f"sums-{i:05d}.pkl")
             spilled[-1].write_bytes(pickle.dumps((names, docs, s1), protocol=pickle.HIGHEST_PROTOCOL))
         if not total_docs:
-            return {}
+            return
         top = sorted(range(len(candidates)), key=lambda j: rank_key(corpus_f1[j], candidates[j]))[: self.top_tokens]
         mean = corpus_f1[top] / total_docs
         std = np.sqrt(np.maximum(corpus_f2[top] / total_docs - mean ** 2, 0.0))
         used = varies(std, mean)
         top, mean, std = np.asarray(top, dtype=np.int64)[used], mean[used], std[used]
-        out: dict[str, dict[str, float | int]] = {}
         for path in spilled:
             names, docs, s1 = pickle.loads(path.read_bytes())
             path.unlink()
@@ -341,8 +370,8 @@ class SpilledProfiles:
             else:
                 zs = np.zeros(len(names))
             for src, n, z in zip(names, docs.tolist(), zs.tolist()):
-                out[src] = {"docs": n, "z": round(z, 4), "weight": round(min(1.0, self.max_z / z) if z else 1.0, 4)}
-        return dict(sorted(out.items()))
+                yield {"source": src, "docs": n, "z": round(z, 4),
+                       "weight": round(min(1.0, self.max_z / z) if z else 1.0, 4)}
 
 
 def source_weights(pairs: Iterable[tuple[str, str]], top_tokens: int = 1000, max_z: float = 3.0) -> dict[str, dict]:
