@@ -219,7 +219,7 @@ def test_eval_of_a_masked_checkpoint_masks_too(trained, capsys):
     assert len(two)
     masked_two = summed_loss(model, [two], torch.device("cpu"), pad_id=pad)
     plain_two = summed_loss(plain, [two], torch.device("cpu"), pad_id=pad)
-    assert abs(masked_two[0] - plain_two[0]) / masked_two[1] > 1e-3
+    assert abs(masked_two[0] - plain_two[0]) / masked_two[1] > 1e-4  # float noise is ~1e-7 a token
 
 
 def test_transformers_on_each_document_alone_gives_kilns_loss_on_the_packed_row(trained, tok, tmp_path):

@@ -22,6 +22,7 @@ import zstandard
 
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import MANIFEST, read_manifest
+from kiln.data.tables import check_table_names
 
 PART = re.compile(r"^part-\d+\.jsonl\.zst$")
 
@@ -61,6 +62,7 @@ class DocsReader:
             raise KilnError(f"{self.folder}: no docs folder committed by `kiln data` here{hint} (no part-*.jsonl.zst "
                             f"with a {MANIFEST}); run `kiln data` first")
         manifest = read_manifest(self.folder)
+        check_table_names(self.folder, manifest)
         parts = sorted(name for name in manifest["files"] if PART.match(name))
         if not parts:
             raise KilnError(f"{self.folder}: no part-*.jsonl.zst files; run `kiln data` first")

@@ -13,6 +13,7 @@ import zstandard
 
 from kiln.data.document import SCORE_FIELDS
 from kiln.data.docs import PART
+from kiln.data.tables import check_table_names
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import MANIFEST, read_manifest, verify_folder
 
@@ -29,6 +30,7 @@ def _parts(docs_dir: Path) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     if manifest.get("stage") not in (None, "data"):  # the shards or the tokenizer given for the docs
         raise KilnError(f"{docs_dir}: a `kiln {manifest['stage']}` output, not a docs folder; give the folder "
                         "`kiln data` wrote ({out_dir}/docs) with --out")
+    check_table_names(docs_dir, manifest)
     files = manifest["files"]
     names = [(outcome, name) for outcome, prefix in (("kept", ""), ("rejected", "rejects/"))
              for name in sorted(n for n in files if n.startswith(prefix) and PART.match(n[len(prefix):]))]

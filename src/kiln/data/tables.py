@@ -66,6 +66,31 @@ def write_table(path: Path, rows: Iterable[dict[str, Any]]) -> int:
     return writer.rows
 
 
+def check_table_names(docs_dir: Path, manifest: dict[str, Any]) -> None:
+    """Every table a docs folder names, in its manifest's and in stats.json's `tables`, must be a plain name the
+    manifest lists with its size and sha256 (`kiln.names.listed_name`); else one IntegrityError naming the file
+    and the entry. Every reader of a docs folder calls it (`DocsReader.parts`, `kiln data explain`), so a name
+    that leaves the folder is refused even by a reader that never opens the table."""
+    from kiln.names import listed_name
+
+    docs_dir, files = Path(docs_dir), manifest["files"]
+    holders: list[tuple[Path, Any]] = [(docs_dir / MANIFEST, manifest.get("tables"))]
+    if "stats.json" in files:
+        stats = listed_name(docs_dir, "stats.json", files, docs_dir / MANIFEST)
+        try:
+            holders.append((stats, json.loads(stats.read_text(encoding="utf-8")).get("tables")))
+        except (OSError, ValueError, AttributeError) as exc:
+            raise IntegrityError(f"{stats}: not readable JSON ({type(exc).__name__}); run `kiln data` again") from None
+    for where, tables in holders:
+        if tables is None:
+            continue
+        if not isinstance(tables, dict):
+            raise IntegrityError(f"{where}: 'tables' is not an object; the docs folder is corrupt, run `kiln data` "
+                                 "again")
+        for entry in tables.values():
+            listed_name(docs_dir, entry.get("file") if isinstance(entry, dict) else entry, files, where)
+
+
 def _plain(name: Any) -> bool:
     return isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")
 
