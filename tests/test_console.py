@@ -243,6 +243,7 @@ def assert_own_lines(lines: list[str]) -> int:
     return int(stop.split(":")[0].split()[1])
 
 
+@pytest.mark.slow  # a whole kiln run three times under a pty and to a file: ~16 s
 def test_kiln_run_lines_and_summary_under_a_terminal_and_in_a_file(tmp_path):
     config, out = five_file_config(tmp_path)
     argv, kiln = kiln_script()

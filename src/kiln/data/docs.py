@@ -23,29 +23,9 @@ import zstandard
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import MANIFEST, read_manifest
 from kiln.data.tables import check_table_names
+from kiln.data.vouch import HashingReader
 
 PART = re.compile(r"^part-\d+\.jsonl\.zst$")
-
-
-class _Hashing(io.RawIOBase):
-    """A read-only file that hashes what is read through it."""
-
-    def __init__(self, f: IO[bytes]) -> None:
-        self.f, self.sha = f, hashlib.sha256()
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf) -> int:
-        data = self.f.read(len(buf))
-        self.sha.update(data)
-        buf[: len(data)] = data
-        return len(data)
-
-    def finish(self) -> str:
-        while block := self.f.read(1 << 20):  # bytes after the compressed frame count too
-            self.sha.update(block)
-        return self.sha.hexdigest()
 
 
 class DocsReader:
@@ -85,7 +65,7 @@ class DocsReader:
         """One part's records (a pack task reads its own parts), its sha256 checked when the last is read."""
         path = self.folder / name
         with open(path, "rb") as f:
-            raw = _Hashing(f)
+            raw = HashingReader(f, hashlib.sha256())
             reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=False)
             try:
                 for line in io.TextIOWrapper(reader, encoding="utf-8"):

@@ -67,7 +67,7 @@ from kiln.data.sources import (
     read_arrow,
     read_parquet,
 )
-from kiln.data.vouch import Recording, matches
+from kiln.data.vouch import HashingReader, Recording, matches
 from kiln.errors import IntegrityError, KilnError
 
 # Settings that change how the work runs, never what it outputs (storage_options may hold secrets).
@@ -405,18 +405,6 @@ def _spooled(index: Path) -> dict[str, Any] | None:
     return done if ok else None
 
 
-class _Hashing:
-    """Reads a file and takes the xxh3 of what it read."""
-
-    def __init__(self, f) -> None:
-        self.f, self.hash = f, xxhash.xxh3_128()
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.f.read(n)
-        self.hash.update(data)
-        return data
-
-
 def _read_chunk(task: Task, cfg: DataConfig, report: ReadReport) -> Iterator[Document]:
     """A spooled chunk's lines, with the provenance of their place in the original file; the chunk's xxh3 is
     checked when it has been read, and a chunk that changed since it was spooled stops the task (and makes the
@@ -424,13 +412,12 @@ def _read_chunk(task: Task, cfg: DataConfig, report: ReadReport) -> Iterator[Doc
     chunk = task.chunk
     path = Path(chunk["path"])
     with open(path, "rb") as raw:
-        hashing = _Hashing(raw)
+        hashing = HashingReader(raw, xxhash.xxh3_128())
         reader = zstandard.ZstdDecompressor().stream_reader(hashing, closefd=False)
         yield from jsonl_records(_limited(reader, chunk["bytes"]), task.source, report, _fields(cfg),
                                  cfg.max_record_bytes, chunk["offset"], chunk["lines"])
-        while hashing.read(1 << 20):
-            pass
-    if path.stat().st_size != chunk["size"] or hashing.hash.hexdigest() != chunk["xxh3"]:
+        digest = hashing.finish()
+    if path.stat().st_size != chunk["size"] or digest != chunk["xxh3"]:
         (path.parent / f"{path.name.split('-')[0]}.json").unlink(missing_ok=True)
         raise IntegrityError(f"{path}: this spooled piece of {task.source} changed after it was written; run the "
                              f"same command again (it spools the file again)")

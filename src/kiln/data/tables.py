@@ -26,11 +26,12 @@ import pickle
 import zlib
 from collections import Counter
 from pathlib import Path
-from typing import IO, Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import zstandard
 
 from kiln.errors import IntegrityError, KilnError
+from kiln.data.vouch import HashingReader
 from kiln.manifest import MANIFEST, read_manifest, writing_atomic
 
 TABLES = {"by_source": "by_source.jsonl.zst", "composition_by_source": "composition_by_source.jsonl.zst",
@@ -116,7 +117,7 @@ def rows(docs_dir: Path, table: str) -> Iterator[dict[str, Any]]:
     sha = hashlib.sha256()
     try:
         with open(path, "rb") as f:
-            for line in io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(_Hashing(f, sha)),
+            for line in io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(HashingReader(f, sha)),
                                          encoding="utf-8"):
                 if line.strip():
                     yield json.loads(line)
@@ -129,20 +130,6 @@ def rows(docs_dir: Path, table: str) -> Iterator[dict[str, Any]]:
     if sha.hexdigest() != listed.get("sha256"):
         raise IntegrityError(f"{path}: sha256 differs from {MANIFEST}; the docs folder changed after `kiln data` "
                              f"wrote it, run `kiln data` again")
-
-
-class _Hashing(io.RawIOBase):
-    def __init__(self, f: IO[bytes], sha) -> None:
-        self.f, self.sha = f, sha
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf) -> int:
-        data = self.f.read(len(buf))
-        self.sha.update(data)
-        buf[: len(data)] = data
-        return len(data)
 
 
 def _inline(docs_dir: Path, table: str) -> Iterator[dict[str, Any]]:
@@ -233,7 +220,7 @@ class SpilledCounts:
             slices = -(-self.spilled[q] // self.AT_ONCE)
             for k in range(slices):
                 sums: dict[str, list[int]] = {}
-                for pieces in _frames(self._path(q)):
+                for pieces in read_frames(self._path(q)):
                     for source, row in pieces:
                         if slices > 1 and _crc(source) // PARTITIONS % slices != k:
                             continue
@@ -245,7 +232,8 @@ class SpilledCounts:
             self._path(q).unlink(missing_ok=True)
 
 
-def _frames(path: Path) -> Iterator[Any]:
+def read_frames(path: Path) -> Iterator[Any]:
+    """The pickled pieces appended to a spill file, in order (nothing when it does not exist)."""
     if not path.exists():
         return
     with open(path, "rb") as f:

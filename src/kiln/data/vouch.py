@@ -8,8 +8,9 @@ redone, never read: the same command resumes onto its own work, or does it again
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import xxhash
 
@@ -18,6 +19,29 @@ CHUNK = 1 << 20
 
 def record(data: bytes) -> dict[str, Any]:
     return {"size": len(data), "xxh3": xxhash.xxh3_128_hexdigest(data)}
+
+
+class HashingReader(io.RawIOBase):
+    """A read-only binary file that feeds what is read through it to `hasher` (hashlib's or xxhash's), so a
+    reader checks a file's hash from the one pass that parses it. `finish()` reads the rest (bytes after a
+    compressed frame count too) and returns the hex digest."""
+
+    def __init__(self, f: IO[bytes], hasher: Any) -> None:
+        self.f, self.hash = f, hasher
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        data = self.f.read(len(buf))
+        self.hash.update(data)
+        buf[: len(data)] = data
+        return len(data)
+
+    def finish(self) -> str:
+        while block := self.f.read(CHUNK):
+            self.hash.update(block)
+        return self.hash.hexdigest()
 
 
 class Recording:

@@ -12,17 +12,18 @@ duplicates, never by the corpus.
    key form a bucket; its candidate pairs are confirmed (exact Jaccard of the shingle sets, or the
    Hamming distance) with a union-find of the task's own, and the confirmed pairs are emitted. Exact
    duplicates are left out. Memory: one range of one band and its confirmed pairs.
-4. Clusters (`verdicts`, in the driver): a walk of the confirmed pairs only (`clusters.Clusters`); the
-   survivor is the cluster's earliest document; links and similarities for the ledger. Memory: arrays of
-   ~100 bytes per removed document (`Verdicts`), while building 48 bytes per unique confirmed pair.
+4. Clusters (`verdicts`, in the one verdicts task on a worker): a walk of the confirmed pairs only
+   (`clusters.Clusters`); the survivor is the cluster's earliest document; links and similarities for the ledger.
+   Memory: arrays of ~100 bytes per removed document (`Verdicts`), while building 48 bytes per unique confirmed
+   pair.
 
-Documents are numbered by their place among the kept documents of all tasks in canonical order
-(`Layout`): documents of a `data.dedup.index` come first (so they always survive and are never
-re-emitted), then this run's. Every result is therefore the same for any number of workers and on
-either engine. The driver writes each stage task's result into the work folder (`dedup/ranges-NNNNN/`, one
-folder per plan of key ranges) and a line vouching for it (`Results`), so a re-run redoes only what is
-missing, cut or changed. Stage tasks read the work folder (and the index): on a Ray cluster of several machines
-both must be on storage every node mounts.
+Documents are numbered by their place among the kept documents of all tasks in canonical order (`Layout`):
+documents of a `data.dedup.index` come first (so they always survive and are never re-emitted), then this run's.
+Every result is therefore the same for any number of workers and on either engine. Each stage task writes its
+result into the work folder (`dedup/ranges-NNNNN/`, one folder per plan of key ranges) and returns its record; the
+driver appends a line vouching for it (`Results`), so a re-run redoes only what is missing, cut or changed, and no
+result passes through the driver. Stage tasks read the work folder (and the index): on a Ray cluster of several
+machines both must be on storage every node mounts.
 """
 
 from __future__ import annotations
@@ -229,9 +230,17 @@ class Layout:
         return both[:, np.argsort(both[0], kind="stable")]
 
 
-# --- the stage tasks (pure: they read the work folder, the driver writes what they return) --------
+# --- the stage tasks (on the workers: each writes its result into the plan's results folder and returns its
+# record, which the driver vouches for; no result passes through the driver) -----------------------------
 
-def exact_partition(job: tuple[str, int, int]) -> tuple[str, bytes]:
+def _written(layout: Layout, name: str, blob: bytes) -> tuple[str, dict[str, Any]]:
+    from kiln.manifest import write_atomic
+
+    write_atomic(layout.results / name, blob)
+    return name, record(blob)
+
+
+def exact_partition(job: tuple[str, int, int]) -> tuple[str, dict[str, Any]]:
     """Exact duplicates in key range r: (duplicate, first) document numbers, as `exact-RRRRR.npy`."""
     work, r, ranges = job
     layout = Layout.load(work)
@@ -245,10 +254,10 @@ def exact_partition(job: tuple[str, int, int]) -> tuple[str, bytes]:
     new_group[1:] = (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])
     first = q[np.flatnonzero(new_group)][np.cumsum(new_group) - 1]
     dup = ~new_group & (q >= np.uint64(layout.indexed))  # an index's documents are never removed
-    return f"exact-{r:05d}.npy", npy_bytes(np.stack([q[dup], first[dup]]))
+    return _written(layout, f"exact-{r:05d}.npy", npy_bytes(np.stack([q[dup], first[dup]])))
 
 
-def band_partition(job: tuple[str, int, int, int]) -> tuple[str, bytes]:
+def band_partition(job: tuple[str, int, int, int]) -> tuple[str, dict[str, Any]]:
     """Confirmed near-duplicate pairs of band `band`, key range r, as `band-BBB-RRRRR.npy`."""
     work, band, r, ranges = job
     layout = Layout.load(work)
@@ -265,7 +274,7 @@ def band_partition(job: tuple[str, int, int, int]) -> tuple[str, bytes]:
 
     pairs: list[Pair] = []
     confirm_band(keys[keep], q[keep], confirm_new, pairs)
-    return f"band-{band:03d}-{r:05d}.npy", npy_bytes(np.array(pairs, dtype=PAIR))
+    return _written(layout, f"band-{band:03d}-{r:05d}.npy", npy_bytes(np.array(pairs, dtype=PAIR)))
 
 
 def stage_jobs(layout: Layout) -> tuple[list[tuple], list[tuple]]:
@@ -281,8 +290,9 @@ def result_name(job: tuple) -> str:
 
 
 class Results:
-    """A plan's stage results (`Layout.results`) and `results.jsonl`, a line per result the driver wrote,
-    vouching for it (`kiln.data.vouch`). A result counts only when its line does and its file matches it."""
+    """A plan's stage results (`Layout.results`, written by the stage tasks on the workers) and `results.jsonl`,
+    a line per result the driver vouched for from the record its task returned (`kiln.data.vouch`). A result
+    counts only when its line does and its file matches it."""
 
     def __init__(self, layout: Layout) -> None:
         self.folder = layout.results
@@ -522,8 +532,8 @@ def run_stages(layout: Layout, workers: int, executor: str = "local", ray_addres
     redone = False
     for fn, jobs in ((exact_partition, exact), (band_partition, bands)):
         todo = [job for job in jobs if result_name(job) not in done]
-        for name, blob in run_tasks(fn, todo, workers, executor, ray_address):
-            results.add(name, blob)
+        for name, rec in run_tasks(fn, todo, workers, executor, ray_address):
+            results.vouch(name, rec)
             redone = True
     out = VerdictFiles(layout)
     if redone or not out.vouched(done):

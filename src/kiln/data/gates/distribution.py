@@ -38,6 +38,7 @@ import numpy as np
 
 from kiln.data.gates.text import words
 from kiln.data.document import NO_HOST, missing_group
+from kiln.data.tables import read_frames
 from kiln.errors import KilnError
 
 def check_groups(weights: dict[str, dict[str, float | int]], source_key: str) -> None:
@@ -284,25 +285,13 @@ class SpilledProfiles:
         for q, n in part["fragments"].items():
             self.fragments[q] += n
 
-    @staticmethod
-    def _frames(path: Path) -> Iterator:
-        """The pieces `add` appended to `path`, in order."""
-        if not path.exists():
-            return
-        with open(path, "rb") as f:
-            while True:
-                try:
-                    yield pickle.load(f)
-                except EOFError:
-                    return
-
     def _candidates(self) -> set[str]:
         """The corpus's 2 x top_tokens most frequent tokens, ranked by `rank_key` as SourceProfiles ranks them."""
         best: list[tuple[float, str]] = []
         for p in range(TOKEN_PARTITIONS):
             number: dict[str, int] = {}
             sums = np.zeros(1024)
-            for tokens, values in self._frames(self._partition(p)):
+            for tokens, values in read_frames(self._partition(p)):
                 at = np.fromiter((number.setdefault(t, len(number)) for t in tokens), np.int64, len(tokens))
                 if len(number) > len(sums):
                     sums = np.concatenate([sums, np.zeros(max(len(number), 2 * len(sums)) - len(sums))])
@@ -321,7 +310,7 @@ class SpilledProfiles:
                 docs: list[int] = []
                 s1 = np.zeros((min(self.fragments[q], self.SOURCES_AT_ONCE), len(column)))
                 s2 = np.zeros_like(s1)
-                for frames in self._frames(self._sources(q)):
+                for frames in read_frames(self._sources(q)):
                     for src, n, tokens, sum_f, sum_f2 in frames:
                         if slices > 1 and _crc(src) // SOURCE_PARTITIONS % slices != k:
                             continue
