@@ -206,6 +206,7 @@ def test_allreduce_is_skipped_not_failed_with_one_gpu(monkeypatch):
 
 # --- the all-reduce probe across a torchrun group (nodes too) -----------------------------------
 
+@pytest.mark.slow  # two gloo ranks, 6-10 s: the default suite stays under 10 minutes on 2 cores
 def test_allreduce_probe_across_the_torchrun_group_on_two_gloo_processes(tmp_path):
     import os
     import subprocess

@@ -86,6 +86,7 @@ if trainer.d.is_main:
 """
 
 
+@pytest.mark.slow  # two gloo ranks, 6-10 s: the default suite stays under 10 minutes on 2 cores
 def test_fsdp2_keeps_chosen_module_kinds_in_fp32(workdir, tmp_path):
     # under FSDP2 there is no autocast: the kinds become shard groups whose parameters are gathered in fp32
     script = tmp_path / "dtypes.py"

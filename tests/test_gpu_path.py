@@ -70,6 +70,7 @@ emit({"rank": trainer.d.rank, "steps": summary["steps"], "stopped": summary["sto
 """
 
 
+@pytest.mark.slow  # two gloo ranks, 6-10 s: the default suite stays under 10 minutes on 2 cores
 def test_budget_that_runs_out_on_one_rank_first_stops_both_at_the_same_step(workdir, tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(tiny_config(workdir, train={"max_steps": 40, "eval_every": 0},
@@ -139,6 +140,7 @@ def test_ranks_resume_from_the_checkpoint_every_rank_can_read(ten_steps, tmp_pat
     assert [s["step"] for s in steps(view0)] == list(range(1, 13))
 
 
+@pytest.mark.slow  # two gloo ranks, 6-10 s: the default suite stays under 10 minutes on 2 cores
 def test_a_rank_that_cannot_read_the_weights_still_resumes_from_the_newest(ten_steps, tmp_path):
     _, view1, cfg0, cfg1 = _two_views(ten_steps, tmp_path)
     # Rank 0 alone reads the weights and broadcasts them: rank 1's copy is never read.
@@ -244,6 +246,7 @@ emit({"rank": trainer.d.rank, "moved": moved, "scale": [scale, scaler.get_scale(
 """
 
 
+@pytest.mark.slow  # two gloo ranks, 6-10 s: the default suite stays under 10 minutes on 2 cores
 def test_fp16_overflow_on_one_ranks_shard_skips_the_step_on_every_rank(workdir, tmp_path):
     cfg = tmp_path / "fp16.yaml"
     cfg.write_text(tiny_config(workdir, train={"dtype": "fp16"}, parallel={"mode": "fsdp"}).to_yaml())
@@ -289,6 +292,7 @@ def test_init_distributed_binds_the_process_group_to_the_chosen_gpu(monkeypatch,
 
 # --- 8. MoE + activation checkpointing compiles in one graph ------------------------------------
 
+@pytest.mark.slow  # compiles a model, ~6 s: the default suite stays under 10 minutes on 2 cores
 def test_compiled_moe_model_under_activation_checkpointing_has_no_graph_break(monkeypatch):
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
