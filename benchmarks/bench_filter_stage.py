@@ -72,12 +72,14 @@ def measure_once(path: Path) -> dict:
     base = _timed(lambda: sum(1 for _ in extract(read_task(task, cfg, ReadReport()), cfg.max_page_bytes,
                                                  cfg.extractor)))
     full = _timed(lambda: sum(1 for _ in process_task(task, cfg, ReadReport(), timer)))
-    whole = _timed(lambda: _run_task_once(task, cfg))
-    summary, files = whole[2]
+    with tempfile.TemporaryDirectory() as work:  # the task writes its outcome and signatures here, as on a worker
+        whole = _timed(lambda: _run_task_once(task, cfg, Path(work)))
+    summary = whole[2]
+    files = {suffix: rec["size"] for suffix, rec in summary["files"].items()}
     assert base[2] == full[2] == summary["documents"]
     return {"docs": base[2], "base": base[:2], "full": full[:2], "task": whole[:2], "steps": timer.own(),
             "task_steps": summary["steps_s"], "input_bytes": Path(path).stat().st_size,
-            "work_bytes": {suffix: len(data) for suffix, data in files.items()}}
+            "work_bytes": files}
 
 
 def summarise(rounds: list[dict]) -> dict:
