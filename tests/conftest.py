@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import shutil
 from pathlib import Path
 
@@ -104,6 +105,39 @@ def workdir(prepared, tmp_path) -> Path:
     for name in ("tokenizer", "shards"):
         shutil.copytree(prepared.out / name, out / name)
     return out
+
+
+def torchrun_script(script: Path, *args, nproc: int = 2, env: dict[str, str] | None = None, timeout: float = 300):
+    """`python -m torch.distributed.run --standalone --nproc_per_node=NPROC SCRIPT ARGS` from the repo root, output
+    captured, each rank with one OpenMP thread and faulthandler on (a rank that dies in native code prints its
+    Python stack).
+
+    A rank killed by a signal runs the script once more, with a warning that shows the first attempt's output: CI
+    saw gloo ranks end in SIGABRT ("terminate called without an active exception") in torch's teardown after the
+    script's work was done, about 1 run in 40 on 2 loaded cores, even after destroy_process_group. A wrong
+    result, an exception or a timeout still fails at once. So a script run here must give the same result when
+    run twice (it writes nothing, or writes over what it wrote)."""
+    import subprocess
+    import sys
+    import warnings
+
+    env = {**(env or os.environ), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
+           *map(str, args)]
+    for attempt in (1, 2):
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode == 0 or attempt == 2 or not killed_by_a_signal(proc.stderr):
+            return proc
+        warnings.warn(f"{script.name}: a rank was killed by a signal, running it once more:\n{proc.stderr[:3000]}")
+
+
+def killed_by_a_signal(torchrun_stderr: str) -> bool:
+    """torchrun's summary names each failed rank's exit code; a negative one is a signal (-6 SIGABRT, -11 SIGSEGV),
+    except SIGTERM (-15), which torchrun sends the other ranks after the first one fails."""
+    import re
+
+    codes = {int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", torchrun_stderr)}
+    return any(c < 0 and c != -15 for c in codes)
 
 
 def torchrun_kiln(*args, env: dict[str, str], nproc: int = 2, timeout: float = 300):

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import warnings
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, killed_by_a_signal
 from kiln.errors import IntegrityError
 from kiln.manifest import verify_folder, write_manifest
 from kiln.train.checkpoint.agreement import hash_shares
@@ -162,20 +161,13 @@ def agreements(tmp_path_factory):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                                str(script), str(run)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
         ranks_output = proc.stderr[:3000]  # the ranks' own lines come before torchrun's summary
-        if proc.returncode == 0 or attempt == 2 or not _killed_by_a_signal(proc.stderr):
+        if proc.returncode == 0 or attempt == 2 or not killed_by_a_signal(proc.stderr):
             break
         # Only a rank killed by a signal (a crash in native code, no Python error) is run once more, loudly: a
         # wrong verdict, an exception or a hang fails at once.
         warnings.warn(f"agreement script: a rank was killed by a signal, running it once more:\n{ranks_output}")
     assert proc.returncode == 0, proc.stdout[-2000:] + ranks_output + "\n...\n" + proc.stderr[-1500:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), run
-
-
-def _killed_by_a_signal(torchrun_stderr: str) -> bool:
-    """torchrun's summary names a rank's exit code; a negative one is a signal (-6 SIGABRT, -11 SIGSEGV), not
-    SIGTERM (-15), which torchrun sends the other ranks after the first one fails."""
-    codes = {int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", torchrun_stderr)}
-    return any(c < 0 and c != -15 for c in codes)
 
 
 @pytest.mark.parametrize("kind", ["sharded", "full"])

@@ -83,6 +83,7 @@ measured = trainer.engine.train_step(trainer.loader.next_batch())
 result = trainer.engine.optimizer_step(1, 1e-3, measured["loss"])
 if trainer.d.is_main:
     print(json.dumps({"seen": seen, "loss": measured["loss"], "grad_norm": result["grad_norm"]}))
+torch.distributed.destroy_process_group()
 """
 
 

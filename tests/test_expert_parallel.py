@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, torchrun_script
 from kiln.train.checkpoint import list_checkpoints, load_checkpoint
 from test_tensor_parallel import resume_from_step_5, steps, torchrun
 
@@ -68,6 +66,7 @@ for name, p in model.named_parameters():
         assert p.shape[0] == 2, name  # half of the 4 experts
     assert torch.allclose(p.grad, expected_grads[name], atol=1e-6), name
 print("ok", rank)
+dist.destroy_process_group()
 """
 
 
@@ -75,9 +74,7 @@ print("ok", rank)
 def test_expert_parallel_all_to_all_matches_unsharded_experts(tmp_path):
     script = tmp_path / "ep.py"
     script.write_text(_DRIVE)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = torchrun_script(script, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("ok") == 2
 

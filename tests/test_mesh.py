@@ -195,22 +195,18 @@ for name, section in json.loads(sys.argv[1]).items():
     out[name] = seen
 if d.rank == 0:
     print(json.dumps(out))
+dist.destroy_process_group()
 """
 
 
 def _fsdp_meshes(tmp_path, nproc: int, layouts: dict) -> dict:
     import json
-    import os
-    import subprocess
-    import sys
 
-    from conftest import ROOT
+    from conftest import torchrun_script
 
     script = tmp_path / "fsdp_mesh.py"
     script.write_text(_FSDP_MESH)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           str(script), json.dumps(layouts)], env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = torchrun_script(script, json.dumps(layouts), nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

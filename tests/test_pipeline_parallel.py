@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, tiny_config
+from conftest import ROOT, tiny_config, torchrun_script
 from kiln.train.checkpoint import list_checkpoints, load_checkpoint
 from kiln.train.metrics import read_metrics
 from kiln.train.trainer import Trainer
@@ -72,6 +70,7 @@ assert loss < first  # it trains
 for name, p in part.state_dict().items():
     assert torch.allclose(p, ref.state_dict()[name], atol=2e-3), name
 print("ok", rank)
+dist.destroy_process_group()
 """
 
 
@@ -80,10 +79,7 @@ print("ok", rank)
 def test_pipeline_schedules_on_two_ranks_match_one_process_over_40_steps(tmp_path, schedule):
     script = tmp_path / "pp.py"
     script.write_text(_DRIVE)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), schedule, "40"], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = torchrun_script(script, schedule, "40", env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("ok") == 2
 

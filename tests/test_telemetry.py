@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 
-from conftest import ROOT, tiny_config
+from conftest import tiny_config, torchrun_script
 from kiln.config import TelemetryConfig
 from kiln.ops.report import render
 from kiln.train.metrics import read_metrics
@@ -140,8 +138,7 @@ dist.destroy_process_group()
 def test_a_straggler_is_named_by_rank_and_host_on_two_gloo_ranks(tmp_path):
     script = tmp_path / "straggler.py"
     script.write_text(_STRAGGLER)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), str(tmp_path)], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = torchrun_script(script, tmp_path, env=ENV, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = {r["rank"]: r for r in (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))}
     host = os.uname().nodename

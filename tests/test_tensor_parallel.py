@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, tiny_config
+from conftest import ROOT, tiny_config, torchrun_script
 from kiln.train.checkpoint import list_checkpoints, load_checkpoint
 from kiln.train.metrics import read_metrics
 from kiln.train.trainer import Trainer
@@ -84,15 +84,14 @@ assert abs(float(got) - float(expected)) < 1e-5, (float(got), float(expected))
 for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
     assert torch.allclose(p.grad.full_tensor(), q.grad, atol=1e-6), name
 print("ok", dist.get_rank())
+dist.destroy_process_group()
 """
 
 
 def test_vocab_parallel_loss_and_gradients_equal_one_process(tmp_path):
     script = tmp_path / "tp.py"
     script.write_text(_LOSS_AND_GRADS)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script)], env={**ENV, "PYTHONPATH": str(ROOT / "src")}, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = torchrun_script(script, env={**ENV, "PYTHONPATH": str(ROOT / "src")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("ok") == 2
 
