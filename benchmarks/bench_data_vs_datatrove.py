@@ -20,12 +20,22 @@ languages, git's and R's manuals, the GNU standards; skipped when its packages a
   `extract_plain_text(main_content=True)` inside a datatrove BaseExtractor) and Kiln's language setting
   (every language, score >= 0.5).
 
+Each side runs in two modes:
+- "as shipped": each pipeline drops a document at its first failing filter, so a side that drops early does
+  less work per document (stock datatrove's Gopher quality filter drops every page of the sample: under 80% of
+  the words of a page of commands and paths contain a letter). These rates are printed with the kept counts,
+  and are not comparable between sides that keep different documents.
+- "every step": every filter and gate runs on every document and none is dropped (datatrove's filters each
+  wrapped in a step that computes the verdict, makes the filter's edits and passes the document on; Kiln's
+  `apply_gates(drop=False)`; language ID runs with threshold 0 on both), and every extracted document is
+  written. Both sides then do the whole work on the same documents: this is the headline ratio.
+
 datatrove's WarcReader is told that XHTML is HTML (it reads none of the sample otherwise), and each side's
 extractor timeout is 60 s (the stock 1 s drops pages of a loaded machine). Each run is a process of its own;
 its CPU seconds are user + sys of that process and of its waited-for children (datatrove runs its extractor
 in a child process), measured inside it around the work, so what other jobs take of a shared machine does
-not count. The sides alternate, RUNS rounds (Kiln, stock, fair, then the next round starting one further), and
-the rates are medians; the load average is printed.
+not count. The sides alternate, RUNS rounds (each round starting one side further), and the rates are
+medians; the load average is printed. INPUTS=sample or INPUTS=long runs one input.
 """
 
 from __future__ import annotations
@@ -85,13 +95,27 @@ def counter(data, rank=0, world_size=1):
         count["docs"] += 1
         yield doc
 
-fair = args["mode"] == "fair"
+fair = args["extractor"] == "resiliparse"
+every_step = args["mode"] == "every step"
+
+
+def every_doc(step):
+    """The filter's verdict computed (and its edits made) on every document; none dropped."""
+    def run(data, rank=0, world_size=1):
+        for doc in data:
+            step.filter(doc)
+            yield doc
+    return run
+
+
 extractor = Resiliparse() if fair else Trafilatura(favour_precision=True, timeout=60)
-language = LanguageFilter(language_threshold=0.5) if fair else LanguageFilter()
+threshold = 0.0 if every_step else 0.5 if fair else 0.65
+filters = [LanguageFilter(language_threshold=threshold), GopherRepetitionFilter(), GopherQualityFilter(),
+           C4QualityFilter(filter_no_terminal_punct=False), FineWebQualityFilter()]
 executor = LocalPipelineExecutor(pipeline=[
-    WarcReader(args["folder"], glob_pattern="*.warc.gz"), counter, extractor, language,
-    GopherRepetitionFilter(), GopherQualityFilter(), C4QualityFilter(filter_no_terminal_punct=False),
-    FineWebQualityFilter(), JsonlWriter(args["tmp"] + "/out")], tasks=1, workers=1, logging_dir=args["tmp"] + "/logs")
+    WarcReader(args["folder"], glob_pattern="*.warc.gz"), counter, extractor,
+    *([every_doc(f) for f in filters] if every_step else filters),
+    JsonlWriter(args["tmp"] + "/out")], tasks=1, workers=1, logging_dir=args["tmp"] + "/logs")
 def cpu():
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
@@ -104,74 +128,96 @@ print(json.dumps({"docs": count["docs"], "kept": kept, "seconds": seconds, "cpu"
 '''
 
 KILN = r'''
-import json, resource, shutil, sys, time
+import functools, json, resource, shutil, sys, time
 from pathlib import Path
 from kiln.config import DataConfig
+from kiln.data import steps
 from kiln.data.pipeline import run_data
 
 def cpu():
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
-folder, out = Path(sys.argv[1]), Path(sys.argv[2])
+folder, out, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 shutil.rmtree(out, ignore_errors=True)
+cfg = DataConfig(workers=1, dedup={"method": "none"})
+if mode == "every step":  # one worker runs the tasks in this process, so the steps module is the one they use
+    steps.apply_gates = functools.partial(steps.apply_gates, drop=False)
+    cfg = cfg.model_copy(update={"lang_threshold": 0.0})
 t0, c0 = time.perf_counter(), cpu()
 warcs = [str(p) for p in sorted(folder.glob("*.warc.gz"))]
-stats = run_data(warcs, out, DataConfig(workers=1, dedup={"method": "none"}))
+stats = run_data(warcs, out, cfg)
 print(json.dumps({"docs": stats["documents"]["read"], "kept": stats["documents"]["kept"],
                   "seconds": time.perf_counter() - t0, "cpu": cpu() - c0}))
 '''
 
 
-def kiln_once(folder: Path, out: Path) -> dict:
+def kiln_once(folder: Path, out: Path, mode: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", KILN, str(folder), str(out)], env=env, cwd=ROOT, text=True,
+    done = subprocess.run([sys.executable, "-c", KILN, str(folder), str(out), mode], env=env, cwd=ROOT, text=True,
                           stdout=subprocess.PIPE, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def inputs(root: Path) -> dict[str, Path]:
     """name -> a folder of WARC files."""
-    sample = root / "sample"
-    sample.mkdir()
-    for i in range(COPIES):
-        shutil.copy(SAMPLE, sample / f"sample-{i}.warc.gz")
-    out = {f"sample x{COPIES}": sample}
-    if crawl(LONG_CORPORA, root / "long-pages" / "long-pages.warc.gz") is not None:
+    which = os.environ.get("INPUTS", "sample,long").split(",")
+    out = {}
+    if "sample" in which:
+        sample = root / "sample"
+        sample.mkdir()
+        for i in range(COPIES):
+            shutil.copy(SAMPLE, sample / f"sample-{i}.warc.gz")
+        out[f"sample x{COPIES}"] = sample
+    if "long" in which and crawl(LONG_CORPORA, root / "long-pages" / "long-pages.warc.gz") is not None:
         out["long pages"] = root / "long-pages"
     return out
 
 
 def line(name: str, runs: list[dict]) -> float:
-    if not all(r["kept"] for r in runs):
-        raise RuntimeError(f"{name} kept no document in a run: {runs}")
+    if not all(r["docs"] for r in runs):
+        raise RuntimeError(f"{name} read no document in a run: {runs}")
     rate = statistics.median(r["docs"] / r["cpu"] for r in runs)
-    print(f"  {name:<22} {runs[0]['docs']:>5} docs, {runs[0]['kept']:>5} kept  median {rate:7.1f} docs per CPU second  "
-          f"(runs: {[round(r['docs'] / r['cpu'], 1) for r in runs]}; wall docs/s "
+    print(f"  {name:<34} {runs[0]['docs']:>5} docs, {runs[0]['kept']:>5} kept  median {rate:7.1f} docs per CPU "
+          f"second  (runs: {[round(r['docs'] / r['cpu'], 1) for r in runs]}; wall docs/s "
           f"{[round(r['docs'] / r['seconds'], 1) for r in runs]}; load {[r['load'] for r in runs]})", flush=True)
     return rate
+
+
+def sides(folder: Path, tmp: Path) -> dict:
+    """(mode, side) -> a function that runs it once."""
+    out = {}
+    for mode in ("every step", "as shipped"):
+        out[mode, "kiln"] = lambda m=mode: kiln_once(folder, tmp / "docs", m)
+        if _datatrove.python():
+            for side, extractor in (("datatrove stock", "trafilatura"), ("datatrove fair", "resiliparse")):
+                out[mode, side] = lambda m=mode, e=extractor: _datatrove.run(
+                    PEER, {"folder": str(folder), "mode": m, "extractor": e})
+    return out
 
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, folder in inputs(Path(tmp)).items():
-            sides = {"kiln": lambda f=folder: kiln_once(f, Path(tmp) / "docs")}
-            if _datatrove.python():
-                for mode in ("stock", "fair"):
-                    sides[f"datatrove {mode}"] = lambda f=folder, m=mode: _datatrove.run(
-                        PEER, {"folder": str(f), "mode": m})
-            runs: dict[str, list[dict]] = {side: [] for side in sides}
-            order = list(sides)
+            todo = sides(folder, Path(tmp))
+            runs: dict[tuple, list[dict]] = {key: [] for key in todo}
+            order = list(todo)
             for k in range(RUNS):  # alternating, each round starting one side further
-                for side in order[k % len(order):] + order[:k % len(order)]:
-                    runs[side].append(sides[side]() | {"load": round(os.getloadavg()[0], 1)})
+                for key in order[k % len(order):] + order[:k % len(order)]:
+                    runs[key].append(todo[key]() | {"load": round(os.getloadavg()[0], 1)})
             print(f"{name}:")
-            rates = {side: line(side, rs) for side, rs in runs.items()}
-            if len(rates) == 1:
+            rates = {key: line(f"{key[1]}, {key[0]}", rs) for key, rs in runs.items()}
+            if len(rates) == 2:
                 print("  datatrove skipped: set DATATROVE_PYTHON to a python with datatrove 0.10.1")
                 continue
-            print(f"  kiln / datatrove stock = {rates['kiln'] / rates['datatrove stock']:.1f}x, "
-                  f"kiln / datatrove extraction-fair = {rates['kiln'] / rates['datatrove fair']:.1f}x per CPU second")
+            every = [runs["every step", side][0] for side in ("kiln", "datatrove stock", "datatrove fair")]
+            if not all(r["kept"] for r in every):
+                raise RuntimeError(f"a side kept no document with every step on: {every}")
+            for mode in ("every step", "as shipped"):
+                kiln = rates[mode, "kiln"]
+                print(f"  {mode}: kiln / datatrove stock = {kiln / rates[mode, 'datatrove stock']:.1f}x, "
+                      f"kiln / datatrove extraction-fair = {kiln / rates[mode, 'datatrove fair']:.1f}x per CPU second"
+                      + ("" if mode == "every step" else " (each side's own drops: see kept)"))
 
 
 if __name__ == "__main__":

@@ -346,6 +346,29 @@ def test_apply_gates_records_edits_and_passes_them_to_a_rejection():
     assert short.rejection.signals["edits"] == {"c4_lines_removed": 30}
 
 
+def test_apply_gates_without_drop_runs_every_gate_on_every_document_and_rejects_none():
+    """drop=False (the benchmarks' every-step mode): a document that the first gate would drop still meets every
+    later gate, and its edits are still made."""
+    calls = []
+
+    def gate(name, result):
+        def run(view):
+            calls.append(name)
+            return result(view) if callable(result) else result
+        return run
+
+    edit = lambda view: Edit(view.text + " edited", {"edited": 1})  # noqa: E731
+    gates = [gate("drops", ("bad", {"x": 1})), gate("edits", edit), gate("drops again", ("worse", {}))]
+    docs = [Document(id=str(i), text=f"text {i}", url="u", source="s", offset=i, length=1) for i in range(3)]
+    out = list(apply_gates(iter(docs), gates, drop=False))
+    assert calls == ["drops", "edits", "drops again"] * 3
+    assert [(d.rejection, d.text, d.edits) for d in out] == [(None, f"text {i} edited", {"edited": 1})
+                                                             for i in range(3)]
+    calls.clear()
+    [dropped] = apply_gates(iter([Document(id="x", text="t", url="u", source="s", offset=0, length=1)]), gates)
+    assert calls == ["drops"] and dropped.rejection.reason == "bad"
+
+
 def test_disabled_families_are_not_run():
     off = {
         k: {"enabled": False}

@@ -64,8 +64,12 @@ def _classifier(cfg) -> list[Gate]:
     return [classifier_gate(cfg)]
 
 
-def apply_gates(docs: Iterator[Document], gates: list[Gate]) -> Iterator[Document]:
-    """Each gate reads one shared TextView of the document (split once); an edit makes a new view."""
+def apply_gates(docs: Iterator[Document], gates: list[Gate], drop: bool = True) -> Iterator[Document]:
+    """Each gate reads one shared TextView of the document (split once); an edit makes a new view.
+
+    drop=False runs every gate on every document and rejects none: the cost of the whole chain whatever the
+    verdicts (`python -m benchmarks data_vs_datatrove` compares pipelines so, since each stops at its first
+    drop and two pipelines drop different documents)."""
     for doc in docs:
         if doc.rejection is None:
             edits = doc.edits
@@ -79,7 +83,7 @@ def apply_gates(docs: Iterator[Document], gates: list[Gate]) -> Iterator[Documen
                         edits[k] = edits.get(k, 0) + v
                 elif isinstance(result, Score):
                     doc.scores[result.field] = result.value
-                elif result is not None:
+                elif result is not None and drop:
                     reason, signals = result
                     doc.reject("quality", reason, **doc.scores, **signals, **({"edits": dict(edits)} if edits else {}))
                     break
