@@ -128,6 +128,7 @@ def _two_views(run: Path, tmp_path: Path, **train) -> tuple[Path, Path, Path, Pa
     return view0, view1, *configs
 
 
+@pytest.mark.slow  # two gloo ranks, 6-10 s: the default suite stays under 10 minutes on 2 cores
 def test_ranks_resume_from_the_checkpoint_every_rank_can_read(ten_steps, tmp_path):
     view0, view1, cfg0, cfg1 = _two_views(ten_steps, tmp_path)
     newest = view1 / "run" / "checkpoints" / "step-00000010"
@@ -150,6 +151,7 @@ def test_a_rank_that_cannot_read_the_weights_still_resumes_from_the_newest(ten_s
     assert rank_lines(proc) == {r: {"rank": r, "steps": 12, "resumed_at": 10} for r in (0, 1)}
 
 
+@pytest.mark.slow  # two gloo ranks, 6-10 s: the default suite stays under 10 minutes on 2 cores
 def test_ranks_with_different_shards_stop_naming_the_rank(ten_steps, tmp_path):
     _, view1, cfg0, cfg1 = _two_views(ten_steps, tmp_path)
     manifest = view1 / "shards" / "manifest.json"

@@ -128,6 +128,7 @@ def test_pp2_x_dp2_on_four_ranks_trains_and_resumes_bitwise(workdir, tmp_path, d
     resume_from_step_5(tmp_path, full, 4, **sections)
 
 
+@pytest.mark.slow  # two gloo ranks, 6-10 s: the default suite stays under 10 minutes on 2 cores
 def test_pp2_summary_counts_every_stages_parameters(workdir, tmp_path):
     """The run's summary (`params`, what `kiln run` prints as model parameters) is the whole model's count, not the
     one stage rank 0 holds."""
