@@ -426,6 +426,28 @@ def test_plan_prints_each_scale_measured_here_extrapolated_and_on_gpus(corpus, m
     assert kiln(["ablate", str(corpus / "plan.yaml"), "--plan"]) == 0 and "400m" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("threads", ["auto", 1, None])
+def test_plan_measures_a_real_step_whatever_train_threads_says(threads):
+    """The step --plan times runs under every train.threads setting (README's `kiln ablate --plan` once stopped on
+    `auto`, the default: torch.set_num_threads("auto")); under auto it keeps the faster of 1 and all threads."""
+    import torch
+
+    from kiln.ablate import estimate
+    from kiln.config import load_config
+    from kiln.train.parts.threads import available_threads
+
+    cfg = load_config(ROOT / "examples" / "tiny.yaml", ["model.n_layers=1"])
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"threads": threads})})
+    before = torch.get_num_threads()
+    try:
+        seconds, flops = estimate.step_seconds(cfg, steps=1)
+        assert 0 < seconds < 1 and flops == estimate.flops_per_token(cfg)
+        expected = {"auto": available_threads(), 1: 1, None: before}[threads]  # auto: 1, then N last
+        assert torch.get_num_threads() == expected
+    finally:
+        torch.set_num_threads(before)
+
+
 def _spec_with_proxy(corpus, proxy):
     from kiln.ablate.spec import read_spec
 

@@ -28,14 +28,14 @@ MEASURE_TOKENS = 8192  # a measured step holds the run's batch, or as many seque
 
 def step_seconds(cfg: Config, steps: int = 2) -> tuple[float, int]:
     """(seconds per token of a training step, FLOPs per token) on this machine: the run's batch, or fewer
-    sequences (at least one) when it holds more than MEASURE_TOKENS tokens."""
+    sequences (at least one) when it holds more than MEASURE_TOKENS tokens. Under `train.threads: auto` on a CPU,
+    the faster of 1 and all available threads, as training's ThreadTuner would choose."""
     import torch
 
     from kiln.model.build import build_model
     from kiln.model.loss import next_token_loss
+    from kiln.train.parts.threads import available_threads
 
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(cfg.model, cfg.tokenizer.vocab_size, cfg.pack.seq_len).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -49,11 +49,20 @@ def step_seconds(cfg: Config, steps: int = 2) -> tuple[float, int]:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    step()
-    start = time.perf_counter()
-    for _ in range(steps):
+    threads = cfg.train.threads  # a number, "auto" or None (torch's default)
+    counts = [1, available_threads()] if threads == "auto" and device.type == "cpu" else [threads]
+    if threads == "auto" and device.type != "cpu":
+        counts = [None]
+    best = float("inf")
+    for count in dict.fromkeys(counts):  # 1 and N once each, even where N is 1
+        if count:
+            torch.set_num_threads(count)
         step()
-    return (time.perf_counter() - start) / steps / (rows * cfg.pack.seq_len), model.flops_per_token(cfg.pack.seq_len)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        best = min(best, (time.perf_counter() - start) / steps)
+    return best / (rows * cfg.pack.seq_len), model.flops_per_token(cfg.pack.seq_len)
 
 
 def flops_per_token(cfg: Config) -> int:
