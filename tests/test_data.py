@@ -504,8 +504,10 @@ def test_output_is_identical_for_one_and_two_workers(tmp_path, three_inputs):
     one, two = tmp_path / "w1" / "docs", tmp_path / "w2" / "docs"
     s1 = run_data(three_inputs, one, cfg(docs_per_part=50), workers=1)
     s2 = run_data(three_inputs, two, cfg(docs_per_part=50), workers=2)
-    assert s1["parts"] == s2["parts"] == 3  # 127 kept documents (118 + 5 + 4) over parts of 50
-    assert s1["documents"]["kept"] == 127 and s1["rejected_by_reason"]["dedup/exact_duplicate"] == 1
+    # 126 kept documents (117 + 5 + 4) over parts of 50: language ID on sampled windows scores three mostly
+    # untranslated French and Portuguese chapters of the sample under 0.5 (en, 0.30-0.44)
+    assert s1["parts"] == s2["parts"] == 3
+    assert s1["documents"]["kept"] == 126 and s1["rejected_by_reason"]["dedup/exact_duplicate"] == 1
     assert_same_output(one, two)
     assert len(list(read_docs(one))) == s1["documents"]["kept"]
 
