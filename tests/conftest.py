@@ -107,6 +107,12 @@ def workdir(prepared, tmp_path) -> Path:
     return out
 
 
+def _torchrun(nproc: int) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
 def torchrun_script(script: Path, *args, nproc: int = 2, env: dict[str, str] | None = None, timeout: float = 300):
     """`python -m torch.distributed.run --standalone --nproc_per_node=NPROC SCRIPT ARGS` from the repo root, output
     captured, each rank with one OpenMP thread and faulthandler on (a rank that dies in native code prints its
@@ -114,16 +120,14 @@ def torchrun_script(script: Path, *args, nproc: int = 2, env: dict[str, str] | N
 
     A rank killed by a signal runs the script once more, with a warning that shows the first attempt's output: CI
     saw gloo ranks end in SIGABRT ("terminate called without an active exception") in torch's teardown after the
-    script's work was done, about 1 run in 40 on 2 loaded cores, even after destroy_process_group. A wrong
+    script's work was done (here: 1 run in 15 on 2 loaded cores, 1 in 80 after destroy_process_group). A wrong
     result, an exception or a timeout still fails at once. So a script run here must give the same result when
     run twice (it writes nothing, or writes over what it wrote)."""
     import subprocess
-    import sys
     import warnings
 
     env = {**(env or os.environ), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
-           *map(str, args)]
+    cmd = [*_torchrun(nproc), str(script), *map(str, args)]
     for attempt in (1, 2):
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         if proc.returncode == 0 or attempt == 2 or not killed_by_a_signal(proc.stderr):
@@ -144,8 +148,6 @@ def torchrun_kiln(*args, env: dict[str, str], nproc: int = 2, timeout: float = 3
     """`python -m torch.distributed.run --standalone --nproc_per_node=NPROC -m kiln ARGS`, run from the repo root,
     output captured: the launch every multi-rank CLI test uses."""
     import subprocess
-    import sys
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "kiln"]
-    return subprocess.run([*cmd, *map(str, args)], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([*_torchrun(nproc), "-m", "kiln", *map(str, args)], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)

@@ -50,9 +50,10 @@ def step_seconds(cfg: Config, steps: int = 2) -> tuple[float, int]:
             torch.cuda.synchronize()
 
     threads = cfg.train.threads  # a number, "auto" or None (torch's default)
-    counts = [1, available_threads()] if threads == "auto" and device.type == "cpu" else [threads]
-    if threads == "auto" and device.type != "cpu":
-        counts = [None]
+    if threads == "auto":  # as the ThreadTuner: on a CPU the faster of 1 and all threads; on a GPU nothing is set
+        counts = [1, available_threads()] if device.type == "cpu" else [None]
+    else:
+        counts = [threads]
     best = float("inf")
     for count in dict.fromkeys(counts):  # 1 and N once each, even where N is 1
         if count:
