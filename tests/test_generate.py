@@ -134,3 +134,12 @@ def test_cli_rejects_bad_sampling_settings(checkpoint, capsys, args, message):
 def test_cli_names_a_folder_that_is_not_a_checkpoint(tmp_path, capsys):
     assert kiln(["generate", str(tmp_path), "--prompt", "x"]) == 2
     assert str(tmp_path) in capsys.readouterr().err
+
+
+def test_cli_refuses_a_prompt_that_is_not_utf8_in_one_line(checkpoint, capsys):
+    """Issue 45 item 10: a prompt of bytes that are not UTF-8 (Python's argv holds them as lone surrogates) is one
+    line naming --prompt and the byte, not a traceback from the encoder."""
+    assert kiln(["generate", str(checkpoint), "--prompt", "caf\udce9 au lait", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["kiln: error: --prompt is not valid UTF-8 (byte 0xe9 at character 3); pass "
+                                        "the prompt as UTF-8 text (e.g. convert it with iconv -t UTF-8)"]

@@ -234,6 +234,33 @@ def test_an_unexpected_error_is_one_line_with_its_traceback_in_a_log_in_the_outp
         kiln(["data", str(small_jsonl), "--out", str(out)])
 
 
+def test_the_last_resort_never_fails_on_arguments_that_are_not_utf8(tmp_path, capsys, monkeypatch):
+    """Issue 45 item 10: argv holding bytes that are not UTF-8 (lone surrogates in Python) is written to the log
+    escaped; and should the log itself fail, the one line still comes."""
+    import kiln.cli as cli
+    import kiln.commands.ops as ops
+
+    def bug(args):
+        raise TypeError("bad \udcff input")
+
+    monkeypatch.setattr(ops, "cmd_report", bug)
+    monkeypatch.delenv("KILN_DEBUG", raising=False)
+    argv = ["report", str(tmp_path / "run"), "--out", str(tmp_path / "out" / "r\udcff.html")]
+    monkeypatch.setattr(sys, "argv", ["kiln", *argv])
+    assert kiln(argv) == 3
+    line = one_line(capsys.readouterr().err)
+    [log] = (tmp_path / "out").glob("kiln-error-*.log")
+    assert line.startswith("kiln: error: unexpected TypeError: bad ") and str(log) in line
+    text = log.read_text()
+    assert text.startswith("kiln report ") and "r\\udcff.html" in text and "TypeError: bad \\udcff input" in text
+
+    monkeypatch.setattr(cli, "_output_folder", lambda args: 1 / 0)
+    assert kiln(argv) == 3
+    assert one_line(capsys.readouterr().err) == ("kiln: error: unexpected TypeError (the traceback could not be "
+                                                 "written: ZeroDivisionError); run with KILN_DEBUG=1 for the "
+                                                 "traceback")
+
+
 def test_an_unexpected_error_of_a_run_logs_in_its_out_dir(workdir, tmp_path, capsys, monkeypatch):
     import kiln.flow as flow
 

@@ -131,7 +131,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if os.environ.get("KILN_DEBUG"):
             raise
-        print(_unexpected(exc, args), file=sys.stderr)
+        try:
+            line = _unexpected(exc, args)
+        except Exception as inner:  # the last resort itself never fails: the one line, without its log
+            line = (f"kiln: error: unexpected {type(exc).__name__} (the traceback could not be written: "
+                    f"{type(inner).__name__}); run with KILN_DEBUG=1 for the traceback")
+        print(line.encode("utf-8", "backslashreplace").decode("utf-8"), file=sys.stderr)
         return 3
 
 
@@ -164,7 +169,8 @@ def _unexpected(exc: BaseException, args: argparse.Namespace) -> str:
             continue
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / name).write_text(f"kiln {' '.join(sys.argv[1:])}\n{text}")
+            # argv and messages may hold what is not UTF-8 (bytes the shell passed): written escaped, never refused
+            (folder / name).write_text(f"kiln {' '.join(sys.argv[1:])}\n{text}", "utf-8", "backslashreplace")
             log = folder / name
             break
         except OSError:

@@ -78,11 +78,23 @@ def sample_ids(model: torch.nn.Module, context: list[int], max_new_tokens: int, 
     return new, stop
 
 
+def check_prompt(prompt: str) -> None:
+    """A prompt is text: bytes that are not UTF-8 (which Python hands over as lone surrogates) are refused."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(prompt[exc.start])
+        what = f"byte 0x{code - 0xdc00:02x}" if 0xdc80 <= code <= 0xdcff else f"lone surrogate U+{code:04X}"
+        raise KilnError(f"--prompt is not valid UTF-8 ({what} at character {exc.start}); pass the prompt as "
+                        "UTF-8 text (e.g. convert it with iconv -t UTF-8)") from None
+
+
 def generate(model: torch.nn.Module, tokenizer, prompt: str, max_new_tokens: int = 100, temperature: float = 1.0,
              top_k: int | None = None, seed: int = 0, eos_token: str | None = None) -> Generation:
     """Continue `prompt` with `model`; the same seed gives the same text. `eos_token`: default Kiln's <|eos|>."""
     from kiln.tokenizer import EOS, eos_id
 
+    check_prompt(prompt)
     eos = eos_id(tokenizer, eos_token or EOS)
     context = [eos] + tokenizer.encode(prompt, add_special_tokens=False).ids
     new, stop = sample_ids(model, context, max_new_tokens, temperature, top_k, seed, eos, tokenizer.get_vocab_size())
@@ -95,5 +107,6 @@ def generate_from_checkpoint(folder: str | Path, prompt: str, max_new_tokens: in
     from kiln.eval import load_eval_model
 
     check_sampling(max_new_tokens, temperature, top_k)  # before the (slow) load
+    check_prompt(prompt)
     model, tok, cfg = load_eval_model(Path(folder))
     return generate(model, tok, prompt, max_new_tokens, temperature, top_k, seed, cfg.tokenizer.eos_token)
