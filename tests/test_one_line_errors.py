@@ -210,6 +210,22 @@ def test_a_full_disk_names_the_output_and_its_free_space_not_the_working_folder(
     assert err.strip().splitlines()[-1].startswith(f"kiln: error: no space left on the device writing {out} (")
 
 
+@pytest.mark.parametrize("argv, name", [
+    (["ablate", "FILE.yaml", "--until", "data", "data.min_chars=5"], "ablate"),
+    (["ablate", "FILE.yaml", "--plan", "train.lr=1"], "ablate"),
+    (["eval", "RUN", "model.dim=64"], "eval"),
+    (["generate", "RUN", "--prompt", "x", "train.lr=abc"], "generate"),
+    (["ckpt", "verify", "DIR", "foo=bar"], "ckpt verify"),
+    (["eval", "RUN", "--", "model.dim=64"], "eval"),
+    (["shards", "inspect", "DIR", "--at", "0", "--set", "pack.seq_len=8"], "shards inspect"),
+])
+def test_overrides_on_a_command_that_takes_none_are_refused(argv, name, capsys):
+    """Issue 37 item 10: KEY=VALUE words on a command that reads no config were ignored with exit 0."""
+    assert kiln(argv) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"kiln: error: `kiln {name}` takes no KEY=VALUE overrides, got {argv[-1]}; ")
+
+
 # --- the last resort ------------------------------------------------------------------------------------------
 
 def test_an_unexpected_error_is_one_line_with_its_traceback_in_a_log_in_the_output_folder(small_jsonl, tmp_path,

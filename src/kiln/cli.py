@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(words)
     if extra and not all("=" in e and not e.startswith("-") for e in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if (refused := _refused_overrides(args, [*extra, *(explicit or [])])) is not None:
+        print(f"kiln: error: {refused}", file=sys.stderr)
+        return 2
     if hasattr(args, "inputs"):
         args.inputs += extra
     elif extra:
@@ -138,6 +141,17 @@ def main(argv: list[str] | None = None) -> int:
                     f"{type(inner).__name__}); run with KILN_DEBUG=1 for the traceback")
         print(line.encode("utf-8", "backslashreplace").decode("utf-8"), file=sys.stderr)
         return 3
+
+
+def _refused_overrides(args: argparse.Namespace, overrides: list[str]) -> str | None:
+    """KEY=VALUE words given to a command that reads no config (eval, generate, ckpt, shards, ablate, ...): refused,
+    never silently ignored."""
+    if not overrides or hasattr(args, "inputs") or hasattr(args, "overrides"):
+        return None
+    name = " ".join([args.command, *(v for k, v in vars(args).items() if k.endswith("_command"))])
+    fix = ("put them in the ablation file (an arm's set:, or its base config)" if name == "ablate" else
+           f"its settings are its options (kiln {name} --help)")
+    return f"`kiln {name}` takes no KEY=VALUE overrides, got {' '.join(overrides)}; {fix}"
 
 
 def _output_folder(args: argparse.Namespace) -> Path | None:
