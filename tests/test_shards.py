@@ -833,6 +833,17 @@ def test_cli_inspect_bad_index_or_tokenizer(shards, manifest, tmp_path, capsys):
     assert "not the tokenizer these shards were encoded with" in capsys.readouterr().err
 
 
+def test_cli_inspect_names_a_folder_that_is_not_a_tokenizer(shards, prepared, capsys):
+    """Issue 45 item 11: --tokenizer naming a docs folder (a Kiln folder of another stage) says just that, not that
+    the folder was changed after Kiln wrote it."""
+    docs = prepared.out / "docs"
+    assert cli_main(["shards", "inspect", str(shards), "--at", "0", "--tokenizer", str(docs)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        f"kiln: error: {docs} is not a tokenizer folder: it holds a `kiln data` output, with no tokenizer.json; "
+        "pass a tokenizer folder ({out_dir}/tokenizer), a checkpoint folder or a tokenizer.json"]
+
+
 def test_cli_inspect_best_fit_shows_padding(best_fit, prepared, capsys):
     folder, m = best_fit
     L = m["sample_len"]

@@ -17,7 +17,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from kiln.config import TokenizerConfig
 from kiln.errors import KilnError
-from kiln.manifest import MANIFEST, read_manifest, sha256_file, staging_dir, write_atomic, write_manifest, writes_folder
+from kiln.manifest import (MANIFEST, STAGE_COMMANDS, read_manifest, sha256_file, staging_dir, write_atomic,
+                           write_manifest, writes_folder)
 from kiln.names import listed_name
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -141,7 +142,13 @@ def tokenizer_file(path: str | Path) -> Path:
     if path.is_file() or (path.suffix and not path.is_dir()):  # a file (or one that is missing: the caller says so)
         return path
     if (path / MANIFEST).is_file():
-        return listed_name(path, TOKENIZER_FILE, read_manifest(path)["files"], path / MANIFEST)
+        manifest = read_manifest(path)
+        if TOKENIZER_FILE not in manifest["files"] and not (path / TOKENIZER_FILE).exists():  # another stage's
+            stage = manifest.get("stage")
+            raise KilnError(f"{path} is not a tokenizer folder: it holds a `{STAGE_COMMANDS.get(stage, stage)}` "
+                            f"output, with no {TOKENIZER_FILE}; pass a tokenizer folder ({{out_dir}}/tokenizer), "
+                            f"a checkpoint folder or a {TOKENIZER_FILE}")
+        return listed_name(path, TOKENIZER_FILE, manifest["files"], path / MANIFEST)
     return path / TOKENIZER_FILE
 
 
