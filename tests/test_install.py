@@ -29,6 +29,14 @@ def make_dry_run(target: str) -> str:
     return done.stdout
 
 
+def test_the_license_is_an_spdx_string_so_setuptools_builds_without_a_deprecation():
+    """Issue 37 item 17: `license = {text = ...}` made setuptools print BuildBackendWarning three times per install
+    (and such builds stop working after 2027-02-18); the SPDX string needs setuptools 77 or newer (PEP 639)."""
+    assert PYPROJECT["project"]["license"] == "Apache-2.0"
+    [setuptools] = [r for r in PYPROJECT["build-system"]["requires"] if r.startswith("setuptools")]
+    assert setuptools == "setuptools>=77"
+
+
 def test_make_run_installs_the_core_and_make_test_the_dev_extras():
     run = make_dry_run("run")
     assert re.search(r"pip install -q -c constraints.txt -e \.$", run, re.MULTILINE), run
