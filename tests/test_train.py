@@ -255,3 +255,18 @@ def test_an_unsigned_manifest_edited_to_another_step_is_refused(workdir, tmp_pat
     assert rows[0].startswith("step-00000003  valid    step 3 ") and rows[1].startswith("step-00000006  INVALID ")
     assert "says step 60" in rows[1]
     assert latest_valid(root, log=lambda *_: None) == root / "step-00000003"  # a resume takes the honest one
+
+
+def test_the_mfu_note_is_said_once_per_process(workdir, tmp_path, monkeypatch):
+    """Issue 37 item 16: an ablation trains many runs in one process; "MFU not reported: unknown device 'cpu'" is
+    said by the first, not repeated by each."""
+    import kiln.train.trainer as trainer
+
+    monkeypatch.setattr(trainer, "_MFU_NOTED", set())
+    other = tmp_path / "other"
+    shutil.copytree(workdir, other)
+    said = []
+    for out in (workdir, other):
+        Trainer(tiny_config(out, train={"max_steps": 2, "eval_every": 0}), log=said.append).run()
+    assert [line for line in said if line.startswith("MFU not reported")] == [
+        "MFU not reported: unknown device 'cpu': set train.peak_tflops to report MFU"]

@@ -605,7 +605,7 @@ class TelemetryConfig(Section):
     straggler_ratio: float = Field(1.3, gt=1, description="a rank whose compute time stays above this multiple "
                                    "of the median rank's is a straggler")
     straggler_windows: int = Field(2, ge=1, description="consecutive log windows a rank must stay slow to be reported")
-    jump_fraction: float = Field(0.3, gt=0, description="alert when tokens/s moves this far from its rolling median")
+    jump_fraction: float = Field(0.3, gt=0, description="alert when tokens/s falls this far below its rolling median")
     rolling_windows: int = Field(10, ge=2, description="log windows in the rolling median tokens/s is compared with")
 
 

@@ -16,7 +16,8 @@ metrics.jsonl and writes each alert as an `{"event": "alert", "kind": ...}` reco
                    telemetry.straggler_ratio x the median rank's for telemetry.straggler_windows log windows,
                    named by rank and host
   throttle         a bad throttle reason (nvml.BAD_THROTTLE: thermal, power brake) that appears mid-run
-  throughput       tokens/s more than telemetry.jump_fraction away from its rolling median
+  throughput       tokens/s more than telemetry.jump_fraction below its rolling median (a rise needs no action:
+                   it is not an alert)
   alloc_retries    a rank's allocation retries grew since the last log step
 
 Memory: bounded by telemetry.rolling_windows numbers plus one log window of step times per rank.
@@ -211,9 +212,9 @@ class Telemetry:
         if len(self.rates) >= 3:
             median = statistics.median(self.rates)
             change = tokens_per_s / median - 1
-            if abs(change) > self.cfg.jump_fraction:
+            if change < -self.cfg.jump_fraction:  # only a fall is for the user to act on
                 alerts.append(self._alert(step, "throughput", None,
-                                          f"tokens/s {'fell' if change < 0 else 'rose'} {abs(change):.0%} from its "
+                                          f"tokens/s fell {-change:.0%} from its "
                                           f"rolling median ({tokens_per_s:,.0f} against {median:,.0f})",
                                           tokens_per_s=tokens_per_s, median_tokens_per_s=median))
         self.rates.append(tokens_per_s)

@@ -58,6 +58,9 @@ from kiln.train.parts.watchdog import Watchdog
 from kiln.train.schedule import build_schedule
 from kiln.train.telemetry import Telemetry
 
+_MFU_NOTED: set[str] = set()  # the "MFU not reported" reasons this process has said (kiln ablate trains many runs)
+
+
 class Trainer:
     def __init__(self, cfg: Config, d: Dist | None = None, log=print) -> None:
         self.cfg, self.log = cfg, log
@@ -214,7 +217,8 @@ class Trainer:
             self.log(f"resumed from {resumed} (step {self.step})")
         elif self.step == 0:
             self.validator.validate(0)
-        if self.peak is None and self.d.is_main and self.step < t.max_steps:
+        if self.peak is None and self.d.is_main and self.step < t.max_steps and self.peak_source not in _MFU_NOTED:
+            _MFU_NOTED.add(self.peak_source)  # once per process and device: an ablation's runs do not repeat it
             self.log(f"MFU not reported: {self.peak_source}")
         if self.d.is_main and self.step < t.max_steps:
             for warning in warnings_for(cfg, len(self.train_set)):
