@@ -40,7 +40,7 @@ from kiln.data.docs import read_docs
 from kiln.data.pipeline import expand_inputs, run_data
 from kiln.data.tables import table
 from kiln.errors import KilnError
-from kiln.manifest import MANIFEST, read_manifest, verify_folder
+from kiln.manifest import MANIFEST, read_manifest, sha256_file, verify_folder
 
 KEPT_FIELDS = {"id", "text", "url", "source", "offset", "length", "lang", "lang_score"}
 REJECT_FIELDS = {"id", "url", "source", "offset", "stage", "reason", "signals"}
@@ -741,3 +741,39 @@ def test_near_duplicates_across_files_are_removed_in_the_stage_with_a_ledger(tmp
     assert len(rows) == 1 and by_id[rows[0]["survivor"]] == "http://a.example/orig" and rows[0]["similarity"] >= 0.8
     weights = table(out, "source_weights")
     assert str(a) in weights and {"weight", "z"} <= set(weights[str(a)])
+
+
+def test_kiln_data_keeps_a_complete_folder_and_a_rewrite_has_the_same_content_fingerprint(tmp_path, capsys):
+    """Issue 45.2: a second `kiln data` on the same inputs and settings skips, as `kiln run` does; a docs folder
+    written again (new timings and worker pids in stats.json) fingerprints as the same content."""
+    from kiln.cli import main as kiln
+    from kiln.data.docs import content_fingerprint
+
+    warc = write_warc(tmp_path / "a.warc.gz", four_pages("a", 80))
+    out = tmp_path / "docs"
+    args = ["data", str(warc), "--out", str(out), "--", "data.min_chars=200", "data.workers=1"]
+    assert kiln(args) == 0
+    first, stamp, fp = output_files(out), (out / MANIFEST).stat().st_mtime_ns, content_fingerprint(out)
+    capsys.readouterr()
+    assert kiln(args) == 0
+    said = capsys.readouterr()
+    assert f"kiln data: {out} is complete and up to date" in said.err
+    assert json.loads(said.out)["documents"] == json.loads(first["stats.json"])["documents"]
+    assert output_files(out) == first and (out / MANIFEST).stat().st_mtime_ns == stamp
+    assert kiln([*args, "data.min_chars=201"]) == 0 and (out / MANIFEST).stat().st_mtime_ns != stamp  # other settings
+    shutil.rmtree(out)
+    assert kiln(args) == 0
+    again = json.loads((out / "stats.json").read_text())
+    again["timings_s"]["task_cpu_by_worker"] = {"elsewhere:1": 9.0}  # another run's pids and seconds ...
+    again["tasks_resumed"] = 1
+    (out / "stats.json").write_text(json.dumps(again))
+    manifest = json.loads((out / MANIFEST).read_text())
+    manifest["files"]["stats.json"] = {"size": (out / "stats.json").stat().st_size,
+                                       "sha256": sha256_file(out / "stats.json")}
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    assert content_fingerprint(out) == fp  # ... are not content
+    again["documents"]["kept"] += 1  # a count is
+    (out / "stats.json").write_text(json.dumps(again))
+    manifest["files"]["stats.json"]["sha256"] = sha256_file(out / "stats.json")
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    assert content_fingerprint(out) != fp

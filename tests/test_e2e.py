@@ -100,3 +100,48 @@ def test_misspelt_key_stops_before_any_work(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "train.max_step" in err and "train.max_steps" in err
     assert not out.exists()
+
+
+def test_docs_written_again_keep_the_tokenizer_shards_and_the_resume(flow, tmp_path, capsys):
+    """Issue 45.2: the same inputs written into docs/ again (new timings and pids in stats.json) are the same
+    data: the tokenizer and shards are kept byte for byte and training resumes from its checkpoint."""
+    out = tmp_path / "out"
+    shutil.copytree(flow, out)
+    shutil.rmtree(out / "docs")
+    capsys.readouterr()
+    assert kiln(["run", str(ROOT / "examples" / "tiny.yaml"), f"out_dir={out}", *SMALL, "train.max_steps=35"]) == 0
+    err = capsys.readouterr().err
+    assert "data: reading" in err and "tokenizer: skipping" in err and "pack: skipping" in err, err
+    assert "trained on other data" not in err
+    for name in ("tokenizer", "shards"):
+        files = sorted(p.relative_to(flow / name) for p in (flow / name).rglob("*") if p.is_file())
+        assert files and all((out / name / f).read_bytes() == (flow / name / f).read_bytes() for f in files), name
+    steps = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps if s.get("event") == "step"][-6:] == [30, 31, 32, 33, 34, 35]
+
+
+def test_a_tokenizer_and_shards_an_older_kiln_fingerprinted_are_kept(prepared, tmp_path):
+    """Before issue 45.2 the later stages' fingerprints hashed the docs manifest's bytes: such folders are still
+    up to date while that manifest is unchanged (else each run's checkpoints would meet repacked shards)."""
+    import hashlib
+
+    from conftest import tiny_config
+    from kiln.flow import run_pack_stage, run_tokenizer_stage
+    from kiln.manifest import sha256_file
+
+    out = tmp_path / "out"
+    for name in ("docs", "tokenizer", "shards"):
+        shutil.copytree(prepared.out / name, out / name)
+    cfg, docs_sha = tiny_config(out), sha256_file(out / "docs" / "manifest.json")
+    old = {"tokenizer": [docs_sha, cfg.section_hash("tokenizer")],
+           "shards": [docs_sha, sha256_file(out / "tokenizer" / "tokenizer.json"), cfg.section_hash("pack")]}
+    for name, parts in old.items():
+        manifest = json.loads((out / name / "manifest.json").read_text())
+        manifest["fingerprint"] = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+        (out / name / "manifest.json").write_text(json.dumps(manifest))
+    before = (out / "shards" / "manifest.json").read_bytes()
+    log: list[str] = []
+    run_tokenizer_stage(cfg, log.append)
+    run_pack_stage(cfg, log.append)
+    assert [line.split(",")[0] for line in log] == ["tokenizer: skipping", "pack: skipping"]
+    assert (out / "shards" / "manifest.json").read_bytes() == before

@@ -5,10 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from pathlib import Path
 from typing import Any, Callable
 
-from kiln.config import Config
-from kiln.data.docs import read_docs
+from kiln.config import Config, DataConfig
+from kiln.data.docs import content_fingerprint, read_docs
 from kiln.data.pipeline import expand_inputs, fingerprint as data_fingerprint, run_data
 from kiln.data.rejections import few_documents_message
 from kiln.data.tables import down_weighted
@@ -42,20 +43,38 @@ def _skip(log: Callable[[str], None], message: str) -> None:
     getattr(log, "skip", log)(message)  # a plain callable (tests, benchmarks) just prints
 
 
+def make_docs(inputs: list[str], docs: Path, data: DataConfig, log: Callable[[str], None],
+              workers: int | None = None, progress: bool | None = None) -> dict[str, Any]:
+    """The docs folder `docs` from `inputs` (`kiln run`'s data stage and `kiln data`), skipped when it is complete
+    and was made from the same inputs and data settings; returns its stats.json. `progress`: None draws the
+    bar when stderr is a terminal."""
+    files = expand_inputs(inputs, data.storage_options)
+    if is_complete(docs, data_fingerprint(files, data)):
+        _skip(log, f"data: skipping, {docs} is complete and up to date")
+    else:
+        log(f"data: reading {len(files):,} input file{'' if len(files) == 1 else 's'} -> {docs}")
+        run_data(inputs, docs, data, workers=workers, progress=stderr_is_terminal() if progress is None else progress)
+    return json.loads((docs / "stats.json").read_text())
+
+
 def run_data_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
-    docs = cfg.out / "docs"
     if not cfg.data.inputs:
         raise KilnError(
             "data.inputs is empty; list WARC files or globs in the config (e.g. examples/data/sample.warc.gz)"
         )
-    files = expand_inputs(cfg.data.inputs, cfg.data.storage_options)
-    fp = data_fingerprint(files, cfg.data)
-    if is_complete(docs, fp):
-        _skip(log, f"data: skipping, {docs} is complete and up to date")
-    else:
-        log(f"data: reading {len(files):,} input file{'' if len(files) == 1 else 's'} -> {docs}")
-        run_data(cfg.data.inputs, docs, cfg.data, progress=stderr_is_terminal())
-    return json.loads((docs / "stats.json").read_text())
+    return make_docs(cfg.data.inputs, cfg.out / "docs", cfg.data, log)
+
+
+def _docs_fingerprint(docs: Path, out: Path, *parts: str) -> tuple[str, bool]:
+    """A later stage's fingerprint over the docs folder's content (`docs.content_fingerprint`: never its
+    timings or pids), and whether `out` is complete and made from it; an `out` an older Kiln fingerprinted
+    over the docs manifest's bytes counts while that manifest is unchanged."""
+    fp, before = _hash(content_fingerprint(docs), *parts), _hash(sha256_file(docs / MANIFEST), *parts)
+    try:
+        recorded = json.loads((out / MANIFEST).read_text()).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return fp, False
+    return fp, recorded in (fp, before) and is_complete(out, recorded)
 
 
 def run_tokenizer_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
@@ -72,8 +91,8 @@ def run_tokenizer_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, An
             log(f"tokenizer: using {cfg.tokenizer.path} -> {out}")
             use_tokenizer(out, cfg.tokenizer, fingerprint=fp)
         return read_manifest(out)
-    fp = _hash(sha256_file(docs / MANIFEST), cfg.section_hash("tokenizer"))
-    if is_complete(out, fp):
+    fp, current = _docs_fingerprint(docs, out, cfg.section_hash("tokenizer"))
+    if current:
         _skip(log, f"tokenizer: skipping, {out} is complete and up to date")
     else:
         log(f"tokenizer: training byte-level BPE (vocab {cfg.tokenizer.vocab_size}) -> {out}")
@@ -84,8 +103,8 @@ def run_tokenizer_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, An
 
 def run_pack_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
     docs, tok, out = cfg.out / "docs", cfg.out / "tokenizer", cfg.out / "shards"
-    fp = _hash(sha256_file(docs / MANIFEST), tokenizer_sha256(tok), cfg.section_hash("pack"))
-    if is_complete(out, fp):
+    fp, current = _docs_fingerprint(docs, out, tokenizer_sha256(tok), cfg.section_hash("pack"))
+    if current:
         _skip(log, f"pack: skipping, {out} is complete and up to date")
     else:
         log(f"pack: encoding and packing into sequences of {cfg.pack.seq_len} -> {out}")

@@ -34,7 +34,7 @@ def add_data(sub) -> None:
 
 def cmd_data(args) -> int:
     from kiln.config import load_config
-    from kiln.data.pipeline import run_data
+    from kiln.flow import StageLog, make_docs
 
     if args.inputs[:1] == ["explain"]:  # `kiln data explain DOC_ID_OR_URL --out DIR` (a file named explain: ./explain)
         return cmd_data_explain(args.inputs[1:], Path(args.out))  # a URL may hold '=': not an override here
@@ -49,7 +49,11 @@ def cmd_data(args) -> int:
         raise KilnError("kiln data: give at least one INPUT file or glob")
     if args.workers is not None and args.workers < 1:
         raise KilnError(f"kiln data: --workers must be at least 1, got {args.workers}")
-    stats = run_data(inputs, Path(args.out), cfg.data, workers=args.workers, progress=True)
+    said = StageLog(lambda line: None)  # the progress bar tells the work; a skip is said below
+    stats = make_docs(inputs, Path(args.out), cfg.data, said, workers=args.workers, progress=True)
+    if said.skipped:  # a complete docs folder of the same inputs and settings, kept as `kiln run` keeps it
+        print(f"kiln data: {args.out} is complete and up to date (same inputs and data settings): not written "
+              f"again", file=sys.stderr)
     print(json.dumps(stats, indent=1, ensure_ascii=False))
     for err in stats["file_errors"]:  # also in stats.json; a line each, where the user looks
         print(f"kiln: warning: {err['error']}", file=sys.stderr)

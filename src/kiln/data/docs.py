@@ -21,7 +21,7 @@ from typing import IO, Any, Iterable, Iterator
 import zstandard
 
 from kiln.errors import IntegrityError, KilnError
-from kiln.manifest import MANIFEST, read_manifest
+from kiln.manifest import MANIFEST, read_manifest, sha256_file
 from kiln.data.tables import check_table_names
 from kiln.data.vouch import HashingReader
 
@@ -78,6 +78,25 @@ class DocsReader:
         if digest != sha256:
             raise IntegrityError(f"{path}: sha256 {digest[:16]}… != {MANIFEST}; the docs folder changed after "
                                  f"`kiln data` wrote it, run `kiln data` again")
+
+
+# stats.json's fields that tell how a run went, not what it made (seconds, worker pids, tasks reused): no
+# fingerprint covers them, so the same documents written again are the same docs folder to the later stages.
+RUN_FIELDS = ("timings_s", "tasks", "tasks_resumed", "dedup_tasks")
+
+
+def content_fingerprint(folder: Path) -> str:
+    """sha256 of what a committed docs folder holds, what the tokenizer's and the shards' fingerprints depend on:
+    its manifest (every part, reject, ledger and table by sha256, the counts) with stats.json's hash replaced
+    by stats.json itself without RUN_FIELDS."""
+    manifest, path = read_manifest(folder), Path(folder) / "stats.json"
+    listed = manifest["files"].get("stats.json")
+    if listed is None or not path.is_file() or sha256_file(path) != listed["sha256"]:
+        raise IntegrityError(f"{path}: not the stats.json {MANIFEST} lists; the docs folder changed after "
+                             f"`kiln data` wrote it, run `kiln data` again")
+    stats = {k: v for k, v in json.loads(path.read_text()).items() if k not in RUN_FIELDS}
+    view = {**manifest, "files": {**manifest["files"], "stats.json": stats}}
+    return hashlib.sha256(json.dumps(view, sort_keys=True).encode()).hexdigest()
 
 
 def read_docs(folder: Path) -> Iterable[dict[str, Any]]:
