@@ -132,6 +132,39 @@ def test_a_stopped_pack_redoes_only_the_tasks_without_a_good_marker(prepared, fo
     assert not work.exists()
 
 
+def test_a_full_disk_mid_pack_leaves_no_half_written_task_and_a_rerun_resumes(prepared, folder, tmp_path,
+                                                                             monkeypatch):
+    """The disk fills inside a task: the one-line error's "nothing half-written was kept" is true (the failed
+    task's partial shards go, giving their space back), the committed tasks stay, and a re-run resumes."""
+    import errno
+
+    from kiln.errors import KilnError
+    from kiln.shards import writer
+
+    tok = prepared.out / "tokenizer"
+    shards_of(folder, tok, tmp_path / "fresh")
+    real_write, writes = writer.ShardFile.write, []
+
+    def fills_up(self, *args):
+        real_write(self, *args)  # bytes reach the disk, then it is full
+        writes.append(1)
+        if len(writes) == 60:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.bin.name))
+
+    monkeypatch.setattr(writer.ShardFile, "write", fills_up)
+    with pytest.raises(KilnError, match=r"^no space left on the device writing .*nothing half-written was kept"):
+        shards_of(folder, tok, tmp_path / "shards")
+    [work] = tmp_path.glob(".shards-work-*")
+    done = sorted(p.name.removesuffix(".done.json") for p in work.glob("task-*.done.json"))
+    assert done and sorted(p.name for p in work.iterdir() if p.is_dir()) == done  # no task folder without a marker
+    assert not list(tmp_path.glob("shards*"))  # nor a staging folder
+    monkeypatch.undo()
+    ran, real = [], packing.pack_range
+    monkeypatch.setattr(packing, "pack_range", lambda job: ran.append(job[0].name) or real(job))
+    shards_of(folder, tok, tmp_path / "shards")
+    assert not set(ran) & set(done) and output_files(tmp_path / "fresh") == output_files(tmp_path / "shards")
+
+
 def test_a_part_that_does_not_hold_docs_per_part_is_refused(prepared, tmp_path):
     folder = docs_folder(tmp_path / "docs", copies(prepared, 1)[:30], 10)
     manifest = json.loads((folder / "manifest.json").read_text())

@@ -241,10 +241,15 @@ def pack_range(job: tuple[PackTask, PackSpec, str]) -> dict[str, Any]:
     folder = Path(work) / task.name
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    encoded = encode_documents(_documents(task), Path(spec.tokenizer_file), spec.cfg.batch_docs, 1, spec.dtype,
-                               spec.eos)
-    summary = write_shards(encoded, task.first, folder, spec)
-    return summary | {"index": task.index, "files": _file_records(folder),
+    try:
+        encoded = encode_documents(_documents(task), Path(spec.tokenizer_file), spec.cfg.batch_docs, 1, spec.dtype,
+                                   spec.eos)
+        summary = write_shards(encoded, task.first, folder, spec)
+        files = _file_records(folder)
+    except BaseException:  # a failed task leaves no half-written shards (on a full disk: their space back)
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return summary | {"index": task.index, "files": files,
                       "documents": sum(info["documents"] for parts in summary["splits"].values()
                                        for *_, info in parts)}
 
@@ -282,11 +287,20 @@ def run_pack_tasks(docs: DocsReader, spec: PackSpec, out: Path, advance=None) ->
         todo = [t for t in tasks if t.index not in good]
         if cfg.executor == "local" and cfg.workers > 1:  # the cores shared out among the processes that run
             spec = replace(spec, threads=max(1, (os.cpu_count() or 1) // min(cfg.workers, max(len(todo), 1))))
-        todo = [(t, spec, str(work)) for t in todo]
-        for summary in run_tasks(pack_range, todo, cfg.workers, cfg.executor, cfg.ray_address, spawn=True):
-            write_atomic(work / f"task-{summary['index']:05d}.done.json", json.dumps(summary))
-            if advance:
-                advance(summary["documents"], sum(summary["text_bytes"].values()))
+        jobs, committed = [(t, spec, str(work)) for t in todo], set()
+        results = run_tasks(pack_range, jobs, cfg.workers, cfg.executor, cfg.ray_address, spawn=True)
+        try:
+            for summary in results:
+                write_atomic(work / f"task-{summary['index']:05d}.done.json", json.dumps(summary))
+                committed.add(summary["index"])
+                if advance:
+                    advance(summary["documents"], sum(summary["text_bytes"].values()))
+        except BaseException:  # the workers ended first, then the files of every task not committed go
+            getattr(results, "close", lambda: None)()
+            for t in todo:
+                if t.index not in committed:
+                    shutil.rmtree(work / t.name, ignore_errors=True)
+            raise
     return work, [json.loads((work / f"{t.name}.done.json").read_text()) for t in tasks]
 
 
