@@ -128,6 +128,20 @@ def test_log_every_is_capped_at_a_tenth_of_the_run(log_every, max_steps, expecte
     assert effective_log_every(log_every, max_steps) == expected
 
 
+def test_a_table_is_printed_whole_where_the_output_is_not_a_terminal(capsys):
+    """Issue 37 item 12: `kiln ablate ... | tee log` cut the verdict table to 80 columns (`handboo…`, `no-fine…`)."""
+    from kiln.ablate.report import print_verdicts
+    from kiln.commands.args import console
+
+    row = {"arm": "no-fineweb-quality-filter", "metric": "handbook_reference_bits_per_byte", "diff": -0.0123,
+           "ci_low": -0.02, "ci_high": -0.004, "p_holm": 0.012, "verdict": "better", "min_detectable": 0.003}
+    print_verdicts({"baseline": "default", "comparisons": [row], "warnings": [], "out_dir": "out/ablation"}, console())
+    err = capsys.readouterr().err
+    assert "…" not in err and "smallest detectable" in err
+    [line] = [line for line in err.splitlines() if "no-fineweb-quality-filter" in line]
+    assert "handbook_reference_bits_per_byte" in line and "better" in line and len(line) > 120
+
+
 def test_run_summary_has_wall_time_per_stage_and_next_commands():
     from io import StringIO
 

@@ -11,7 +11,8 @@ rich writes around its own proxy of stderr: a line printed by one Console while 
 display (the training line, a progress bar) lands glued to the end of that display. Printed by the Console
 that draws the display, rich puts the line above it. So every stage logs, draws its progress and its live line
 on `stderr_console()`. soft_wrap: a long line (a path, a command) is never broken by an inserted newline, so it
-copies whole out of a terminal or a log file.
+copies whole out of a terminal or a log file. Where the output is not a terminal (a pipe, `| tee log`, a file)
+a table is printed as wide as its cells need, never cut to 80 columns with `…`: logs carry the whole table.
 """
 
 from __future__ import annotations
@@ -20,11 +21,28 @@ import functools
 from typing import Any
 
 from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
+
+
+class _Console(Console):
+    """A Console that prints a table whole where the output is not a terminal."""
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        wide = 0 if self.is_terminal else max((Measurement.get(self, self.options.update_width(1 << 16), o).maximum
+                                                for o in objects if isinstance(o, Table)), default=0)
+        if wide <= self.width:
+            return super().print(*objects, **kwargs)
+        width, self._width = self._width, wide  # for this print only: rich fits everything to the console's width
+        try:
+            super().print(*objects, **kwargs)
+        finally:
+            self._width = width
 
 
 def console(stderr: bool = True, **kwargs: Any) -> Console:
     """A rich Console (on stderr unless told) that prints strings as they are."""
-    return Console(stderr=stderr, markup=False, emoji=False, highlight=False, **kwargs)
+    return _Console(stderr=stderr, markup=False, emoji=False, highlight=False, **kwargs)
 
 
 @functools.cache

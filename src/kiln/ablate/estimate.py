@@ -107,9 +107,10 @@ def estimates(path: str | Path, gpus: int, gpu: str) -> list[dict]:
 
 
 def print_estimates(path: str | Path, gpus: int, gpu: str) -> None:
-    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
+
+    from kiln.terminal import console as plain_console
 
     table = Table(title=f"kiln ablate --plan: training time of every run of {Path(path).name}")
     for column in ("scale", "N (non-embedding)", "tokens per run", "runs", "here", "", f"on {gpus} x {gpu} "
@@ -119,8 +120,7 @@ def print_estimates(path: str | Path, gpus: int, gpu: str) -> None:
         table.add_row(*(Text(str(v)) for v in (
             r["scale"], f"{r['params']:,}" if r["params"] else "", f"{r['tokens_per_run']:,}", r["runs"],
             _duration(r["here_hours"]), r["here"], _duration(r["gpu_hours"]))))
-    console = Console(highlight=False)
-    console.width = max(console.width, 120)  # a log file gets the whole table
+    console = plain_console(stderr=False)  # a log file gets the whole table (kiln.terminal)
     console.print(table)
     console.print(Text("training only: the data stage, packing and measuring come on top; a GPU figure is "
                        "kiln plan's (datasheet peak x plan.mfu), one run after another"))
