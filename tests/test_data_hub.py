@@ -205,3 +205,43 @@ def test_a_german_row_is_rejected_with_its_file_and_row(tmp_path):
     [r] = rejects(out)
     assert (r["id"], Path(r["source"]).name, r["offset"], r["reason"]) == ("g", "data-00000-of-00001.arrow", 1,
                                                                            "lang_not_allowed")
+
+
+def mixed_folder(root: Path) -> Path:
+    """A folder of every input kind: JSONL (10 rows), a WARC (6 pages), Parquet (4 rows), a save_to_disk
+    subfolder (8 rows in 2 Arrow files): 28 documents, each text distinct."""
+    from conftest import html_page, write_warc
+
+    root.mkdir()
+    (root / "a.jsonl").write_text("".join(json.dumps({"id": f"j{i}", "text": english(i)}) + "\n" for i in range(10)))
+    write_warc(root / "b.warc.gz", [(f"https://w.example/{i}", html_page(f"<p>{english(100 + i)}</p>"), "text/html")
+                                    for i in range(6)])
+    pq.write_table(pa.table({"id": [f"p{i}" for i in range(4)], "text": [english(200 + i) for i in range(4)]}),
+                   root / "c.parquet")
+    datasets.Dataset.from_dict({"id": [f"s{i}" for i in range(8)], "text": [english(300 + i) for i in range(8)]}
+                               ).save_to_disk(str(root / "saved"), num_shards=2)
+    (root / "notes.txt").write_text("not data")
+    return root
+
+
+def test_a_mixed_folder_reads_every_input_in_it(tmp_path):
+    """Issue 37 item 9: a folder of JSONL, WARC, Parquet and a save_to_disk subfolder read only its Parquet; now
+    every data file is read (sorted, the saved folder's Arrow files at its place) and every document counted."""
+    folder = mixed_folder(tmp_path / "mixed")
+    files = [Path(f).relative_to(folder).as_posix() for f in folder_files(folder)]
+    assert files == ["a.jsonl", "b.warc.gz", "c.parquet", "saved/data-00000-of-00002.arrow",
+                     "saved/data-00001-of-00002.arrow"]
+    out = tmp_path / "docs"
+    stats = run_data([str(folder)], out, cfg(min_chars=50, workers=1))
+    assert stats["documents"]["read"] == 28, stats["documents"]
+    sources = {Path(d["source"]).name for d in read_docs(out)}
+    assert {"a.jsonl", "b.warc.gz", "c.parquet", "data-00000-of-00002.arrow", "data-00001-of-00002.arrow"} <= sources
+
+
+def test_a_hub_folder_refuses_a_data_file_its_card_does_not_name(tmp_path):
+    """With a card, the default config is read and the other configs' files are its alternatives; a data file
+    no config names would be left out, so the folder is refused in one line naming it and how to read it."""
+    folder = hub_folder(tmp_path / "fineweb")
+    (folder / "extra.jsonl").write_text(json.dumps({"id": "x", "text": english(1)}) + "\n")
+    with pytest.raises(KilnError, match=r"extra\.jsonl is a data file that no config of .*README\.md names.*glob"):
+        folder_files(folder)

@@ -6,8 +6,11 @@
 - A Hub dataset folder (`hf download --repo-type dataset`, or a git clone): Parquet files (JSONL works too).
   When its README.md declares `configs` in its YAML header, the default config's `data_files` patterns say
   which files make the data set (FineWeb: `data/*/*`, leaving out its `sample/` copies): the config marked
-  `default: true`, else the one named `default`, else the first. Without them, every *.parquet under the
-  folder, in sorted order.
+  `default: true`, else the one named `default`, else the first; a data file under the folder that none of
+  its configs names is refused in one line (give it by name or glob), never left out unsaid.
+- Any other folder: every data file under it, in sorted path order, whatever its format (Parquet, Arrow,
+  JSONL, WARC: `DATA`), and each save_to_disk folder inside it at its place (its files as above); other files
+  (a README, .gitattributes) are not data. No data file is left out: a mixed folder reads all of them.
 A folder given in `data.inputs` expands to those files, in that order; each is then an input like any other:
 its identity in the data fingerprint, its rows read streaming, provenance as the file and the row (`offset`,
 `length` 1, as Parquet). The names read from state.json, dataset_dict.json and README.md are the folder's
@@ -23,6 +26,7 @@ readers.
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 from pathlib import Path
 from typing import Any
@@ -32,7 +36,9 @@ import yaml
 from kiln.errors import KilnError
 
 STATE, INFO, DICT, CARD = "state.json", "dataset_info.json", "dataset_dict.json", "README.md"
-READABLE = (".parquet", ".arrow", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".ndjson")
+READABLE = (".parquet", ".arrow", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".ndjson", ".warc", ".warc.gz")
+# The names of data files a folder's walk reads: READABLE, and JSON lines compressed under any of their names.
+DATA = READABLE + tuple(f"{ext}.{z}" for ext in (".json", ".ndjson") for z in ("gz", "zst"))
 
 
 def folder_files(folder: Path) -> list[str]:
@@ -44,24 +50,51 @@ def folder_files(folder: Path) -> list[str]:
         return [f for split in splits for f in folder_files(folder / _inside(folder, DICT, split))]
     if (folder / STATE).is_file():
         return _saved_dataset(folder)
-    patterns = _card_patterns(folder)
-    if patterns is None:
-        files = sorted(p for p in folder.rglob("*.parquet") if p.is_file())
-    else:
-        files = []
-        for pattern in patterns:
-            matched = sorted(p for p in folder.glob(_inside(folder, CARD, pattern)) if p.is_file())
-            if not matched:
-                raise KilnError(f"{folder / CARD}: data_files pattern {pattern!r} matches no file in {folder}")
-            files += [p for p in matched if p not in files]
+    configs = _card_patterns(folder)
+    if configs is None:
+        return [str(p) for p in _data_under(folder)] or _not_data(folder)
+    files: list[Path] = []
+    for pattern in configs[0]:
+        matched = sorted(p for p in folder.glob(_inside(folder, CARD, pattern)) if p.is_file())
+        if not matched:
+            raise KilnError(f"{folder / CARD}: data_files pattern {pattern!r} matches no file in {folder}")
+        files += [p for p in matched if p not in files]
+    named = {p for pattern in configs[1] for p in folder.glob(_inside(folder, CARD, pattern))}
+    unnamed = [p for p in _data_under(folder) if Path(p) not in named and Path(p) not in files]
+    if unnamed:
+        more = f" (and {len(unnamed) - 1} more)" if len(unnamed) > 1 else ""
+        raise KilnError(f"{folder}: {unnamed[0]}{more} is a data file that no config of {folder / CARD} names, so "
+                        f"reading the folder would leave it out; give the files to read by name or glob (e.g. "
+                        f"'{(folder / '**' / '*.parquet').as_posix()}'), or add it to the card's data_files")
     if not files:  # not a data set's folder
-        raise KilnError(f"input {folder} is a folder; give its files or a glob, e.g. "
-                        f"'{(folder / '*.warc.gz').as_posix()}' or '{(folder / '*.jsonl').as_posix()}'")
+        return _not_data(folder)
     unreadable = [p for p in files if not p.name.lower().endswith(READABLE)]
     if unreadable:
         raise KilnError(f"{unreadable[0]}: a data file Kiln cannot read (it reads {', '.join(READABLE)}); give the "
                         "readable files or a glob instead of the folder")
     return [str(p) for p in files]
+
+
+def _data_under(folder: Path, seen: set[str] | None = None) -> list[Path | str]:
+    """Every data file under `folder` in sorted path order, a save_to_disk folder's files at its place (a folder
+    reached twice through symlinks is read once)."""
+    seen = set() if seen is None else seen
+    seen.add(os.path.realpath(folder))
+    found: list[Path | str] = []
+    for path in sorted(folder.iterdir()):
+        if path.is_dir():
+            if os.path.realpath(path) in seen:
+                continue
+            saved = (path / DICT).is_file() or (path / STATE).is_file()
+            found += folder_files(path) if saved else _data_under(path, seen)
+        elif path.is_file() and path.name.lower().endswith(DATA):
+            found.append(path)
+    return found
+
+
+def _not_data(folder: Path) -> list[str]:
+    raise KilnError(f"input {folder} is a folder with no data files ({', '.join(DATA)}); give its files or a glob, "
+                    f"e.g. '{(folder / '*.warc.gz').as_posix()}' or '{(folder / '*.jsonl').as_posix()}'")
 
 
 def _saved_dataset(folder: Path) -> list[str]:
@@ -99,8 +132,9 @@ def _json(path: Path) -> dict:
     return data
 
 
-def _card_patterns(folder: Path) -> list[str] | None:
-    """The default config's data_files patterns from README.md's YAML header, or None without one."""
+def _card_patterns(folder: Path) -> tuple[list[str], list[str]] | None:
+    """(the default config's data_files patterns, every config's) from README.md's YAML header, or None without
+    one."""
     card = folder / CARD
     if not card.is_file():
         return None
@@ -116,12 +150,18 @@ def _card_patterns(folder: Path) -> list[str] | None:
         return None
     chosen = next((c for c in configs if isinstance(c, dict) and c.get("default")), None) \
         or next((c for c in configs if isinstance(c, dict) and c.get("config_name") == "default"), configs[0])
-    files = chosen.get("data_files") if isinstance(chosen, dict) else None
+    every = [p for c in configs if c is not chosen for p in _config_patterns(card, c)]
+    default = _config_patterns(card, chosen)
+    return default, default + every
+
+
+def _config_patterns(card: Path, config: Any) -> list[str]:
+    files = config.get("data_files") if isinstance(config, dict) else None
     patterns: list[str] = []
     for item in files if isinstance(files, list) else [files]:
         paths = item.get("path") if isinstance(item, dict) else item
         patterns += paths if isinstance(paths, list) else [paths]
     if not patterns or not all(isinstance(p, str) for p in patterns):
-        raise KilnError(f"{card}: config {chosen.get('config_name') if isinstance(chosen, dict) else chosen!r} "
+        raise KilnError(f"{card}: config {config.get('config_name') if isinstance(config, dict) else config!r} "
                         "has no data_files patterns Kiln can read")
     return patterns

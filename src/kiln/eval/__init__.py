@@ -34,7 +34,7 @@ def load_eval_model(folder: Path):
 
     weights = load_checkpoint(folder)["model"]  # verified first: every file read below is one its manifest lists
     cfg = checkpoint_config(folder)
-    tok = load_tokenizer(Path(folder) / "tokenizer.json")
+    tok = load_tokenizer(folder)  # the checkpoint's tokenizer.json, a file its manifest lists (kiln.tokenizer)
     # The embedding's rows, not the tokenizer's size: the model may pad its vocabulary. EOS separates the
     # documents model.document_masking keeps apart.
     eos = eos_id(tok, cfg.tokenizer.eos_token) if cfg.model.document_masking else None
@@ -91,7 +91,7 @@ def evaluate_checkpoint(folder: Path, text_file: Path | None = None, max_samples
         total, count = summed_loss(model, text_windows(ids, cfg.pack.seq_len + 1), device)
         return report(total, count, len(text.encode("utf-8")))
     shards = cfg.out / "shards"
-    samples = ShardSet(shards, "val", tokenizer_sha256=tokenizer_sha256(Path(folder) / "tokenizer.json"))
+    samples = ShardSet(shards, "val", tokenizer_sha256=tokenizer_sha256(folder))
     if len(samples) == 0:
         raise KilnError(f"{shards}: the validation split has no samples; raise pack.val_fraction")
     n = len(samples) if max_samples is None else min(max_samples, len(samples))

@@ -277,8 +277,9 @@ def export_hf(checkpoint: Path, out_dir: Path) -> dict:
 
     verify_folder(checkpoint)  # first: every file read below is one its manifest lists, inside it (kiln.names)
     check_loads(checkpoint)
-    cfg = checkpoint_config(checkpoint)
-    tok = load_tokenizer(Path(checkpoint) / "tokenizer.json")
+    cfg = checkpoint_config(checkpoint)  # config.yaml and tokenizer.json: files its manifest lists (hashed above)
+    tok_file = tokenizer_file(checkpoint)
+    tok = load_tokenizer(tok_file)
     with CheckpointWeights(checkpoint) as weights, staging_dir(out_dir) as tmp:
         config = hf_config(cfg, weights.shape("tok_embeddings.weight")[0], tok, checkpoint)
         params = _write_hf_weights(weights, tmp / "model.safetensors", checkpoint, config["tie_word_embeddings"])
@@ -288,8 +289,7 @@ def export_hf(checkpoint: Path, out_dir: Path) -> dict:
             {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
              "pad_token_id": config["pad_token_id"]}, indent=1))
         names = token_names(cfg, tok)
-        write_atomic(tmp / "tokenizer.json", exported_tokenizer_json(Path(checkpoint) / "tokenizer.json",
-                                                                     names["eos_token"]))
+        write_atomic(tmp / "tokenizer.json", exported_tokenizer_json(tok_file, names["eos_token"]))
         for name, content in tokenizer_files(names, cfg.pack.seq_len).items():
             write_atomic(tmp / name, json.dumps(content, indent=1))
         write_atomic(tmp / "README.md", model_card(cfg, config, checkpoint, out_dir, params))
@@ -413,8 +413,11 @@ def _weight_file(hf_dir: Path, name: str, files: dict[str, Any] | None, where: P
 
 
 def _read_hf_config(hf_dir: Path) -> dict[str, Any]:
-    """config.json as a JSON object whose sizes are integers (a one-line error naming the key otherwise)."""
+    """config.json as a JSON object whose sizes are integers (a one-line error naming the key otherwise); in a
+    folder Kiln exported, a file its manifest lists (and safetensors_files verified)."""
     path = hf_dir / "config.json"
+    if (hf_dir / "manifest.json").exists():
+        path = listed_name(hf_dir, "config.json", read_manifest(hf_dir)["files"], hf_dir)
     try:
         hf = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -11,6 +11,10 @@ sharded.py: each rank's pieces and index.json):
   manifest.sig        optional Ed25519 signature of manifest.json's bytes
 Here: the folder's name, listing and retention, the RNG states, signing, and reading the small files
 (rng.pt, state.json) that every rank reads itself.
+
+Every file any reader opens (the files above, the format's weights, optimizer state and indexes) is opened
+through `listed_file`: it must be listed in manifest.json with its size and sha256, so the hashes that `kiln
+ckpt verify` and every reader check cover it; a file dropped from the manifest is refused, never read unhashed.
 """
 
 from __future__ import annotations
@@ -21,18 +25,21 @@ import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
 
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import MANIFEST, read_manifest, verify_folder, write_atomic
+from kiln.names import listed_name
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 SIGNATURE = "manifest.sig"
 # What a rank other than 0 reads on resume: rank 0 reads the weights and broadcasts them.
 SMALL_FILES = {"rng.pt", "state.json"}
+# What every checkpoint holds beside its format's files, each of which some reader opens.
+COMMON_FILES = ("rng.pt", "state.json", "config.yaml", "tokenizer.json")
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -184,23 +191,42 @@ def _written_by_kiln(folder: Path) -> bool:
 
 
 def checkpoint_config(folder: Path):
+    """The run config a checkpoint holds (config.yaml, a file its manifest lists: `listed_file`)."""
     from kiln.config import load_config
 
-    path = Path(folder) / "config.yaml"
-    if not path.is_file():
+    if not (Path(folder) / MANIFEST).is_file() and not (Path(folder) / "config.yaml").is_file():
         raise KilnError(f"{folder}: no config.yaml; is this a Kiln checkpoint folder (run/checkpoints/step-NNNNNNNN)?")
-    return load_config(path)
+    return load_config(listed_file(folder, "config.yaml"))
 
 
 # --- reading the small files -----------------------------------------------------------------
 
-def check_manifest(folder: Path, verify: bool, weights: bool) -> None:
+def listed_file(folder: Path, name: str, files: dict[str, Any] | None = None) -> Path:
+    """`folder / name` for a file a reader of the checkpoint opens: a plain name the manifest (`files`: its files,
+    read from the folder when not given) lists with its size and sha256 (`kiln.names.listed_name`), so the hashes
+    the readers check cover it; else one IntegrityError naming the file."""
+    folder = Path(folder)
+    files = read_manifest(folder)["files"] if files is None else files
+    return listed_name(folder, name, files, folder)
+
+
+def check_listed(folder: Path, names: Iterable[str], files: dict[str, Any] | None = None) -> None:
+    """Every file of COMMON_FILES and `names` (the format's own) is listed in the manifest (`listed_file`)."""
+    files = read_manifest(folder)["files"] if files is None else files
+    for name in (*COMMON_FILES, *names):
+        listed_file(folder, name, files)
+
+
+def check_manifest(folder: Path, verify: bool, weights: bool) -> dict[str, Any]:
     """Before a format reads its files: every file hashed against manifest.json (`verify`; only SMALL_FILES when
-    not `weights`), else the manifest read (a folder without one is refused)."""
+    not `weights`), else the manifest read (a folder without one is refused); every one of COMMON_FILES must be
+    listed. Returns the manifest's files, which the reader opens its own files through (`listed_file`)."""
     if verify:
-        verify_folder(folder, only=None if weights else SMALL_FILES)
+        files = verify_folder(folder, only=None if weights else SMALL_FILES)["files"]
     else:
-        read_manifest(folder)
+        files = read_manifest(folder)["files"]
+    check_listed(folder, (), files)
+    return files
 
 
 @contextmanager
@@ -215,5 +241,6 @@ def loads_safely(folder: Path) -> Iterator[None]:
 
 def read_small_files(folder: Path) -> dict[str, Any]:
     """{"rng", "state"}: rng.pt with weights_only torch.load, state.json as JSON (no code runs)."""
-    return {"rng": torch.load(folder / "rng.pt", map_location="cpu", weights_only=True),
-            "state": json.loads((folder / "state.json").read_text())}
+    files = read_manifest(folder)["files"]
+    return {"rng": torch.load(listed_file(folder, "rng.pt", files), map_location="cpu", weights_only=True),
+            "state": json.loads(listed_file(folder, "state.json", files).read_text())}

@@ -18,7 +18,11 @@ from safetensors.torch import load_file, save_file
 
 from kiln.errors import IntegrityError
 from kiln.manifest import staging_dir, write_atomic, write_manifest
-from kiln.train.checkpoint.folder import check_manifest, loads_safely, read_small_files, sign_manifest, step_dir
+from kiln.train.checkpoint.folder import (check_listed, check_manifest, listed_file, loads_safely, read_small_files,
+                                          sign_manifest, step_dir)
+
+FILES = ("model.safetensors", "optimizer.pt")  # beside folder.COMMON_FILES
+
 
 if TYPE_CHECKING:
     from kiln.train.parallel import Dist
@@ -52,19 +56,22 @@ def read_folder(folder: Path, verify: bool = True, weights: bool = True) -> dict
     or JSON. `weights=False` leaves the model and optimizer state empty (a rank that receives them by broadcast).
     """
     folder = Path(folder)
-    check_manifest(folder, verify, weights)
+    files = check_manifest(folder, verify, weights)
+    model, optimizer = (listed_file(folder, name, files) for name in FILES) if weights else (None, None)
     with loads_safely(folder):
         return {
-            "model": load_file(str(folder / "model.safetensors")) if weights else {},
-            "optimizer": torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True) if weights else {},
+            "model": load_file(str(model)) if weights else {},
+            "optimizer": torch.load(optimizer, map_location="cpu", weights_only=True) if weights else {},
             **read_small_files(folder),
         }
 
 
 def check_loads(folder: Path) -> None:
-    """That the weights, optimizer and RNG files open as what they claim to be, without reading their tensors."""
+    """That every file a reader opens is listed in the manifest (folder.check_listed), and the weights, optimizer
+    and RNG files open as what they claim to be, without reading their tensors."""
     from safetensors import safe_open
 
+    check_listed(folder, FILES)
     try:
         with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
             f.keys()

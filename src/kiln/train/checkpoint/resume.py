@@ -24,6 +24,7 @@ import yaml
 
 from kiln.errors import KilnError
 from kiln.manifest import sha256_file
+from kiln.train.checkpoint.folder import listed_file
 
 
 def require_prepared(cfg) -> None:
@@ -108,7 +109,7 @@ def resume_notes(folder: Path, train, step: int) -> list[str]:
     """Lines a resumed run owes: a changed train.batch_size, and a max_steps below the checkpoint's step."""
     notes = []
     try:
-        saved = yaml.safe_load((Path(folder) / "config.yaml").read_text()) or {}
+        saved = yaml.safe_load(listed_file(folder, "config.yaml").read_text()) or {}
         old_batch = saved.get("train", {}).get("batch_size")
     except (OSError, yaml.YAMLError, AttributeError):
         old_batch = None

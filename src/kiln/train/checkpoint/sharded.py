@@ -62,7 +62,8 @@ from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import (MANIFEST, STAGING_MARK, read_manifest, sha256_file, staging_dir, write_atomic,
                            write_manifest)
 from kiln.names import listed_name
-from kiln.train.checkpoint.folder import check_manifest, loads_safely, read_small_files, sign_manifest, step_dir
+from kiln.train.checkpoint.folder import (check_listed, check_manifest, listed_file, loads_safely, read_small_files,
+                                          sign_manifest, step_dir)
 from kiln.train.checkpoint.saver import Saver, all_finite, snapshot
 from kiln.train.checkpoint.storage import (FROM_SAFETENSORS, Piece, PieceIndex, dtype_name, rank_file, write_index,
                                            write_pieces)
@@ -527,9 +528,7 @@ def check_loads(folder: Path) -> None:
     folder = Path(folder)
     manifest = read_manifest(folder)
     index = read_index(folder, manifest["files"])
-    for name in (*index["index_files"], "rng.pt", "state.json"):
-        if name not in manifest["files"]:
-            raise IntegrityError(f"{folder}: {name} is not in manifest.json; the checkpoint is incomplete")
+    check_listed(folder, index["index_files"], manifest["files"])
     for kind in index.get("kinds", KINDS):
         with pieces(folder, kind) as p:
             p.check_complete()
@@ -659,7 +658,7 @@ class CheckpointWeights:
 
         self.folder = Path(folder)
         self._pieces = pieces(folder, "model") if is_sharded(folder) else None
-        self._file = None if self._pieces else safe_open(str(self.folder / "model.safetensors"), framework="pt")
+        self._file = None if self._pieces else safe_open(str(listed_file(folder, "model.safetensors")), framework="pt")
 
     def __enter__(self) -> "CheckpointWeights":
         if self._file is not None:
