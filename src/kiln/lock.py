@@ -9,6 +9,10 @@ retries on the new file, so two writers can never both hold "the" lock.
 
 Locks are per open file: two writers in one process exclude each other too. On a shared
 filesystem (NFS) Linux maps flock to POSIX record locks, which NFS honours across machines.
+
+A reader pins a folder that a writer may remove (a checkpoint under retention): `pinned` holds a shared
+flock on `.NAME.pin` beside it while it reads; `unpinned` is the remover's exclusive, non-blocking side
+(a folder being read is spared). Only a remover, holding the exclusive lock, deletes a pin file.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import os
 import socket
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from kiln.errors import KilnError
 
@@ -98,6 +104,91 @@ class OutputLock:
     def __del__(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
+
+
+def pin_path(folder: Path) -> Path:
+    folder = Path(folder).resolve()  # every spelling of the folder pins the same file
+    return folder.with_name(f".{folder.name}.pin")
+
+
+def _open_pin(folder: Path) -> int | None:
+    """The pin file, created if need be; None where the folder's parent cannot be written (nothing removes
+    folders there, so there is nothing to pin against)."""
+    try:
+        return os.open(pin_path(folder), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return None
+        raise
+
+
+def _still_the_pin(fd: int, folder: Path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(pin_path(folder)).st_ino
+    except FileNotFoundError:
+        return False
+
+
+@contextmanager
+def pinned(folder: Path, gone: str) -> Iterator[None]:
+    """Read `folder` inside this block: a remover (`unpinned`) spares it meanwhile. A folder removed before the
+    pin was taken is one KilnError: `{folder} {gone}`."""
+    folder, fd = Path(folder), None
+    while folder.is_dir():  # no pin file is made beside a folder that is not there
+        fd = _open_pin(folder)
+        if fd is None:
+            break
+        fcntl.flock(fd, fcntl.LOCK_SH)  # a remover holds its exclusive lock only while it renames
+        if _still_the_pin(fd, folder):
+            break
+        os.close(fd)  # removed with its folder meanwhile: pin the path's file now (or learn the folder is gone)
+        fd = None
+    try:
+        if not folder.is_dir():
+            raise KilnError(f"{folder} {gone}")
+        yield
+    finally:
+        if fd is not None:
+            _drop_pin(fd, folder)
+
+
+def _drop_pin(fd: int, folder: Path) -> None:
+    """Release a reader's pin, removing the pin file when no one else holds it (taken exclusively, as a remover
+    does: anyone who opened it meanwhile finds it is no longer the path's file and opens the new one)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if _still_the_pin(fd, folder):
+            pin_path(folder).unlink(missing_ok=True)
+    except OSError:  # another reader or a remover holds it: the file stays for them
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def unpinned(folder: Path) -> Iterator[bool]:
+    """Yield True while no reader pins `folder` (and none can start), False at once if one does. On True the
+    caller may move the folder away inside the block; its pin file is removed when the block ends."""
+    while True:
+        fd = _open_pin(folder)
+        if fd is None:
+            yield True
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            yield False
+            return
+        if _still_the_pin(fd, folder):
+            break
+        os.close(fd)
+    try:
+        yield True
+        if not Path(folder).exists():
+            pin_path(folder).unlink(missing_ok=True)  # still locked: no reader holds this inode
+    finally:
+        os.close(fd)
 
 
 def _read(fd: int) -> dict:

@@ -270,7 +270,16 @@ def verify_folder(folder: Path, deep: bool = True, only: set[str] | None = None,
     Raise naming the first bad file in the manifest's order (every size is checked before any file is read)."""
     folder = Path(folder)
     manifest = read_manifest(folder)
-    names = [name for name in manifest["files"] if only is None or name in only]
+    try:
+        _verify_files(folder, manifest, [name for name in manifest["files"] if only is None or name in only], deep,
+                      workers)
+    except FileNotFoundError as exc:  # between the listing and the read: a writer's retention removed it
+        raise IntegrityError(f"{exc.filename or folder}: removed while being read; read the folder again (or "
+                             "the newest one where its writer keeps only the latest)") from None
+    return manifest
+
+
+def _verify_files(folder: Path, manifest: dict[str, Any], names: list[str], deep: bool, workers: int) -> None:
     for name in names:
         meta, path = manifest["files"][name], folder / name
         if not (isinstance(meta, dict) and isinstance(meta.get("size"), int) and isinstance(meta.get("sha256"), str)):
@@ -287,7 +296,6 @@ def verify_folder(folder: Path, deep: bool = True, only: set[str] | None = None,
             if digest != manifest["files"][name]["sha256"]:
                 raise IntegrityError(f"{folder / name}: sha256 {digest[:16]}… != "
                                      f"{manifest['files'][name]['sha256'][:16]}… in {MANIFEST}")
-    return manifest
 
 
 STAGING_MARK = ".kiln-staging"  # inside a staging folder: who made it (the name alone could be a user's)
@@ -314,18 +322,75 @@ def staging_dir(final: Path, stage: str | None = None) -> Iterator[Path]:
         check_replaceable(final, written or stage)
         (tmp / STAGING_MARK).unlink()
     except BaseException as exc:  # any failure (Ctrl-C too) removes the staging folder; re-raised
-        shutil.rmtree(tmp, ignore_errors=True)  # frees the space a full disk needs back
+        remove_folder(tmp, ignore_errors=True)  # frees the space a full disk needs back
         if is_disk_full(exc):
             raise KilnError(disk_full_message(final, exc)) from None
         raise
-    if final.exists():
+    old = None
+    if not final.exists():
+        os.replace(tmp, final)
+    elif _exchange(tmp, final):  # one atomic swap, so `final` is never missing: the old folder is now at tmp
+        old = tmp
+    else:  # killed between these two renames, the next run commits tmp (remove_stale_staging)
         old = final.with_name(f"{final.name}.old-{uuid.uuid4().hex[:8]}")
         os.replace(final, old)
         os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)  # a folder check_replaceable vouched for: ours, same stage
-    else:
-        os.replace(tmp, final)
     fsync_dir(final.parent)
+    if old is not None:
+        remove_folder(old, ignore_errors=True)  # a folder check_replaceable vouched for: ours, same stage
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where the OS or filesystem cannot."""
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def set_aside(folder: Path) -> Path:
+    """The first step of removing a committed folder Kiln wrote: rename it to `NAME.old-XXXXXXXX`, which no listing
+    takes for the folder and the next run's remove_stale_staging clears if a kill stops `remove_folder`."""
+    folder = Path(folder)
+    old = folder.with_name(f"{folder.name}.old-{uuid.uuid4().hex[:8]}")
+    os.replace(folder, old)
+    fsync_dir(folder.parent)
+    return old
+
+
+_PROOF = (MANIFEST, STAGING_MARK)  # what shows a folder is Kiln's: removed last
+
+
+def remove_folder(folder: Path, ignore_errors: bool = False) -> None:
+    """Remove a folder Kiln wrote with manifest.json and its staging mark last, so that a kill part-way leaves
+    a folder the next run still knows as Kiln's (remove_stale_staging), never an anonymous half."""
+    folder = Path(folder)
+    try:
+        for top, dirs, files in os.walk(folder, topdown=False):
+            here = Path(top)
+            for name in files:
+                if here != folder or name not in _PROOF:
+                    (here / name).unlink(missing_ok=True)
+            for name in dirs:
+                (here / name).unlink() if (here / name).is_symlink() else (here / name).rmdir()
+        for name in _PROOF:
+            (folder / name).unlink(missing_ok=True)
+        folder.rmdir()
+    except OSError:
+        if not ignore_errors:
+            raise
 
 
 _DISK_FULL_WORDS = ("no space left", "unexpected pos", "file write failed", "storagefull", "disk quota")
@@ -422,9 +487,11 @@ def _local_paths(inputs: Iterable[Any]) -> Iterator[Path]:
 
 
 def remove_stale_staging(final: Path, stage: str | None) -> list[Path]:
-    """Remove what a killed writer of `final` left: its `NAME.tmp-XXXXXXXX` staging folders (marked by
-    Kiln, same stage) and `NAME.old-XXXXXXXX` folders (Kiln's manifest, same stage). Call while holding
-    `final`'s lock, so no live writer owns them. Returns what was removed."""
+    """Clear what a killed writer of `final` left: its `NAME.tmp-XXXXXXXX` staging folders (marked by Kiln, same
+    stage) and `NAME.old-XXXXXXXX` folders (Kiln's manifest, same stage; or empty: a removal killed at its end).
+    A staging folder without its mark but with this stage's manifest (and nothing else) was complete: when
+    `final` is missing (killed between the two renames of a replace) it becomes `final`, else it is removed.
+    Call while holding `final`'s lock, so no live writer owns them. Returns what was removed."""
     final = Path(final)
     pattern = re.compile(rf"^{re.escape(final.name)}\.(tmp|old)-[0-9a-f]{{8}}$")
     gone = []
@@ -432,14 +499,35 @@ def remove_stale_staging(final: Path, stage: str | None) -> list[Path]:
         m = pattern.match(p.name)
         if not m or not p.is_dir() or p.is_symlink():
             continue
-        try:
-            meta = json.loads((p / (STAGING_MARK if m.group(1) == "tmp" else MANIFEST)).read_text())
-        except (OSError, ValueError):
-            continue  # not Kiln's
-        if isinstance(meta, dict) and meta.get("stage") in ((None, stage) if m.group(1) == "tmp" else (stage,)):
-            shutil.rmtree(p)
-            gone.append(p)
+        kind, mark = m.group(1), p / STAGING_MARK
+        if kind == "tmp" and not mark.exists() and stage is not None and _owned(p, stage):
+            if not final.exists():
+                os.replace(p, final)
+                fsync_dir(final.parent)
+                continue
+        elif kind == "old" and not any(q.is_file() or q.is_symlink() for q in p.rglob("*")):
+            pass  # nothing in it but empty folders: no one's data
+        else:
+            try:
+                meta = json.loads((mark if kind == "tmp" else p / MANIFEST).read_text())
+            except (OSError, ValueError):
+                continue  # not Kiln's
+            if not (isinstance(meta, dict) and meta.get("stage") in ((None, stage) if kind == "tmp" else (stage,))):
+                continue
+        remove_folder(p)
+        gone.append(p)
     return gone
+
+
+def _owned(folder: Path, stage: str) -> bool:
+    """`folder` holds a manifest.json of `stage` and only files it lists (check_replaceable's rule)."""
+    try:
+        if json.loads((folder / MANIFEST).read_text()).get("stage") != stage:
+            return False
+        check_replaceable(folder, stage)
+    except (OSError, ValueError, AttributeError, KilnError):
+        return False
+    return True
 
 
 @contextmanager

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from kiln.config import Config
 from kiln.errors import KilnError
+from kiln.lock import pinned
 from kiln.manifest import read_manifest, staging_dir, verify_folder, write_atomic, write_manifest, writes_folder
 from kiln.names import check_name, listed_name
 from kiln.tokenizer import NAME_KEYS, load_tokenizer, tokenizer_file, tokenizer_sha256
@@ -272,7 +273,14 @@ multiple-choice file with the harness's definitions of acc, acc_norm and acc_byt
 
 @writes_folder(EXPORT_STAGE, out="out_dir", inputs=("checkpoint",))
 def export_hf(checkpoint: Path, out_dir: Path) -> dict:
-    """Write `out_dir` as a transformers Llama (or, for MoE, Mixtral) folder from a verified Kiln checkpoint."""
+    """Write `out_dir` as a transformers Llama (or, for MoE, Mixtral) folder from a verified Kiln checkpoint, pinned
+    while it is read: the retention of a training still running spares it (`kiln.lock.pinned`)."""
+    with pinned(checkpoint, "was removed before it could be read (the checkpoint.keep_last retention of a training "
+                            "still running); export again, naming the run folder for its newest checkpoint"):
+        return _export_hf(Path(checkpoint), Path(out_dir))
+
+
+def _export_hf(checkpoint: Path, out_dir: Path) -> dict:
     from kiln.train.checkpoint import CheckpointWeights, check_loads, checkpoint_config
 
     verify_folder(checkpoint)  # first: every file read below is one its manifest lists, inside it (kiln.names)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -31,7 +30,8 @@ import numpy as np
 import torch
 
 from kiln.errors import IntegrityError, KilnError
-from kiln.manifest import MANIFEST, read_manifest, verify_folder, write_atomic
+from kiln.lock import unpinned
+from kiln.manifest import MANIFEST, read_manifest, remove_folder, set_aside, verify_folder, write_atomic
 from kiln.names import listed_name
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -171,15 +171,44 @@ def checkpoint_root(path: Path) -> tuple[Path, Path | None]:
 
 
 def retain(root: Path, keep_last: int, keep_every: int | None, best_step: int | None) -> list[Path]:
-    """Delete committed checkpoints that no rule keeps: the last K, every M-th, the best. Returns the deleted."""
-    ckpts = list_checkpoints(root)
+    """Delete committed checkpoints that no rule keeps: the last K, every M-th, the best; one a reader pins
+    (`kiln.lock.pinned`: an export) is spared until a later save. Each is moved aside before it is removed
+    (`kiln.manifest.set_aside`); what an older Kiln's killed removal left (`half_deleted`) goes too. Returns the
+    deleted."""
+    ckpts = [c for c in list_checkpoints(root) if not half_deleted(c)]
     keep = set(ckpts[-keep_last:])
     keep |= {c for c in ckpts if keep_every and step_of(c) % keep_every == 0}
     keep |= {c for c in ckpts if best_step is not None and step_of(c) == best_step}
     gone = [c for c in ckpts if c not in keep and _written_by_kiln(c)]  # never a folder Kiln cannot vouch for
-    for c in gone:
-        shutil.rmtree(c, ignore_errors=True)
-    return gone
+    halves = [c for c in list_checkpoints(root) if half_deleted(c)]
+    return [c for c in gone + halves if _remove(c, in_place=c in halves)]
+
+
+def _remove(folder: Path, in_place: bool) -> bool:
+    with unpinned(folder) as free:  # held while it goes (aside): a reader that comes later finds it gone
+        if free and in_place:
+            remove_folder(folder, ignore_errors=True)
+        elif free:
+            folder = set_aside(folder)
+    if free and not in_place:
+        remove_folder(folder, ignore_errors=True)
+    return free
+
+
+# The names a checkpoint's files have (this module's, full.py's and sharded.py's).
+CHECKPOINT_FILE = re.compile(r"^(model\.safetensors|optimizer\.pt|rng\.pt|state\.json|config\.yaml|tokenizer\.json|"
+                             r"manifest\.sig|index\.json|(model|optimizer)-\d{5}\.safetensors|index-\d{5}\.json)$")
+
+
+def half_deleted(folder: Path) -> bool:
+    """A `checkpoints/step-NNNNNNNN` without manifest.json holding nothing but checkpoint files (by name): what
+    a removal killed part-way left before removals went aside first. Never committed, so never read: retention
+    removes it; anything else in it (a user's file) keeps it."""
+    folder = Path(folder)
+    if (not STEP_DIR.match(folder.name) or folder.parent.name != "checkpoints" or folder.is_symlink()
+            or not folder.is_dir() or (folder / MANIFEST).exists()):
+        return False
+    return all(p.is_file() and not p.is_symlink() and CHECKPOINT_FILE.match(p.name) for p in folder.iterdir())
 
 
 def _written_by_kiln(folder: Path) -> bool:

@@ -11,7 +11,8 @@ from typing import Any, Callable
 from kiln.errors import IntegrityError
 from kiln.manifest import HASH_THREADS, verify_folder
 from kiln.train.checkpoint import full, sharded
-from kiln.train.checkpoint.folder import STEP_DIR, check_step, list_checkpoints, step_of, verify_signature
+from kiln.train.checkpoint.folder import (STEP_DIR, check_step, half_deleted, list_checkpoints, step_of,
+                                          verify_signature)
 
 
 def load_checkpoint(folder: Path, verify: bool = True, weights: bool = True) -> dict[str, Any]:
@@ -69,8 +70,10 @@ def checkpoint_table(root: Path, public_key: str | None = None) -> list[dict[str
         if not p.is_dir() or not p.name.startswith("step-"):
             continue
         row: dict[str, Any] = {"path": str(p), "step": None, "valid": False, "problem": None}
-        if not STEP_DIR.match(p.name):
-            row["problem"] = "temporary folder of an unfinished save (never loaded)"
+        leftover = ".old-" in p.name or half_deleted(p)  # of a removal (retention) that was killed
+        if leftover or not STEP_DIR.match(p.name):
+            row["problem"] = ("left by a killed removal (never loaded); the next `kiln train` removes it" if leftover
+                              else "temporary folder of an unfinished save (never loaded)")
             rows.append(row)
             continue
         try:
