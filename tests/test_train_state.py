@@ -113,3 +113,74 @@ def test_an_fp16_run_measures_the_update_to_weight_ratio(workdir):
     measured = {r["step"]: r["update_to_weight"] for r in records if "update_to_weight" in r}
     assert set(measured) == {1, 2, 3, 4} - skipped and measured  # every step taken: none before the fix
     assert all(0 < v < 1 for v in measured.values())
+
+
+# --- what a resume refuses and says (issue 45.3) ------------------------------------------------------------------
+
+def test_a_changed_model_key_is_refused_naming_it_and_a_changed_lr_is_said(workdir):
+    from kiln.errors import KilnError
+
+    Trainer(tiny_config(workdir, train={"max_steps": 2}, checkpoint={"every": 2}), log=quiet).run()
+    with pytest.raises(KilnError) as refused:
+        Trainer(tiny_config(workdir, train={"max_steps": 4}, model={"dim": 128, "n_layers": 3}), log=quiet).run()
+    message = str(refused.value)
+    assert "model.dim: 64 in the checkpoint, 128 in the config; model.n_layers: 2 in the checkpoint, 3 in the " \
+           "config" in message and "\n" not in message and "new out_dir" in message
+    log: list[str] = []
+    summary = Trainer(tiny_config(workdir, train={"max_steps": 4, "lr": 6e-3, "warmup_steps": 1}),
+                      log=log.append).run()
+    assert summary["steps"] == 4
+    [note] = [line for line in log if "schedule settings" in line]
+    assert note == ("note: resuming step-00000002 with other schedule settings, applied from step 3 on: train.lr: "
+                    "0.003 in the checkpoint, 0.006 in the config; train.max_steps: 2 in the checkpoint, 4 in the "
+                    "config; train.warmup_steps: 2 in the checkpoint, 1 in the config")
+
+
+def test_a_tokenizer_of_another_vocabulary_size_is_refused_without_an_override_that_would_fail(prepared, tmp_path):
+    """check_resume_data: a changed tokenizer whose vocabulary the weights cannot take is not offered
+    train.resume_on_new_data (the weights' check would refuse it next); one of the same size still is."""
+    from itertools import islice
+
+    from kiln.data.docs import read_docs
+    from kiln.errors import KilnError
+    from kiln.manifest import write_manifest
+    from kiln.tokenizer import train_tokenizer
+    from kiln.train.checkpoint.resume import check_resume_data
+
+    folder = tmp_path / "run" / "checkpoints" / "step-00000002"
+    folder.mkdir(parents=True)
+    shutil.copy(prepared.out / "tokenizer" / "tokenizer.json", folder / "tokenizer.json")  # 1024 tokens
+    write_manifest(folder)
+    docs = list(islice(read_docs(prepared.out / "docs"), 40))
+    train_tokenizer(docs, tmp_path / "tok512", tiny_config(tmp_path, tokenizer={"vocab_size": 512}).tokenizer, 7)
+    saved = {"data_fingerprint": "d" * 64, "tokenizer_sha256": "a" * 64}
+    for allow in (False, True):
+        with pytest.raises(KilnError) as refused:
+            check_resume_data(saved, folder, "e" * 64, "b" * 64, allow, quiet, tmp_path / "tok512" / "tokenizer.json")
+        message = str(refused.value)
+        assert "vocabulary of 1024 tokens" in message and "has 512" in message
+        assert "resume_on_new_data=true" not in message and "\n" not in message
+    with pytest.raises(KilnError, match=r"the tokenizer changed .*set train\.resume_on_new_data=true"):
+        check_resume_data(saved, folder, "e" * 64, "b" * 64, False, quiet, prepared.out / "tokenizer")
+
+
+@pytest.mark.slow  # ~10 s of CPU: a tokenizer trained and the shards repacked, as `kiln run` does
+def test_another_vocabulary_size_is_refused_without_suggesting_resume_on_new_data(prepared, workdir):
+    from kiln.errors import KilnError
+    from kiln.flow import run_pack_stage, run_tokenizer_stage
+
+    shutil.copytree(prepared.out / "docs", workdir / "docs")
+    Trainer(tiny_config(workdir, train={"max_steps": 2}, checkpoint={"every": 2}), log=quiet).run()
+    small = tiny_config(workdir, train={"max_steps": 4}, tokenizer={"vocab_size": 512})
+    run_tokenizer_stage(small, quiet)  # what `kiln run` does after tokenizer.vocab_size changes
+    run_pack_stage(small, quiet)
+    for new_data in (False, True):
+        with pytest.raises(KilnError) as refused:
+            Trainer(tiny_config(workdir, train={"max_steps": 4, "resume_on_new_data": new_data},
+                                tokenizer={"vocab_size": 512}), log=quiet).run()
+        assert "tokenizer.vocab_size: 1024 in the checkpoint, 512 in the config" in str(refused.value)
+        assert "resume_on_new_data=true" not in str(refused.value)
+    with pytest.raises(KilnError) as refused:  # the settings as before, another tokenizer file (tokenizer.path's case)
+        Trainer(tiny_config(workdir, train={"max_steps": 4}), log=quiet).run()
+    message = str(refused.value)
+    assert "vocabulary of 1024 tokens" in message and "has 512" in message and "resume_on_new_data=true" not in message

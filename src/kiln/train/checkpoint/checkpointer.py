@@ -201,9 +201,8 @@ class Checkpointer:
         fmt = self.reader(folder)
         data = fmt.read(folder, self.d, self.engine.parallel.every_rank_reads)
         state = data["state"]
-        if state.get("config_hash") != self.state.config_hash:
-            raise KilnError(f"{folder} was written with different model/pack/tokenizer settings; "
-                            f"use a new out_dir, or delete {self.ckpt_dir} to start over")
+        resume_checks.check_settings(state.get("config_hash"), self.state.config_hash, folder, self.config_yaml,
+                                     RESUME_SECTIONS)
         resume_checks.check_vocab_size(data["model"], self.engine.model.vocab_size, folder)
         fmt.load(self.engine.parallel, self.engine.optimizer, data)
         self.state.load_state_dict(state, rollback=rollback)
@@ -260,8 +259,10 @@ class Checkpointer:
             return None
         manifest = self.read_manifest(folder)
         self.check_env(manifest.get("env", {}), folder)
+        resume_checks.check_settings(manifest.get("config_hash", self.state.config_hash), self.state.config_hash,
+                                     folder, self.config_yaml, RESUME_SECTIONS)  # before the data: named keys
         changes = resume_checks.check_resume_data(manifest, folder, i.data_fingerprint, i.tokenizer_sha,
-                                                  train.resume_on_new_data, quiet)
+                                                  train.resume_on_new_data, quiet, i.tokenizer_file)
         if (warning := layout_warning(manifest.get("env", {}).get("layout"), i.layout)) and self.d.is_main:
             self.log(f"warning: {folder}: {warning}")
         state = self.load(folder)
