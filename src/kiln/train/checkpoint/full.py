@@ -3,7 +3,8 @@
 Beside the files every checkpoint has (folder.py), a full `step-NNNNNNNN/` holds
   model.safetensors   the weights (no pickle, loads without running code); under FSDP2 the full weights are
                       gathered and written by rank 0, so any world size resumes
-  optimizer.pt        AdamW state, read back with torch.load(weights_only=True)
+  optimizer.pt        AdamW state keyed by parameter name (parallel/optimizer_state.py), read back with
+                      torch.load(weights_only=True); any layout loads it by name
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from kiln.train.checkpoint.folder import (check_listed, check_manifest, listed_f
                                           sign_manifest, step_dir)
 
 FILES = ("model.safetensors", "optimizer.pt")  # beside folder.COMMON_FILES
-
 
 if TYPE_CHECKING:
     from kiln.train.parallel import Dist

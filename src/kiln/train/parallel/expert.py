@@ -50,8 +50,9 @@ class ExpertShard(nn.Module):
         if n_experts % ep:
             raise ValueError(f"{n_experts} experts do not split over {ep} expert-parallel ranks")
         self.n_experts, self.ep, self.local, self.group = n_experts, ep, n_experts // ep, group
-        mine = slice(ep_rank * self.local, (ep_rank + 1) * self.local)
-        for name in ("w1", "w3", "w2"):
+        self.first = ep_rank * self.local  # this rank's first expert in the whole stack (materialize.py)
+        mine = slice(self.first, self.first + self.local)
+        for name in ("w1", "w3", "w2"):  # on the meta device (training builds there): shapes only, no copy
             setattr(self, name, nn.Parameter(getattr(experts, name).detach()[mine].clone()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,6 +102,10 @@ class ExpertParallel:
         self.group = groups[dp_rank // ep]
         self.replicas = replicas[self.ep_rank] if replicas else None
         apply_expert_parallel(model, self.ep_rank, ep, self.group)
+        self.find(model)
+
+    def find(self, model: nn.Module) -> None:
+        """The expert weights of `model`, again after `to_empty` (materialize.py), which may replace them."""
         self.names = [n for n, _ in model.named_parameters() if ".experts." in n]
         self.params = [p for n, p in model.named_parameters() if ".experts." in n]
         self.ids = {id(p) for p in self.params}
@@ -167,25 +172,21 @@ class ExpertParallel:
         local = t.shape[0] // self.ep
         return t[self.ep_rank * local:(self.ep_rank + 1) * local].clone()
 
-    def _expert_indices(self, optimizer: torch.optim.Optimizer) -> list[int]:
-        """Positions of the expert weights in optimizer.state_dict()'s numbering (param_groups order)."""
-        order = [p for g in optimizer.param_groups for p in g["params"]]
-        return [i for i, p in enumerate(order) if id(p) in self.ids]
+    def full_states(self, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
+        """This rank's state dicts (DDP's: whole dense weights, expert slices; the optimizer's keyed by name) with
+        every expert tensor and its AdamW moments gathered whole over the expert group. Every rank of the group
+        takes part."""
+        return self._map_experts(self._gather, model_sd, optim_sd)
 
-    def full_states(self, model_sd: dict, optim_sd: dict, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        """This rank's state dicts (DDP's: whole dense weights, expert slices) with every expert tensor and its
-        AdamW moments gathered whole over the expert group. Every rank of the group takes part."""
-        return self._map_experts(self._gather, model_sd, optim_sd, optimizer)
+    def local_states(self, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
+        """Full state dicts (the optimizer's keyed by name) -> this rank's: each expert tensor and its moments
+        sliced to its experts."""
+        return self._map_experts(self._slice, model_sd, optim_sd)
 
-    def local_states(self, model_sd: dict, optim_sd: dict, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        """Full state dicts -> this rank's: each expert tensor and its moments sliced to its experts."""
-        return self._map_experts(self._slice, model_sd, optim_sd, optimizer)
-
-    def _map_experts(self, fn, model_sd: dict, optim_sd: dict, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    def _map_experts(self, fn, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
         """`fn` applied to every expert weight and to its moments (not the step counters), the rest as it is."""
-        model_sd = {k: fn(v) if k in self.names else v for k, v in model_sd.items()}
-        state = dict(optim_sd["state"])
-        for i in self._expert_indices(optimizer):
-            if i in state:
-                state[i] = {k: fn(v) if k != "step" and v.ndim > 0 else v for k, v in state[i].items()}
+        names = set(self.names)
+        model_sd = {k: fn(v) if k in names else v for k, v in model_sd.items()}
+        state = {k: {n: fn(t) if n != "step" and t.ndim > 0 else t for n, t in v.items()} if k in names else v
+                 for k, v in optim_sd["state"].items()}
         return model_sd, {**optim_sd, "state": state}

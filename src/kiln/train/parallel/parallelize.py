@@ -28,7 +28,9 @@ from kiln.model.loss import summed_loss
 from kiln.train.clip import GROUPS
 from kiln.train.parallel.dist import Dist, all_reduce_, group_norms
 from kiln.train.parallel.fsdp import apply_fsdp
+from kiln.train.parallel.materialize import is_meta, materialize
 from kiln.train.parallel.mesh import Mesh, resolve_degrees
+from kiln.train.parallel.optimizer_state import by_name, by_number
 from kiln.train.precision import apply_precision_policy
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -82,7 +84,9 @@ class Parallelized:
         return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        return optimizer.state_dict()
+        """The whole optimizer state keyed by parameter name (torch.distributed.checkpoint's full form, which
+        every kind writes and loads): a full checkpoint from any layout loads on any other, by name."""
+        return by_name(optimizer.state_dict(), self.model, optimizer)
 
     def full_states(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         """(weights, optimizer state) of the whole model, for the full checkpoint format; every rank takes part."""
@@ -91,7 +95,7 @@ class Parallelized:
     def load(self, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:
         """Load full (unsharded) weights and optimizer state, read by rank 0 (the others pass empty dicts)."""
         self.model.load_state_dict(model_sd)
-        optimizer.load_state_dict(optim_sd)
+        optimizer.load_state_dict(by_number(optim_sd, self.model, optimizer))
 
     def checkpoint_slices(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
         """For a sharded checkpoint: {parameter name: (offsets, local shape, global shape)} of the plain tensors
@@ -194,7 +198,10 @@ def _load_broadcast(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd
 
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=world > 1)
     set_model_state_dict(model, model_sd, options=opts)
-    set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
+    # torch's full form is keyed by name: a state keyed by number (an older Kiln's full checkpoint) would load
+    # as entries attached to no parameter, and AdamW would start again from step 1.
+    set_optimizer_state_dict(model, optimizer, by_name(optim_sd, model, optimizer) if optim_sd else optim_sd,
+                             options=opts)
 
 
 class _ExpertHooks:
@@ -231,12 +238,12 @@ class ExpertParallelModel(_ExpertHooks, DDPModel):
         super().__init__(model, d, autocast, loss_fn, mesh)
 
     def full_states(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        return self.experts.full_states(self.state_dict(), self.optimizer_state_dict(optimizer), optimizer)
+        return self.experts.full_states(self.state_dict(), self.optimizer_state_dict(optimizer))
 
     def load(self, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:
-        model_sd, optim_sd = self.experts.local_states(model_sd, optim_sd, optimizer)
+        model_sd, optim_sd = self.experts.local_states(model_sd, by_name(optim_sd, self.model, optimizer))
         self.model.load_state_dict(model_sd)
-        optimizer.load_state_dict(optim_sd)
+        optimizer.load_state_dict(by_number(optim_sd, self.model, optimizer))
 
 
 class ExpertFSDPModel(_ExpertHooks, FSDPModel):
@@ -275,6 +282,7 @@ class ExpertFSDPModel(_ExpertHooks, FSDPModel):
                                                              set_optimizer_state_dict)
 
         names, cut = set(self.experts.names), self.experts._slice
+        optim_sd = by_name(optim_sd, self.model, optimizer)  # every rank read it
         model_sd = {k: cut(v) if k in names else v for k, v in model_sd.items()}
         state = {k: {n: cut(t) if n != "step" and t.ndim > 0 else t for n, t in v.items()} if k in names else v
                  for k, v in optim_sd["state"].items()}
@@ -338,10 +346,10 @@ def kind_for(mesh: Mesh) -> type[Parallelized]:
 
 
 def parallelize(model: nn.Module, d: Dist, cfg: ParallelConfig, precision: Precision, loss_fn: Callable,
-                mesh: Mesh | None = None, pad_id: int | None = None) -> Parallelized:
-    """Apply the parallel section to `model` (on its device), on `mesh` (mesh.build_mesh, checked before any
-    work; None: the data-parallel degrees of `cfg` on d.world ranks), in this order (torchtitan's, but for
-    compile, which #14 measured after FSDP2):
+                mesh: Mesh | None = None, pad_id: int | None = None, seed: int | None = None) -> Parallelized:
+    """Apply the parallel section to `model` (on its device, or on the meta device: then `seed` draws its initial
+    weights in step 5b), on `mesh` (mesh.build_mesh, checked before any work; None: the data-parallel degrees of
+    `cfg` on d.world ranks), in this order (torchtitan's, but for compile, which #14 measured after FSDP2):
 
     1. precision policy (autocast kinds): wraps the fp32 modules' bound forwards, first, so that checkpointing
        and compilation see the wrapped forwards. Under FSDP2, which casts parameters instead of autocasting,
@@ -355,6 +363,9 @@ def parallelize(model: nn.Module, d: Dist, cfg: ParallelConfig, precision: Preci
     4. the pipeline split: this rank keeps its stages only; each stage is its own FSDP2 root (sharded there, as
        step 5 does for the whole model), or its replicas average gradients after the schedule's step.
     5. FSDP2 sharding, in place: replaces the parameters by DTensors, which everything after must see.
+    5b. materialisation (a model built on meta): storage on the device for this rank's part only, drawn by
+       kiln.model.init's rule (materialize.py): after every split, so no rank holds the whole model; before
+       compilation and DDP, which broadcasts rank 0's weights when it wraps.
     6. compilation: one process compiles model and loss in one graph; otherwise the model alone, after
        sharding, so the wrapper's hooks stay outside the compiled blocks (torchtitan compiles each block
        before fully_shard, to the same effect: FSDP2's hooks are module hooks outside the blocks' graphs).
@@ -381,6 +392,12 @@ def parallelize(model: nn.Module, d: Dist, cfg: ParallelConfig, precision: Preci
         except ValueError as exc:
             raise KilnError(str(exc)) from None
         autocast = None  # FSDP2's mixed-precision policy casts parameters instead
+    if is_meta(model):  # 5b
+        if seed is None:
+            raise ValueError("parallelize: a model on the meta device needs the seed of its initial weights")
+        materialize(model, d.device, seed)
+        if "experts" in extra:  # to_empty may have replaced the experts FSDP2 leaves out
+            extra["experts"].find(model)
     if cfg.compile and kind is Parallelized:  # 6
         # Model and loss in one graph: the upcast and log-softmax over the vocabulary fuse too
         # (+9-14% over compiling the model alone, BENCHMARKS.md), in one piece.

@@ -32,7 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kiln.errors import KilnError
 from kiln.train.parallel.fsdp import apply_fsdp
+from kiln.train.parallel.optimizer_state import numbered
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -175,8 +177,9 @@ def build_pipeline(model: nn.Module, mesh, sharded: bool, d, cfg, precision, pad
     if `sharded`, shard each stage with FSDP2 over the data-parallel dimensions (one stage is one FSDP2 root: its
     blocks are gathered in its own forward), or, with DDP-style replicas, average the gradients after each step.
     `cfg`: the parallel section; `precision`: parallelize.Precision. Returns (this rank's part, the pipeline).
-    The whole model was initialised on every rank first (the same seed, the same weights as one process); the
-    other stages' blocks are freed once `model` is dropped."""
+    In training `model` is on the meta device: parallelize materialises this rank's part only afterwards (the
+    same weights as one process, kiln.model.init); a model with storage keeps it, and the other stages' blocks
+    are freed once `model` is dropped."""
     schedule = cfg.pp_schedule
     part, stages = split_model(model, mesh.pp_rank, mesh.pp, schedule)
     if sharded:
@@ -261,6 +264,9 @@ def load_states(part: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dic
     """Load this rank's slice of full (gathered) weights and optimizer state; every rank has read them."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
+    if numbered(optim_sd):  # a stage cannot know the whole model's numbering
+        raise KilnError("this full checkpoint's optimizer state is keyed by number (an older Kiln wrote it); resume "
+                        "it once without pipeline parallel (its next checkpoint is keyed by name), then with pp")
     names = set(part.state_dict())
     opts = StateDictOptions(full_state_dict=True)
     set_model_state_dict(part, {k: v for k, v in model_sd.items() if k in names}, options=opts)
