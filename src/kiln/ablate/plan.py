@@ -10,10 +10,12 @@ Layout under out_dir (each arm's folder is an ordinary Kiln out_dir, each run's 
                           its config trains on ARM/shards (loader.sources), so every seed shares the arm's data
     ablation.json, ablation.html
 
-Fair by construction: every arm is the base config plus its `set:` overrides, validated as a config is (a typo
-gets the closest key); an arm may not change the model, pack, train or tokenizer sections (the same model,
-schedule and token budget for all) nor out_dir or seed. Arms whose resolved configs are equal share their data
-(the first one's folder) and, seed by seed, their runs.
+Fair by construction: every arm is the base config plus its `set:` overrides of the data section (spec.py
+refuses any other key), validated as a config is (a typo gets the closest key): the same model, schedule,
+token budget and tokenizer for all. Arms whose resolved configs are equal share their data (the first one's
+folder) but never a seed: a shared seed would be the same run, and an A/A check would show exactly 0. Arms
+never share a `data.dedup.index` (a data stage adds its documents to it: the next arm would be deduplicated
+against them).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from kiln.ablate.spec import PROXIES, TOKENS_PER_PARAM, AblationSpec, arm_overri
 from kiln.config import Config, build_config, merge
 from kiln.errors import ConfigError
 
-FAIR_SECTIONS = ("model", "pack", "train", "tokenizer")
 EVAL = "eval.json"  # in a run's folder: its measurement (kiln.ablate.runner writes it, results reads it)
 CONFIG = "config.yaml"  # in a run's folder: its resolved config, so `kiln train ARM/seed-N/config.yaml` trains it
 
@@ -37,9 +38,9 @@ CONFIG = "config.yaml"  # in a run's folder: its resolved config, so `kiln train
 class RunPlan:
     arm: str
     seed: int
-    folder: Path  # the run's out_dir: ARM/seed-N (the first arm's, when the run is shared)
+    folder: Path  # the run's out_dir: ARM/seed-N
     cfg: Config
-    owner: str  # the arm whose run it is (itself, unless an arm with equal settings had this seed first)
+    owner: str  # the arm whose run it is (runs are never shared: always `arm`)
 
 
 @dataclass
@@ -47,7 +48,7 @@ class ArmPlan:
     name: str
     overrides: dict[str, Any]  # `set:` as written (dotted keys)
     cfg: Config  # the arm's out_dir is its data folder
-    key: str  # hash of the resolved settings: equal keys share data and runs
+    key: str  # hash of the resolved settings: equal keys share data (never a seed)
     owner: str  # the arm whose data folder it uses
     seeds: list[int]
     runs: list[RunPlan] = field(default_factory=list)
@@ -94,23 +95,6 @@ def settings_key(cfg: Config) -> str:
     dumped = cfg.model_dump(mode="json")
     dumped.pop("out_dir")
     return hashlib.sha256(json.dumps(dumped, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in tree.items():
-        key = f"{prefix}{k}"
-        out.update(_dotted(v, key + ".") if isinstance(v, dict) and v else {key: v})
-    return out
-
-
-def _unfair(arm: Config, baseline: Config) -> tuple[str, Any, Any] | None:
-    """The first key of FAIR_SECTIONS where the arm differs from the baseline: (key, arm's, baseline's)."""
-    mine, theirs = (_dotted({s: c.model_dump(mode="json")[s] for s in FAIR_SECTIONS}) for c in (arm, baseline))
-    for key in sorted(set(mine) | set(theirs)):
-        if mine.get(key) != theirs.get(key):
-            return key, mine.get(key), theirs.get(key)
-    return None
 
 
 def proxy_settings(spec: AblationSpec, base: dict[str, Any]) -> dict[str, Any] | None:
@@ -164,28 +148,37 @@ def make_plan(spec: AblationSpec, base: dict[str, Any], file: Path) -> Plan:
         owner = next((a.owner for a in arms if a.key == key), arm_spec.name)
         cfg = build_config(merge(cfg.model_dump(mode="json"), {"out_dir": str(out / owner)}))
         arms.append(ArmPlan(arm_spec.name, dict(arm_spec.set), cfg, key, owner, spec.seeds_of(arm_spec.name)))
-    baseline = next(a for a in arms if a.name == spec.baseline)
-    for arm in arms:
-        if (diff := _unfair(arm.cfg, baseline.cfg)) is not None:
-            key, mine, theirs = diff
-            raise ConfigError(f"{file}: arm {arm.name!r} sets {key} to {json.dumps(mine)} (the baseline has "
-                              f"{json.dumps(theirs)}): every arm trains the same model on the same schedule, token "
-                              f"budget and tokenizer; put it in the base config, or compare it in another ablation")
+    _check_independent(arms, file)
     plan = Plan(file, spec, out, arms, tokenizer, not own, proxy)
     _plan_runs(plan)
     return plan
 
 
+def _check_independent(arms: list[ArmPlan], file: Path) -> None:
+    """Refuse arms whose runs would not be their own: equal settings and a seed in common (the same run twice),
+    or two data folders adding to one data.dedup.index (the later one deduplicated against the earlier)."""
+    every_seed = sorted({s for a in arms for s in a.seeds})
+    for k, arm in enumerate(arms):
+        for other in arms[:k]:
+            common = sorted(set(arm.seeds) & set(other.seeds))
+            if arm.key == other.key and common:
+                fresh = list(range(every_seed[-1] + 1, every_seed[-1] + 1 + len(arm.seeds)))
+                raise ConfigError(f"{file}: arms {other.name!r} and {arm.name!r} have the same settings and seed(s) "
+                                  f"{', '.join(map(str, common))} in common: those runs would be one run, and an A/A "
+                                  f"check would show a difference of exactly 0; give {arm.name!r} seeds of its own "
+                                  f"(seeds: {fresh}) or remove it")
+            index, theirs = arm.cfg.data.dedup.index, other.cfg.data.dedup.index
+            if arm.owner != other.owner and index and theirs and Path(index).resolve() == Path(theirs).resolve():
+                raise ConfigError(f"{file}: arms {other.name!r} and {arm.name!r} share data.dedup.index {index}: each "
+                                  f"arm's data stage adds its documents to it, so {arm.name!r} would be "
+                                  f"deduplicated against the documents of {other.name!r}; give each arm its own "
+                                  "(set: {data.dedup.index: ...}) or remove it from the base config")
+
+
 def _plan_runs(plan: Plan) -> None:
-    first: dict[tuple[str, int], RunPlan] = {}
-    for arm in plan.arms:
+    for arm in plan.arms:  # no two arms share a run (_check_independent)
         for seed in arm.seeds:
-            if (arm.key, seed) in first:
-                arm.runs.append(RunPlan(arm.name, seed, first[arm.key, seed].folder, first[arm.key, seed].cfg,
-                                        first[arm.key, seed].owner))
-                continue
             folder = plan.out / arm.name / f"seed-{seed}"
             cfg = build_config(merge(arm.cfg.model_dump(mode="json"), {
                 "seed": seed, "out_dir": str(folder), "loader": {"sources": [{"path": str(arm.data / "shards")}]}}))
-            first[arm.key, seed] = run = RunPlan(arm.name, seed, folder, cfg, arm.name)
-            arm.runs.append(run)
+            arm.runs.append(RunPlan(arm.name, seed, folder, cfg, arm.name))

@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
+from kiln.ablate.outdir import PAGE_MARKER
 from kiln.ablate.plan import Plan
 from kiln.errors import KilnError
 from kiln.manifest import write_atomic
 from kiln.ops.report import CSS, STAGE_ORDER, _figure, _figure_html, _table, fmt, read_records, smooth
 
-PAGE_MARKER = "<!-- written by kiln ablate -->\n"  # what lets a later ablation replace this file
 VERDICT_STYLE = ".better{color:#070;font-weight:600}.worse{color:#b00;font-weight:600}"
 
 

@@ -2,12 +2,13 @@
 
 The metrics, per run (lower is better for the first two, higher for the accuracies):
 - `SET/bits_per_byte` for every eval text set: the set's summed bits over its UTF-8 bytes;
-- `val_loss`: the final validation loss (on the arm's own held-out split: comparable across arms only when
-  they hold out the same documents, e.g. an A/A check; judge data by the shared eval sets);
+- `val_loss`: the final validation loss, on the arm's own held-out split, drawn from its own data: the arms'
+  numbers measure different text, so it is a per-arm fact (`metrics[].per_arm`), never compared;
 - `TASK/acc`, `TASK/acc_norm`, `TASK/acc_bytes` for every task.
-An arm's i-th seed is paired with the baseline's i-th; pairs where either run has not finished are left out
-(`kiln ablate report` compares whatever is done). Each comparison is `kiln.ablate.stats.compare`; Holm's
-correction runs over all of them.
+Only what every arm is measured on, the same text (the eval sets and tasks of the ablation's `eval:`), is
+compared: an arm's i-th seed is paired with the baseline's i-th; pairs where either run has not finished are
+left out (`kiln ablate report` compares whatever is done). Each comparison is `kiln.ablate.stats.compare`;
+Holm's correction runs over all of them.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ import numpy as np
 
 from kiln.ablate import stats
 from kiln.ablate.evalsets import OVERLAP, EvalSet
+from kiln.ablate.outdir import check_outputs
 from kiln.ablate.plan import EVAL, ArmPlan, Plan
+from kiln.ablate.spec import PAGE, RESULTS
 from kiln.eval.mc import METRICS as TASK_METRICS
 from kiln.lock import OutputLock
 from kiln.manifest import MANIFEST, read_manifest, sha256_file, write_atomic
 
-RESULTS, PAGE = "ablation.json", "ablation.html"
+PER_ARM = {"val_loss"}  # measured on each arm's own text: reported per arm, not compared
 
 
 def metric_names(sets: list[EvalSet]) -> list[tuple[str, bool]]:
@@ -95,7 +98,7 @@ def compare_arms(plan: Plan, sets: list[EvalSet], keep: dict[str, list[int]],
     settings = stats.Settings(**plan.spec.statistics.model_dump())
     base = plan.baseline
     others = [a for a in plan.arms if a.name != base.name]
-    metrics = metric_names(sets)
+    metrics = [(m, higher) for m, higher in metric_names(sets) if m not in PER_ARM]
     family = len(others) * len(metrics)
     rows = []
     for arm in others:
@@ -171,7 +174,8 @@ def results(plan: Plan, sets: list[EvalSet], keep: dict[str, list[int]], timings
             "tokenizer": {"path": str(plan.tokenizer), "shared": plan.shared_tokenizer,
                           "sha256": sha256_file(plan.tokenizer) if plan.tokenizer.is_file() else None},
             "statistics": {**plan.spec.statistics.model_dump(), "method": stats.METHOD},
-            "metrics": [{"name": m, "better": "higher" if h else "lower"} for m, h in metric_names(sets)],
+            "metrics": [{"name": m, "better": "higher" if h else "lower", "per_arm": m in PER_ARM}
+                        for m, h in metric_names(sets)],
             "eval": eval_summary(plan, sets, keep), "arms": arms,
             "comparisons": compare_arms(plan, sets, keep, measured), "warnings": warnings_of(arms, plan),
             "timings_s": timings}
@@ -183,6 +187,7 @@ def write_results(plan: Plan, sets: list[EvalSet], keep: dict[str, list[int]], t
 
     data = results(plan, sets, keep, timings)
     with OutputLock(plan.out / RESULTS, "`kiln ablate`"):  # one writer of the two files at a time
+        check_outputs(plan.out, plan.file)  # both files kiln ablate's, before either is replaced
         write_atomic(plan.out / RESULTS, json.dumps(data, indent=1, ensure_ascii=False))
         write_page(plan, data, plan.out / PAGE)
     return data

@@ -11,7 +11,8 @@
    also be trained on its own (`torchrun --nproc_per_node=8 -m kiln train ARM/seed-N/config.yaml`, on any
    machine that sees out_dir): the next `kiln ablate` finds it finished and measures it;
 5. runs: each arm x seed trained (`run_train_stage`, which resumes from the newest valid checkpoint) and
-   measured on its final checkpoint (`measure.measure_checkpoint`) into ARM/seed-N/eval.json.
+   measured on its final checkpoint (`measure.measure_checkpoint`) into ARM/seed-N/eval.json. SIGTERM stops
+   the ablation as it stops `kiln train`: the run checkpoints, the ablation says so and exits 0.
 
 Every step is skipped when its output is complete and matches its inputs (the stage fingerprints `kiln run`
 uses; eval.json carries the checkpoint's and the eval sets' hashes), so a killed ablation re-run continues
@@ -39,6 +40,10 @@ from kiln.manifest import MANIFEST, is_complete, read_manifest, sha256_file, wri
 
 MEASURE_VERSION = 1  # in eval.json's fingerprint: a change in how runs are measured measures them again
 STEPS = ("data", "tokenizer", "pack", "train")
+
+
+class StoppedBySignal(Exception):
+    """A run stopped on SIGTERM (checkpointed): the ablation stops there, cleanly."""
 
 
 def _hash(*parts: Any) -> str:
@@ -155,8 +160,10 @@ def measure_run(run: RunPlan, sets: list[EvalSet], keep: dict[str, list[int]], l
     run_tokenizer_stage(run.cfg, log)
     checkpoint = finished_checkpoint(run)
     if checkpoint is None:
-        run_train_stage(run.cfg, log)
+        summary = run_train_stage(run.cfg, log) or {}
         checkpoint = finished_checkpoint(run)
+        if checkpoint is None and summary.get("stopped") == "SIGTERM":
+            raise StoppedBySignal(f"{run.folder} checkpointed at step {summary.get('steps')}")
         if checkpoint is None:
             raise KilnError(f"{run.folder}: training stopped before train.max_steps={run.cfg.train.max_steps} "
                             "(see its run/metrics.jsonl); run the same command again to resume it")
@@ -225,9 +232,13 @@ def run_ablation(plan: Plan, sets: list[EvalSet], log: Callable[[str], None], un
     if keep is None or until == "pack":
         return None
     with timer("train and measure"):
-        for run in plan.runs(only):
-            with arm_context(run.owner):
-                measure_run(run, sets, keep, log)
+        try:
+            for run in plan.runs(only):
+                with arm_context(run.owner):
+                    measure_run(run, sets, keep, log)
+        except StoppedBySignal as stop:
+            log(f"stopped by SIGTERM: {stop}; run the same command again to resume the ablation")
+            return None
     if only:
         log(f"done: {', '.join(only)}; `kiln ablate report {plan.out}` compares the runs finished so far")
         return None

@@ -17,9 +17,14 @@ from kiln.config import Section, TaskConfig, dotted_tree, explain_error, read_co
 from kiln.errors import ConfigError
 
 ARM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-RESERVED = {"tokenizer"}  # out_dir/tokenizer is the shared tokenizer
+# What kiln ablate writes directly in out_dir: the plan `kiln ablate report DIR` reads back, the results, the page.
+PLAN_FILE, RESULTS, PAGE = "plan.json", "ablation.json", "ablation.html"
+RESERVED = {"tokenizer", PLAN_FILE, RESULTS, PAGE}  # out_dir/tokenizer is the shared tokenizer
 # Keys an arm may not set: the ablation sets them (out_dir per run, seed from `seeds`).
 NOT_PER_ARM = ("out_dir", "seed")
+# The one section an arm may change: an arm changes the data, never the model, schedule, token budget,
+# tokenizer, guards or parallelism (all the base config's, the same for every arm).
+PER_ARM = ("data",)
 
 # Proxy scales: the model, the sequence length, the batch (sequences per step), the peak learning rate (and for
 # cpu-tiny the torch threads).
@@ -42,8 +47,8 @@ TOKENS_PER_PARAM = 20
 
 class ArmSpec(Section):
     name: str = Field(description="the arm's name, also its folder under out_dir")
-    set: dict[str, Any] = Field(default_factory=dict, description="dotted overrides of the base config, as on the "
-                                "command line: {data.quality.fineweb.enabled: false}")
+    set: dict[str, Any] = Field(default_factory=dict, description="dotted overrides of the base config's data "
+                                "section, as on the command line: {data.quality.fineweb.enabled: false}")
     seeds: list[int] | None = Field(None, description="this arm's own seeds (an A/A check); null = the file's seeds")
 
     @field_validator("name")
@@ -136,6 +141,10 @@ class AblationSpec(Section):
                 if str(key).split(".")[0] in NOT_PER_ARM:
                     raise ValueError(f"arm {arm.name!r} sets {key!r}: the ablation sets out_dir and seed itself "
                                      "(give seeds in `seeds:`)")
+                if str(key).split(".")[0] not in PER_ARM:
+                    raise ValueError(f"arm {arm.name!r} sets {key!r}: an arm may change only the data (data.*); the "
+                                     "model, schedule, token budget, tokenizer, guards and parallelism are the same "
+                                     "for every arm: put it in the base config, or compare it in another ablation")
         return self
 
     def seeds_of(self, arm: str) -> list[int]:
@@ -155,12 +164,22 @@ def read_spec(path: str | Path) -> tuple[AblationSpec, dict[str, Any]]:
     try:
         spec = AblationSpec(**raw)
     except ValidationError as err:
-        raise ConfigError(f"{path}: {explain_error(err, AblationSpec, 'key')}") from None
+        raise ConfigError(f"{path}: {explain_error(_typo_first(err), AblationSpec, 'key')}") from None
     spec = spec.model_copy(update={
         "base": _absolute(spec.base, folder), "out_dir": _absolute(spec.out_dir, folder),
         "eval": EvalSpec(text={k: _absolute(v, folder) for k, v in spec.eval.text.items()},
                          tasks=[TaskConfig(name=t.name, path=_absolute(t.path, folder)) for t in spec.eval.tasks])})
     return spec, read_config_file(spec.base)
+
+
+def _typo_first(err: ValidationError) -> ValidationError:
+    """A required key missing beside an unknown one is most likely that key misspelt (`basline:`): the unknown
+    key's error comes first, so the message names it with the closest valid key."""
+    errors = err.errors()
+    unknown = [e for e in errors if e["type"] == "extra_forbidden"]
+    if unknown and any(e["type"] == "missing" for e in errors):
+        return ValidationError.from_exception_data(err.title, unknown[:1])
+    return err
 
 
 def _absolute(value: str, folder: Path) -> str:
