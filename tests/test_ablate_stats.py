@@ -31,6 +31,24 @@ def test_student_t_matches_published_quantiles():
     assert stats.t_sf(0.0, 7) == pytest.approx(0.5) and stats.t_sf(2.0, math.inf) == pytest.approx(0.02275, rel=1e-3)
 
 
+def test_student_t_is_scipys_and_equals_the_old_incomplete_beta_values():
+    """t_sf gives what the hand-written incomplete beta function gave (its values, within 1e-9); the quantiles
+    are scipy.stats.t.isf's (the old inverted table's were within 1e-4); a p-value with one variance share is
+    exactly the t-test's 2 P(T > |diff| / sd) (the old grid search's was within 1e-3)."""
+    import scipy.stats
+    for df, t, old in [(1, 1.0, 0.2500000000000002), (1, 4.3, 0.07273273924637133), (2, 1.0, 0.2113248654051873),
+                       (2, 4.3, 0.025028577058545765), (9, 1.0, 0.1717181980689575),
+                       (9, 4.3, 0.0009953261372306263), (999, 1.0, 0.1587763300881473),
+                       (999, 4.3, 9.377007239219678e-06)]:
+        assert abs(stats.t_sf(t, df) - old) <= 1e-9 * old, (df, t)
+    tails = np.array([0.4, 0.1, 0.025, 1e-3, 1e-6, 1e-12])
+    for df in (1, 2, 3, 9, 99, 999):
+        np.testing.assert_allclose(stats.t_upper(tails, df), scipy.stats.t.isf(tails, df), rtol=1e-12)
+    for diff, v, seeds in [(0.01, 2e-5, 3), (0.3, 0.01, 5), (-0.002, 1e-6, 2)]:
+        want = 2 * scipy.stats.t.sf(abs(diff) / math.sqrt(v), seeds - 1)
+        assert stats.p_value(diff, v, 0.0, seeds, 1) == pytest.approx(want, rel=1e-9)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.one_of(st.none(), st.floats(0, 1)), min_size=1, max_size=12))
 def test_holm_is_the_step_down_correction(ps):
