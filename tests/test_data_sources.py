@@ -9,9 +9,11 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -293,40 +295,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """moto's S3 server in a subprocess on 127.0.0.1; dummy credentials; the bucket `crawl`."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    opts = {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-    }
-    try:
-        import time
+def s3_options(endpoint: str, **config_kwargs) -> dict:
+    """data.storage_options for moto's server at `endpoint`: dummy credentials; `config_kwargs`: botocore's."""
+    return {"key": "testing", "secret": "testing",
+            "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+            **({"config_kwargs": config_kwargs} if config_kwargs else {})}
 
+
+class MotoServer:
+    """moto's S3 server in a subprocess on 127.0.0.1 (the bucket `crawl`), to freeze (SIGSTOP), kill and start
+    again on the same port."""
+
+    def __init__(self) -> None:
+        self.port, self.proc = free_port(), None
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "MotoServer":
         import boto3
 
-        client = boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
-        )
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing",
+                                   aws_secret_access_key="testing", region_name="us-east-1")
         for _ in range(100):
             try:
-                client.create_bucket(Bucket="crawl")
+                self.client.create_bucket(Bucket="crawl")
                 break
             except Exception:
                 time.sleep(0.1)
-        yield client, opts
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """moto's S3 server in a subprocess on 127.0.0.1; dummy credentials; the bucket `crawl`."""
+    server = MotoServer().start()
+    try:
+        yield server.client, s3_options(server.endpoint)
     finally:
-        proc.terminate()
-        proc.wait(10)
+        server.stop()
 
 
 def test_s3_inputs_match_local_inputs(tmp_path, s3, sample_warc):
@@ -364,6 +377,112 @@ def test_s3_missing_object_is_a_clear_error(s3):
     _, opts = s3
     with pytest.raises(KilnError, match="s3://crawl/nothing-here"):
         run_data(["s3://crawl/nothing-here/*.warc.gz"], Path("unused"), cfg(storage_options=opts))
+
+
+# A storage server that is down, freezes or dies: one line naming it, within a bound (each call: 2 attempts of
+# 1 s here; Kiln's defaults are in sources.S3_CALL_BOUNDS), and a re-run resumes.
+BOUNDS = {"connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 2}}
+
+
+def test_every_s3_call_is_bounded_by_default_and_storage_options_win():
+    from kiln.data.sources import _filesystem
+
+    fs, _ = _filesystem("s3://crawl/a.jsonl", s3_options("http://127.0.0.1:1"))
+    config = fs._prepare_config_kwargs()  # what s3fs gives botocore's Config
+    assert (config["connect_timeout"], config["read_timeout"], config["retries"]["max_attempts"]) == (10, 20, 3)
+    assert fs.retries == 1  # s3fs's own loop would multiply botocore's attempts (5 x 5 x 15 s: over 300 s)
+    fs, _ = _filesystem("s3://crawl/a.jsonl", s3_options("http://127.0.0.1:1", read_timeout=60))
+    assert fs._prepare_config_kwargs()["read_timeout"] == 60 and fs._prepare_config_kwargs()["connect_timeout"] == 10
+
+
+@pytest.fixture
+def server():
+    server = MotoServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def upload_jsonl(server: MotoServer, tmp_path: Path, names: list[str]) -> list[str]:
+    for k, name in enumerate(names):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"id": f"{name}{i}", "text": english(20 * k + i)}) + "\n"
+                                for i in range(20)))
+        server.client.upload_file(str(path), "crawl", name)
+    return [f"s3://crawl/{name}" for name in names]
+
+
+def kiln_data(inputs: list[str], out: Path, endpoint: str, capsys) -> tuple[int, str, str]:
+    """`kiln data` in this process (one worker: the tasks too), with the bounds above; (exit, stdout, last line)."""
+    from kiln.cli import main
+
+    config = out.parent / "s3.yaml"
+    config.write_text(json.dumps({"data": {"min_chars": 200, "quality": BASIC_GATES_ONLY, "lang_threshold": 0,
+                                           "storage_options": s3_options(endpoint, **BOUNDS)}}))
+    code = main(["data", *inputs, "--out", str(out), "--config", str(config), "--workers", "1"])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    return code, captured.out, captured.err.strip().splitlines()[-1]
+
+
+def test_s3_server_down_is_named_as_such_within_the_bound(tmp_path, server, capsys):
+    # it was "matches no object; check the URL", after 12 s
+    t0 = time.monotonic()
+    code, _, line = kiln_data(["s3://crawl/a.jsonl"], tmp_path / "docs", server.endpoint, capsys)
+    assert code == 2 and time.monotonic() - t0 < 10
+    assert line.startswith(f"kiln: error: s3://crawl/a.jsonl: could not connect to the storage server at "
+                           f"{server.endpoint} (refused or unreachable, on every attempt)")
+
+
+def test_s3_server_frozen_after_the_tasks_stops_the_run_within_the_bound(tmp_path, server, monkeypatch):
+    # SIGSTOP once the tasks are done: the driver's re-stat of the inputs hung for over 300 s
+    import concurrent.futures
+
+    import kiln.data.pipeline as pipeline
+
+    [source] = upload_jsonl(server.start(), tmp_path, ["a.jsonl"])
+    commit, frozen = pipeline._commit, []
+
+    def commit_then_freeze(work, summary):
+        server.proc.send_signal(signal.SIGSTOP)
+        frozen.append(time.monotonic())
+        return commit(work, summary)
+
+    monkeypatch.setattr(pipeline, "_commit", commit_then_freeze)
+    options = s3_options(server.endpoint, **BOUNDS)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the server is woken (and ends) whatever happens
+        run = pool.submit(run_data, [source], tmp_path / "docs", cfg(lang_threshold=0, storage_options=options), 1)
+        try:
+            with pytest.raises(KilnError, match=rf"^{source}: could not connect to the storage server at "
+                                                rf"{server.endpoint} \(no answer within config_kwargs.read_timeout"):
+                run.result(timeout=30)
+            assert frozen and time.monotonic() - frozen[0] < 10
+        finally:
+            server.stop()
+
+
+def test_s3_server_killed_mid_run_is_one_line_and_a_rerun_resumes(tmp_path, server, capsys, monkeypatch):
+    # it was exit 3, EndpointConnectionError
+    import kiln.data.pipeline as pipeline
+
+    inputs = upload_jsonl(server.start(), tmp_path, ["a.jsonl", "b.jsonl"])
+    commit = pipeline._commit
+
+    def commit_then_kill(work, summary):
+        server.stop()
+        return commit(work, summary)
+
+    monkeypatch.setattr(pipeline, "_commit", commit_then_kill)
+    code, _, line = kiln_data(inputs, tmp_path / "docs", server.endpoint, capsys)
+    assert code == 2 and line.startswith(f"kiln: error: s3://crawl/b.jsonl: could not connect to the storage "
+                                         f"server at {server.endpoint} (refused or unreachable, on every attempt)")
+    assert "run the same command again to resume" in line and not (tmp_path / "docs").exists()
+    monkeypatch.undo()
+    upload_jsonl(server.start(), tmp_path, ["a.jsonl", "b.jsonl"])  # the same objects, on the same port
+    code, out, _ = kiln_data(inputs, tmp_path / "docs", server.endpoint, capsys)
+    stats = json.loads(out)
+    assert code == 0 and stats["tasks_resumed"] == 1 and stats["documents"]["kept"] == 40
 
 
 # --- extraction and language options ----------------------------------------------------------------

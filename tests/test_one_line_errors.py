@@ -210,6 +210,28 @@ def test_a_full_disk_names_the_output_and_its_free_space_not_the_working_folder(
     assert err.strip().splitlines()[-1].startswith(f"kiln: error: no space left on the device writing {out} (")
 
 
+def test_a_full_disk_inside_a_data_task_is_the_outputs_problem_said_at_once(small_jsonl, tmp_path, capsys,
+                                                                            monkeypatch):
+    """ENOSPC while a task writes its outcome is not a read error of the input: no retries, no "reading failed"."""
+    import kiln.data.pipeline as pipeline
+
+    tries = []
+
+    def full(path):
+        tries.append(path)
+        raise OSError(errno.ENOSPC, "No space left on device")  # as zstd's stream writer gives it: no file name
+
+    monkeypatch.setattr(pipeline, "writing_atomic", full)
+    out = tmp_path / "docs"
+    t0 = time.monotonic()
+    assert kiln(["data", str(small_jsonl), "--out", str(out), "--workers", "1", "--", "data.min_chars=50"]) == 2
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]  # after the progress bar's line
+    assert "Traceback" not in err and "reading" not in err
+    assert line.startswith(f"kiln: error: no space left on the device writing {out} (")
+    assert len(tries) == 1 and time.monotonic() - t0 < 1.5  # once, not three times with 1 s and 2 s between
+
+
 @pytest.mark.parametrize("argv, name", [
     (["ablate", "FILE.yaml", "--until", "data", "data.min_chars=5"], "ablate"),
     (["ablate", "FILE.yaml", "--plan", "train.lr=1"], "ablate"),

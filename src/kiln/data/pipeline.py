@@ -53,9 +53,10 @@ from kiln.data.shape import CorpusShape
 from kiln.data.steps import StepTimer, merge_steps, run_steps, task_steps
 from kiln.data.vouch import Recording, matches, record
 from kiln.data.plan import READ_ATTEMPTS, Task, index_key, plan_tasks, read_task
+from kiln.data.sources import StorageUnreachable, unreachable
 from kiln.data.sources import expand_inputs as _expand
 from kiln.errors import IntegrityError, KilnError
-from kiln.manifest import staging_dir, write_atomic, write_manifest, writes_folder, writing_atomic
+from kiln.manifest import is_disk_full, staging_dir, write_atomic, write_manifest, writes_folder, writing_atomic
 
 WORK_LAYOUT = 4  # what a task writes to the work folder (4: its outcome and dedup signatures, vouched by its marker;
 # tasks are pieces of any input format, kiln.data.plan)
@@ -99,12 +100,18 @@ def run_task(args: tuple[Task, DataConfig, str]) -> dict[str, Any]:
     the data: recording it as a cut would commit a short task as finished and lose the rest of the file for
     good. The task is pure, so it is read again from the start; when every attempt fails, the run stops
     with an error that names the file, and nothing of the task is committed, so the next run resumes it.
+    Two OSErrors stop the run at once instead: a full disk (the output's, said by `writes_folder`) and a storage
+    server that cannot be reached (`sources.StorageUnreachable`, after the client's own bounded attempts).
     """
     task, cfg, work = args
     for attempt in range(1, READ_ATTEMPTS + 1):
         try:
             return _run_task_once(task, cfg, Path(work))
-        except OSError as exc:
+        except Exception as exc:
+            if (error := unreachable(exc, task.source)) is not None:
+                raise error from None
+            if not isinstance(exc, OSError) or is_disk_full(exc):
+                raise
             if attempt == READ_ATTEMPTS:
                 where = f" (bytes {task.start}-{task.end or 'end'})" if task.start or task.end else ""
                 raise KilnError(f"{task.source}{where}: reading failed {READ_ATTEMPTS} times ({exc}); the tasks "
@@ -138,8 +145,8 @@ def _run_task_once(task: Task, cfg: DataConfig, work: Path) -> dict[str, Any]:
                     rec = doc.kept_record() if doc.rejection is None else \
                         doc.reject_record(with_text=doc.rejection.reason == SEMANTIC_REVIEW)
                     zw.write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
-            except IntegrityError:  # the work folder's own files (a spooled chunk), not the input: stop
-                raise
+            except (IntegrityError, StorageUnreachable):  # the work folder's own files (a spooled chunk), or the
+                raise  # storage server, not the input's data: stop
             except KilnError as exc:
                 error = str(exc)
     t_sign = time.perf_counter()
@@ -229,12 +236,12 @@ def _run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None
     files = expand_inputs(inputs, cfg.storage_options)
     fp = fingerprint(files, cfg)
     work = out.parent / f".{out.name}-work-{work_key(fp, cfg)}"
-    work.mkdir(parents=True, exist_ok=True)
     t0, cpu = time.perf_counter(), [cpu_seconds()]
-    cfg = prepare_semantic(cfg, files, work)  # vectors trained on the corpus, when the semantic gate needs them
 
     workers = workers or cfg.workers
     with engine(cfg.executor, workers, cfg.ray_address, cfg.ray_connect_timeout_s):
+        work.mkdir(parents=True, exist_ok=True)  # once Ray is there: a cluster that never answers leaves nothing
+        cfg = prepare_semantic(cfg, files, work)  # vectors trained on the corpus, when the semantic gate needs them
         tasks = plan_tasks(files, cfg, work, workers)
         todo = unfinished(work, tasks, cfg, workers)
         with _progress_sink(progress, tasks, todo) as on_done:

@@ -66,9 +66,11 @@ from kiln.data.sources import (
     read_jsonl,
     read_arrow,
     read_parquet,
+    unreachable,
 )
 from kiln.data.vouch import HashingReader, Recording, matches
 from kiln.errors import IntegrityError, KilnError
+from kiln.manifest import is_disk_full
 
 # Settings that change how the work runs, never what it outputs (storage_options may hold secrets).
 EXECUTION_KEYS = {"inputs", "workers", "executor", "ray_address", "ray_connect_timeout_s", "task_bytes",
@@ -285,7 +287,11 @@ def probe(job: tuple[str, int, int, str, Any]) -> tuple[int, int, Any]:
     for attempt in range(1, READ_ATTEMPTS + 1):
         try:
             return index, k, FORMATS[kind].probe(args)
-        except OSError as exc:
+        except Exception as exc:  # as run_task: a server that cannot be reached and a full disk stop at once
+            if (error := unreachable(exc, source)) is not None:
+                raise error from None
+            if not isinstance(exc, OSError) or is_disk_full(exc):
+                raise
             if attempt == READ_ATTEMPTS:
                 raise KilnError(f"{source}: reading failed {READ_ATTEMPTS} times while planning its tasks ({exc}); "
                                 f"fix the storage or network and run the same command again") from None

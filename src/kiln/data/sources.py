@@ -15,12 +15,14 @@ the file goes on.
 
 from __future__ import annotations
 
+import copy
 import errno
 import glob
 import json
 import os
 import re
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Iterable, Iterator
 
@@ -36,9 +38,18 @@ def is_url(source: str) -> bool:
     return "://" in source and not source.startswith("file://")
 
 
+# Every s3:// call is bounded: botocore's timeouts and attempts, unless data.storage_options' config_kwargs
+# set their own; s3fs's own retry loop (which would multiply botocore's attempts, and nests) makes one try.
+S3_CALL_BOUNDS = {"connect_timeout": 10, "read_timeout": 20, "retries": {"max_attempts": 3, "mode": "standard"}}
+
+
 def _filesystem(source: str, storage_options: dict[str, Any]):
     import fsspec
 
+    s3 = source.split("://", 1)[0] in ("s3", "s3a")
+    if s3:
+        bounds = {**S3_CALL_BOUNDS, **(storage_options.get("config_kwargs") or {})}
+        storage_options = {**storage_options, "config_kwargs": copy.deepcopy(bounds)}  # botocore edits `retries`
     try:
         fs, path = fsspec.core.url_to_fs(source, **storage_options)
     except (ImportError, ValueError) as exc:  # s3:// without s3fs installed; a scheme fsspec does not know
@@ -46,7 +57,53 @@ def _filesystem(source: str, storage_options: dict[str, Any]):
 
         raise KilnError(f"{source}: no filesystem for this URL ({exc}); check the scheme, or install its "
                         f"filesystem, e.g. for s3://: {install_hint('s3')}") from None
+    if s3:
+        fs.retries = 1
     return fs, path
+
+
+class StorageUnreachable(KilnError, OSError):
+    """The storage server could not be reached, or stopped answering, after the client's own bounded attempts.
+    A KilnError: one line wherever it happens (the driver's listing and re-stat, a task). An OSError: a task
+    never takes it for damage in the data (`StorageWatch`), and it is not read again (pipeline.run_task): the
+    run stops, keeping the finished tasks."""
+
+
+# botocore's (ReadTimeoutError and ConnectionClosedError are its HTTPClientErrors), aiohttp's connect failure
+_UNREACHABLE = {"EndpointConnectionError": "refused or unreachable", "ClientConnectorError": "refused or unreachable",
+                "ConnectTimeoutError": "no connection within config_kwargs.connect_timeout",
+                "ProxyConnectionError": "the proxy refused or is unreachable",
+                "ReadTimeoutError": "no answer within config_kwargs.read_timeout",
+                "ConnectionClosedError": "it closed the connection"}
+
+
+def unreachable(exc: BaseException, source: str) -> StorageUnreachable | None:
+    """`exc` as a StorageUnreachable naming the server, or None when it is another error."""
+    if isinstance(exc, StorageUnreachable):
+        return exc
+    why = next((_UNREACHABLE[c.__name__] for c in type(exc).__mro__ if c.__name__ in _UNREACHABLE), None)
+    if why is None:
+        return None
+    from urllib.parse import urlsplit
+
+    url = urlsplit(str((getattr(exc, "kwargs", None) or {}).get("endpoint_url") or ""))
+    host = f"{url.scheme}://{url.netloc}" if url.netloc else getattr(exc, "host", None)
+    server = f"the storage server at {host}" if host else "the storage server"
+    return StorageUnreachable(
+        f"{source}: could not connect to {server} ({why}, on every attempt); the tasks finished so far are kept: "
+        f"start the server or fix data.storage_options (client_kwargs.endpoint_url; config_kwargs: "
+        f"connect_timeout, read_timeout, retries), then run the same command again to resume")
+
+
+@contextmanager
+def remote_call(source: str) -> Iterator[None]:
+    """A call to the storage: a connection failure is a StorageUnreachable naming the server."""
+    try:
+        yield
+    except Exception as exc:
+        if (error := unreachable(exc, source)) is None or error is exc:
+            raise
+        raise error from None
 
 
 def open_input(source: str, storage_options: dict[str, Any] | None = None) -> IO[bytes]:
@@ -55,7 +112,8 @@ def open_input(source: str, storage_options: dict[str, Any] | None = None) -> IO
         return open(source.removeprefix("file://"), "rb")
     fs, path = _filesystem(source, storage_options or {})
     try:
-        return fs.open(path, "rb")
+        with remote_call(source):
+            return fs.open(path, "rb")
     except FileNotFoundError:
         raise KilnError(f"{source}: no such object; check the URL and data.storage_options") from None
 
@@ -78,12 +136,10 @@ class StorageWatch:
     def read(self, n: int = -1) -> bytes:
         try:
             return self.f.read(n)
-        except OSError as exc:
-            self.error = exc
-            raise
         except Exception as exc:  # a filesystem library's own error type for a failed read (class docstring)
-            self.error = StorageReadError(f"{type(exc).__name__}: {exc}")
-            raise self.error from exc
+            self.error = unreachable(exc, getattr(self.f, "full_name", "the input")) or (
+                exc if isinstance(exc, OSError) else StorageReadError(f"{type(exc).__name__}: {exc}"))
+            raise self.error from (None if self.error is exc else exc)
 
     def seek(self, offset: int, whence: int = 0) -> int:
         return self.f.seek(offset, whence)
@@ -96,7 +152,8 @@ def input_size(source: str, storage_options: dict[str, Any] | None = None) -> in
     if not is_url(source):
         return os.path.getsize(source.removeprefix("file://"))
     fs, path = _filesystem(source, storage_options or {})
-    return int(fs.size(path))
+    with remote_call(source):
+        return int(fs.size(path))
 
 
 def input_identity(source: str, storage_options: dict[str, Any] | None = None) -> tuple[str, int, str]:
@@ -105,7 +162,8 @@ def input_identity(source: str, storage_options: dict[str, Any] | None = None) -
         st = os.stat(source.removeprefix("file://"))
         return (source, st.st_size, str(st.st_mtime_ns))
     fs, path = _filesystem(source, storage_options or {})
-    info = fs.info(path)
+    with remote_call(source):
+        info = fs.info(path)
     version = info.get("ETag") or info.get("mtime") or info.get("LastModified") or ""
     return (source, int(info["size"]), str(version))
 
@@ -119,7 +177,10 @@ def expand_inputs(patterns: list[str], storage_options: dict[str, Any] | None = 
             fs, path = _filesystem(pattern, storage_options or {})
             protocol = pattern.split("://", 1)[0]
             try:
-                matches = sorted(fs.glob(path)) if glob.has_magic(path) else ([path] if fs.isfile(path) else [])
+                with remote_call(pattern):  # a literal URL by info, not isfile: isfile takes any failure for "no"
+                    matches = sorted(fs.glob(path)) if glob.has_magic(path) else _object(fs, path)
+            except StorageUnreachable:
+                raise
             except (OSError, PermissionError) as exc:
                 raise KilnError(
                     f"input {pattern}: cannot list it ({exc}); check the URL and data.storage_options"
@@ -157,6 +218,13 @@ def expand_inputs(patterns: list[str], storage_options: dict[str, Any] | None = 
             raise KilnError(f"input {f} is given twice ({how}, from the paths or globs given); list each input once")
         seen[key] = f
     return files
+
+
+def _object(fs, path: str) -> list[str]:
+    try:
+        return [path] if fs.info(path).get("type") == "file" else []
+    except FileNotFoundError:
+        return []
 
 
 def _check_local_name(given: str, local: Path) -> None:
