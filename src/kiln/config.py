@@ -272,7 +272,9 @@ class DataConfig(Section):
     )
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
-        description="passed to fsspec for URL inputs, e.g. {client_kwargs: {endpoint_url: ...}} for s3://",
+        description="passed to fsspec for URL inputs, e.g. {client_kwargs: {endpoint_url: ...}} for s3://; each s3:// "
+        "call is bounded by config_kwargs (botocore's; default connect_timeout 10, read_timeout 20, retries "
+        "{max_attempts: 3}), after which the run stops naming the server",
     )
     text_field: str = Field("text", description="JSONL/Parquet: the field holding the document text")
     id_field: str = Field("id", description="JSONL/Parquet: the document id field (missing: FILE:LINE)")
