@@ -222,3 +222,30 @@ def test_a_damaged_row_group_cuts_its_own_task_only(tmp_path):
     run = next(t for t in plan_tasks([str(path)], small(task_bytes=4096)) if t.start <= 6 < t.end)
     assert n > 3 and cuts == [run.before]  # the damaged run's cut, at its first batch
     assert [r["offset"] for r in pieces] == [k for k in range(600) if not run.before <= k < run.end * 50]
+
+
+def test_a_full_disk_while_spooling_leaves_no_partial_chunk(tmp_path, monkeypatch):
+    """ENOSPC half-way through decompressing an input: its chunks so far are removed (they would hold the full
+    disk's space until the next run), the error goes on to the driver, and a re-run spools the file afresh."""
+    import errno
+
+    from kiln.data import plan
+
+    path = tmp_path / "one.jsonl.gz"
+    path.write_bytes(gzip.compress(b"".join(json.dumps({"text": english(i)}).encode() + b"\n" for i in range(300))))
+    config, work = cfg(task_bytes=8192), tmp_path / "work"
+    add, calls = plan._Chunk.add, []
+
+    def fills_the_disk(self, piece):
+        calls.append(1)
+        if len(calls) > 6:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return add(self, piece)
+
+    monkeypatch.setattr(plan._Chunk, "add", fills_the_disk)
+    with pytest.raises(OSError) as caught:
+        plan_tasks([str(path)], config, work)
+    assert caught.value.errno == errno.ENOSPC
+    assert not list((work / SPOOL).glob("*.jsonl.zst"))
+    monkeypatch.setattr(plan._Chunk, "add", add)
+    assert len(plan_tasks([str(path)], config, work)) == len(list((work / SPOOL).glob("*.jsonl.zst"))) > 3

@@ -359,6 +359,28 @@ def spool(file: InputFile, storage_options: dict, folder: str, task_bytes: int) 
         return done["chunks"]
     for stale in folder_path.glob(f"{file.index:05d}-*"):
         stale.unlink()
+    try:
+        chunks = _write_chunks(file, storage_options, folder_path, task_bytes)
+    except OSError as exc:
+        if is_disk_full(exc):  # no partial chunk stays on the full disk: the next run spools this file afresh
+            for partial in folder_path.glob(f"{file.index:05d}-*"):
+                partial.unlink(missing_ok=True)
+        raise
+    if chunks is None:
+        return None
+    if len(chunks) <= 1:
+        for c in chunks:
+            Path(c["path"]).unlink()
+        return None
+    from kiln.manifest import write_atomic
+
+    write_atomic(index, json.dumps({"source": file.source, "chunks": chunks}))
+    return chunks
+
+
+def _write_chunks(file: InputFile, storage_options: dict, folder_path: Path, task_bytes: int
+                  ) -> list[dict[str, Any]] | None:
+    """spool's chunks of `file` written into `folder_path`; None when it is not compressed as its name says."""
     chunks: list[dict[str, Any]] = []
     with open_input(file.source, storage_options) as f:
         try:
@@ -390,13 +412,6 @@ def spool(file: InputFile, storage_options: dict, folder: str, task_bytes: int) 
             chunks.append(chunk.close(valid=line_end - chunk.offset if truncated else None))
     if truncated and chunks:
         chunks[-1]["truncated_at"] = line_end
-    if len(chunks) <= 1:
-        for c in chunks:
-            Path(c["path"]).unlink()
-        return None
-    from kiln.manifest import write_atomic
-
-    write_atomic(index, json.dumps({"source": file.source, "chunks": chunks}))
     return chunks
 
 
