@@ -342,6 +342,8 @@ class PackConfig(Section):
     executor: Literal["local", "ray"] = Field("local", description="local: a process pool of pack.workers; ray: Ray "
                                               "tasks (the work folder beside the shards on storage every node mounts)")
     ray_address: str | None = Field(None, description="executor=ray: an existing cluster; null starts a local Ray")
+    ray_connect_timeout_s: float = Field(30, gt=0, description="executor=ray with ray_address: how long the cluster "
+                                         "may take to answer (as data.ray_connect_timeout_s)")
     task_parts: int = Field(2, ge=1, description="docs parts per pack task: each task packs its range of the docs "
                             "into shards of its own (its stream's tail, under one sample, is dropped)")
 

@@ -193,7 +193,7 @@ def _file_records(folder: Path) -> dict[str, dict[str, Any]]:
 # --- tasks over a docs folder --------------------------------------------------------------------
 
 WORK_LAYOUT = 1  # what a pack task leaves in the work folder
-EXECUTION_KEYS = {"workers", "executor", "ray_address"}  # how pack runs, never what it writes
+EXECUTION_KEYS = {"workers", "executor", "ray_address", "ray_connect_timeout_s"}  # how pack runs, not what it writes
 
 
 @dataclass(frozen=True)
@@ -280,8 +280,8 @@ def run_pack_tasks(docs: DocsReader, spec: PackSpec, out: Path, advance=None) ->
     key = hashlib.sha256(json.dumps([docs_sha, spec.header.tokenizer_sha256, settings, sorted(spec.weights.items()),
                                      WORK_LAYOUT]).encode()).hexdigest()[:16]
     work = out.parent / f".{out.name}-work-{key}"
-    work.mkdir(parents=True, exist_ok=True)
-    with engine(cfg.executor, cfg.workers, cfg.ray_address):
+    with engine(cfg.executor, cfg.workers, cfg.ray_address, cfg.ray_connect_timeout_s, section="pack"):
+        work.mkdir(parents=True, exist_ok=True)  # once Ray is there: a cluster that never answers leaves nothing
         marked = [(str(work), t) for t in tasks if (work / f"{t.name}.done.json").exists()]
         good = {i for i, ok in run_tasks(_check, marked, cfg.workers, cfg.executor, cfg.ray_address) if ok}
         todo = [t for t in tasks if t.index not in good]
