@@ -285,7 +285,10 @@ class DataConfig(Section):
     lang_model: str | None = Field(
         None, description="a fastText language-ID model file to use instead of lid.176.ftz lite"
     )
-    docs_per_part: int = Field(5000, ge=1, description="kept documents per docs/part-NNNNN.jsonl.zst")
+    docs_per_part: int = Field(5000, ge=1, description="kept documents per docs part (file)")
+    docs_format: Literal["jsonl", "parquet"] = Field(
+        "jsonl", description="jsonl: docs/part-NNNNN.jsonl.zst; parquet: the Hub's layout, "
+        "docs/data/train-NNNNN-of-MMMMM.parquet (rejects/, review/ likewise) and a README.md dataset card")
     max_page_bytes: int = Field(5_000_000, ge=1, description="larger HTTP payloads are rejected as too_large")
     max_record_bytes: int = Field(64 << 20, ge=1, description="JSONL: longer lines are rejected as read/too_large "
                                   "(and never held whole in memory); Parquet: rows whose text is longer")

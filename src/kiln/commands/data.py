@@ -26,6 +26,8 @@ def add_data(sub) -> None:
     s.add_argument("--config")
     s.add_argument("--workers", type=int, default=None, help="processes (or Ray tasks at once); default data.workers")
     s.add_argument("--lang-model", metavar="PATH", help="your own fastText language-ID model (sets data.lang_model)")
+    s.add_argument("--docs-format", choices=["jsonl", "parquet"], help="jsonl (part-NNNNN.jsonl.zst) or parquet (the "
+                   "Hub's layout: data/train-NNNNN-of-MMMMM.parquet); sets data.docs_format")
     s.add_argument("--positive", nargs="+", metavar="PATH", help="`kiln data classifier train --positive PATHS "
                    "--negative PATHS --out MODEL`: good documents (docs folders, JSONL or text files)")
     s.add_argument("--negative", nargs="+", metavar="PATH", help="classifier train: the documents to score low")
@@ -44,6 +46,8 @@ def cmd_data(args) -> int:
     overrides += args.set_overrides
     if args.lang_model:
         overrides.append(f"data.lang_model={args.lang_model}")
+    if args.docs_format:
+        overrides.append(f"data.docs_format={args.docs_format}")
     cfg = load_config(args.config, overrides)
     if not inputs:
         raise KilnError("kiln data: give at least one INPUT file or glob")

@@ -9,10 +9,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
-import zstandard
-
 from kiln.data.document import SCORE_FIELDS
-from kiln.data.docs import PART
+from kiln.data.docs import part_names, part_records
 from kiln.data.tables import check_table_names
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import MANIFEST, read_manifest, verify_folder
@@ -32,8 +30,8 @@ def _parts(docs_dir: Path) -> tuple[dict[str, Any], list[tuple[str, str]]]:
                         "`kiln data` wrote ({out_dir}/docs) with --out")
     check_table_names(docs_dir, manifest)
     files = manifest["files"]
-    names = [(outcome, name) for outcome, prefix in (("kept", ""), ("rejected", "rejects/"))
-             for name in sorted(n for n in files if n.startswith(prefix) and PART.match(n[len(prefix):]))]
+    names = [(outcome, name) for outcome, kind in (("kept", "kept"), ("rejected", "rejects"))
+             for name in part_names(files, kind)]
     try:
         verify_folder(docs_dir, deep=False, only={name for _, name in names})
     except IntegrityError as exc:
@@ -50,13 +48,7 @@ def _records(docs_dir: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         data = path.read_bytes()
         if (digest := hashlib.sha256(data).hexdigest()) != files[name]["sha256"]:
             raise IntegrityError(f"{path}: sha256 {digest[:16]}… != {MANIFEST}; {_CHANGED}")
-        lines = io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)), encoding="utf-8")
-        try:
-            for line in lines:
-                if line.strip():
-                    yield outcome, json.loads(line) | {"part": name}
-        except (zstandard.ZstdError, ValueError) as exc:  # bytes the manifest vouches for that do not parse
-            raise IntegrityError(f"{path}: cannot be read ({str(exc)[:120]}); {_CHANGED}") from None
+        yield from ((outcome, rec | {"part": name}) for rec in part_records(path, io.BytesIO(data)))
 
 
 _AT_LINE = re.compile(r"^(?P<path>.+):(?P<where>\d+|row\d+)$")
@@ -119,7 +111,8 @@ def find(key: str, docs_dir: Path) -> list[dict[str, Any]]:
             found.append(rec | {"outcome": outcome})
     if not found:
         raise KilnError(f"{docs_dir}: no document with id, WARC-Record-ID or URL {key!r}; "
-                        "ids are in part-*.jsonl.zst and rejects/part-*.jsonl.zst, or give FILE:LINE of an input")
+                        "ids are in the kept and rejects parts (part-*.jsonl.zst or data/*.parquet, rejects/), or give "
+                        "FILE:LINE of an input")
     return found
 
 

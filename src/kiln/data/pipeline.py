@@ -40,7 +40,7 @@ from kiln.data.dedup import LEDGER, write_ledger
 from kiln.data.dedup.index import add_run, runs_before, use_index
 from kiln.data.dedup.signatures import Signer
 from kiln.data.dedup.stages import STAGE_DIR, Layout, VerdictFiles, dedup_layout, run_stages
-from kiln.data.docs import PartWriter, read_part
+from kiln.data.docs import DocsWriters, check_format, read_part
 from kiln.data.gates.distribution import (Composition, SpilledProfiles, check_groups, part_bytes, profile_part,
                                           source_group)
 from kiln.data.tables import TABLES, InputCounts, SpilledCounts, TableWriter, composition_rows, write_table
@@ -72,7 +72,8 @@ def fingerprint(files: list[str], cfg: DataConfig) -> str:
     data.dedup.index runs it is deduplicated against."""
     base = index_key(files, cfg)
     runs = [run["key"] for run in runs_before(cfg.dedup, base)]
-    return hashlib.sha256(json.dumps([base, runs]).encode()).hexdigest()[:16] if runs else base
+    layout = [] if cfg.docs_format == "jsonl" else [cfg.docs_format]  # not in the index key: the same documents
+    return hashlib.sha256(json.dumps([base, runs, *layout]).encode()).hexdigest()[:16] if runs or layout else base
 
 
 # --- tasks --------------------------------------------------------------------------------------
@@ -199,6 +200,7 @@ def finished(work: Path, task: Task) -> bool:
 def check_config(cfg: DataConfig) -> None:
     """What can be checked before any work starts."""
     check_model(cfg.lang_model)
+    check_format(cfg.docs_format)
     if cfg.quality.classifier.model:
         from kiln.data.gates.classifier import check
 
@@ -399,9 +401,9 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
     """The tasks' outcomes in canonical order, through the merge steps, into the docs parts; the counts of
     stats.json and the per-source tables (kiln.data.tables), each streamed. Memory: one document, a counter
     per reason, language and length bin, one input's counts and `SpilledCounts`'s bound."""
-    kept_w, rej_w = PartWriter(out, cfg.docs_per_part), PartWriter(out / "rejects", cfg.docs_per_part)
-    review_w = PartWriter(out / "review", cfg.docs_per_part) if cfg.quality.semantic.action == "review" \
-        and cfg.quality.semantic.keywords else None
+    writers = DocsWriters(out, cfg.docs_format, cfg.docs_per_part,
+                          review=cfg.quality.semantic.action == "review" and bool(cfg.quality.semantic.keywords))
+    kept_w, rej_w, review_w = writers.kept, writers.rejects, writers.review
     if cfg.dedup.method != "none":
         write_ledger(out / LEDGER, verdicts.ledger())
     timer = StepTimer()
@@ -427,9 +429,7 @@ def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConf
                     review_w.add(doc.kept_record() | {"semantic_score": doc.rejection.signals["semantic_score"]})
                 reasons[f"{doc.rejection.stage}/{doc.rejection.reason}"] += 1
         inputs.close()
-    for writer in (kept_w, rej_w, review_w):
-        if writer is not None:
-            writer.flush()
+    writers.close()
     kept, chars = by_group.totals
     tables = {"by_source": by_input.rows,
               "composition_by_source": write_table(out / TABLES["composition_by_source"], composition_rows(by_group))}

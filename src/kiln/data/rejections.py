@@ -111,23 +111,26 @@ def _record_fields(docs_dir) -> list[str] | None:
     import json
     from pathlib import Path
 
-    from kiln.data.docs import read_part
+    from kiln.data.docs import part_names, part_records
     from kiln.data.sources import _lines, is_url, open_input
 
-    for part in sorted((Path(docs_dir) / "rejects").glob("part-*.jsonl.zst")):
-        for rec in read_part(part):
-            source = rec.get("source") or ""
-            if rec.get("reason") != "missing_text" or is_url(source) or not Path(source).is_file():
-                continue
-            offset = 0
-            with open_input(source) as f:
-                for line, length in _lines(f, source):
-                    if offset == rec.get("offset"):
-                        try:
-                            row = json.loads(line or b"")
-                        except ValueError:
-                            return None
-                        return sorted(row)[:20] if isinstance(row, dict) else None
-                    offset += length
-            return None
+    names = [p.relative_to(docs_dir).as_posix() for p in Path(docs_dir).glob("rejects/*") if p.is_file()]
+    for name in part_names(names, "rejects"):
+        with open(Path(docs_dir) / name, "rb") as part:
+            rec = next((r for r in part_records(Path(docs_dir) / name, part) if r.get("reason") == "missing_text"
+                        and not is_url(r.get("source") or "") and Path(r.get("source") or "").is_file()), None)
+        if rec is None:
+            continue
+        source = rec["source"]
+        offset = 0
+        with open_input(source) as f:
+            for line, length in _lines(f, source):
+                if offset == rec.get("offset"):
+                    try:
+                        row = json.loads(line or b"")
+                    except ValueError:
+                        return None
+                    return sorted(row)[:20] if isinstance(row, dict) else None
+                offset += length
+        return None
     return None
