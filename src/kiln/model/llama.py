@@ -1,7 +1,8 @@
 """Llama: RMSNorm, rotary positions, grouped-query attention, SwiGLU or MoE. Pure math: no I/O, no distributed code.
 
 RoPE uses the rotate-half layout (as Hugging Face's Llama does), so weights
-export without permutation. Initialisation: every weight ~ N(0, init_std²);
+export without permutation. Initialisation (drawn by model/init.py's rule, which gives the same values
+whatever the layout the model is split over): every weight ~ N(0, init_std²);
 the two projections that write into the residual stream (attention `wo`,
 feed-forward `w2`) are scaled by 1/sqrt(2·n_layers) so the residual's variance
 does not grow with depth (GPT-2). Norm weights start at 1. MoE blocks (see kiln.model.moe) init the
@@ -28,6 +29,7 @@ from torch import nn
 
 from kiln.model.attention import DocumentMask, attend, document_positions, kernel_for
 from kiln.model.config import ModelConfig, RopeScalingConfig
+from kiln.model.init import init_whole
 from kiln.model.moe import MoEFeedForward
 
 
@@ -63,6 +65,18 @@ def rope_tables(head_dim: int, seq_len: int, theta: float,
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)  # rotate-half layout
     return angles.cos().float(), angles.sin().float()
+
+
+@torch.no_grad()
+def reset_rope(model: nn.Module) -> None:
+    """Recompute the RoPE tables of every module holding them (a Llama, a pipeline stage) where they lie:
+    `to_empty` leaves buffers uninitialised."""
+    for m in model.modules():
+        if m._buffers.get("rope_cos") is not None:
+            c = m.config
+            cos, sin = rope_tables(c.head_dim, m.rope_cos.shape[0], c.rope_theta, c.rope_scaling)
+            m.rope_cos.copy_(cos)
+            m.rope_sin.copy_(sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -139,15 +153,12 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        residual_std = self.config.init_std / math.sqrt(2 * self.config.n_layers)
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(p)
-            else:
-                residual = name.endswith(("wo.weight", "w2.weight", "experts.w2"))
-                std = residual_std if residual else self.config.init_std
-                nn.init.normal_(p, mean=0.0, std=std)
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Initial weights by model/init.py's rule (the same values whatever the layout), from `seed` (None:
+        torch's seed, `torch.manual_seed`'s). A model on the meta device is left for `to_empty` and its owner."""
+        if self.tok_embeddings.weight.is_meta:
+            return
+        init_whole(self, torch.initial_seed() if seed is None else seed)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab)."""

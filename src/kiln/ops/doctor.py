@@ -180,7 +180,7 @@ def check_loader(cfg: Config, device_tflops: float, d: DoctorConfig) -> Check:
     if not (shards / "manifest.json").is_file():
         return skip("loader", f"no shards at {shards} yet (run `kiln pack` first)")
     vocab = int(read_manifest(shards)["vocab_size"])
-    flops_per_token = build_model(cfg.model, vocab, cfg.pack.seq_len).flops_per_token(cfg.pack.seq_len)
+    flops_per_token = build_model(cfg.model, vocab, cfg.pack.seq_len, device="meta").flops_per_token(cfg.pack.seq_len)
     need = device_tflops * 1e12 / flops_per_token
     got = loader_tokens_per_s(shards, cfg.train.batch_size, cfg.seed, d.probe_seconds)
     ok = got >= need
@@ -192,6 +192,30 @@ def check_loader(cfg: Config, device_tflops: float, d: DoctorConfig) -> Check:
         if ok
         else "put the shards on local NVMe or page cache, or use more loader ranks; the device will wait for data",
     )
+
+
+def check_host_memory(cfg: Config, available: int | None = None) -> Check:
+    """The start-up host memory of the ranks this node runs (kiln.train.cpu_memory; `kiln plan` prints the same
+    figure) against the node's available memory: the trainer stops with the same line before any work."""
+    import torch
+
+    from kiln.ops.plan import _vocab
+    from kiln.model.build import build_model
+    from kiln.train.cpu_memory import (available_host_bytes, check_host_memory as judge, ranks_on_this_node,
+                                       startup_host_bytes)
+    from kiln.train.parallel.mesh import resolve_degrees
+
+    world = int(os.environ.get("WORLD_SIZE", cfg.plan.devices))
+    g = resolve_degrees(cfg.parallel, world)
+    model = build_model(cfg.model, _vocab(cfg), cfg.pack.seq_len, device="meta")
+    per_rank = startup_host_bytes(model, "cuda" if torch.cuda.is_available() else "cpu", g.dp_shard * g.tp * g.pp)
+    ranks, available = ranks_on_this_node(world), available or available_host_bytes()
+    problem = judge(per_rank, ranks, available)
+    if available is None:
+        return skip("host_memory", "this system does not say its available memory (/proc/meminfo)")
+    return Check("host_memory", problem is None,
+                 f"{ranks} rank(s) x {per_rank / 1e9:,.2f} GB at start-up; {available / 1e9:,.1f} GB available",
+                 problem.split("; ", 1)[1] if problem else "")
 
 
 def check_allreduce(d: DoctorConfig) -> list[Check]:
@@ -258,6 +282,8 @@ def collect(cfg: Config | None, out_dir: Path, against: Path | None = None,
             check_loader(cfg, tflops[0], d) if cfg else skip("loader", "give --config CONFIG to probe the run's shards")
         ),
     )
+    checks += guarded("host_memory", lambda: check_host_memory(cfg) if cfg else skip(
+        "host_memory", "give --config CONFIG to check the run's start-up host memory"))
     checks += guarded("allreduce", lambda: check_allreduce(d))
     checks += guarded(
         "gpu",

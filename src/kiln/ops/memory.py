@@ -21,6 +21,8 @@ What is counted, per device (the heaviest pipeline stage when parallel.pp > 1):
   recomputation. Plus the logits (s·b·V / tp) in the compute dtype, their fp32 copy and softmax (8 bytes).
   Under pipeline parallel the micro-batch is cut into M = pp_microbatches; gpipe keeps all M in flight
   (the whole micro-batch), 1f1b at most pp of them on the first stage.
+Host memory (`host_plan`): what each rank needs at start-up, kiln.train.cpu_memory's rule (the process, the
+largest tensor in fp32, and on a CPU device this rank's weights, gradients and AdamW state).
 This is an estimate: the CUDA allocator's fragmentation, NCCL buffers, the CUDA context (~0.5-1 GB) and
 torch.compile's workspaces come on top; `fits` keeps HEADROOM of the device free for them.
 """
@@ -109,6 +111,16 @@ def memory_plan(cfg: Config, model, degrees: Degrees, device_bytes: float | None
     return {"degrees": {"pp": degrees.pp, "dp_replicate": degrees.dp_replicate, "dp_shard": degrees.dp_shard,
                         "tp": degrees.tp, "mode": degrees.mode},
             "micro_batch": micro, "pp_rank": worst, **rows[worst], "device_bytes": device_bytes, "fits": fits}
+
+
+def host_plan(model, degrees: Degrees, device_type: str, devices: int) -> dict:
+    """Host memory at start-up (train/cpu_memory.py's rule): per rank, and per node of min(devices, 8) ranks."""
+    from kiln.train.cpu_memory import startup_host_bytes
+
+    per_rank = startup_host_bytes(model, device_type, degrees.dp_shard * degrees.tp * degrees.pp)
+    ranks = min(devices, 8)
+    return {"per_rank_bytes": per_rank, "ranks_per_node": ranks, "per_node_bytes": per_rank * ranks,
+            "device_type": device_type}
 
 
 def alternatives(cfg: Config, model, devices: int, device_bytes: float | None) -> list[dict]:

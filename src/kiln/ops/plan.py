@@ -105,14 +105,16 @@ def _device_bytes(cfg: Config, device: str) -> float | None:
 
 def plan_memory(cfg: Config, model, device: str) -> dict:
     """Per-device memory of the configured degrees over plan.devices ranks, and of the other layouts."""
-    from kiln.ops.memory import alternatives, memory_plan
+    from kiln.ops.memory import alternatives, host_plan, memory_plan
     from kiln.train.parallel.mesh import check_model, resolve_degrees
 
     degrees = resolve_degrees(cfg.parallel, cfg.plan.devices)  # an invalid combination: a ConfigError here too
     check_model(degrees, cfg, model.vocab_size, cfg.train.micro_batch_size
                 or max(cfg.train.batch_size // degrees.dp, 1))
     device_bytes = _device_bytes(cfg, device)
+    device_type = "cpu" if cfg.plan.device is None and not torch.cuda.is_available() else "cuda"
     return {**memory_plan(cfg, model, degrees, device_bytes),
+            "host": host_plan(model, degrees, device_type, cfg.plan.devices),
             "alternatives": alternatives(cfg, model, cfg.plan.devices, device_bytes)}
 
 
@@ -160,6 +162,9 @@ def _print_memory(console, m: dict) -> None:
         else _gb(m["device_bytes"])
     t.add_row("device memory", device)
     t.add_row("fits", {None: "unknown", True: "yes", False: "NO"}[m["fits"]])
+    h = m["host"]
+    t.add_row("host per rank at start-up", f"{_gb(h['per_rank_bytes'])} ({h['device_type']} ranks)")
+    t.add_row(f"host per node ({h['ranks_per_node']} ranks)", _gb(h["per_node_bytes"]))
     console.print(t)
     if m["alternatives"]:
         alt = Table("layout", "per device", "fits", title="other FSDP2 layouts of the same devices")

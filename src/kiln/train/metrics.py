@@ -70,6 +70,45 @@ def peak_memory_gb(device: torch.device) -> float:
     return rss_kb / (2**30 if sys.platform == "darwin" else 2**20)
 
 
+def host_peak_bytes() -> int:
+    """This process's peak resident memory so far: VmHWM (Linux; ru_maxrss carries a forked parent's size over
+    exec), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+    except (OSError, StopIteration):
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss if sys.platform == "darwin" else rss * 1024
+
+
+def startup_record(model: torch.nn.Module, rank: int, device: torch.device) -> dict:
+    """The `startup` record of one rank (formats.md): its parameters' bytes (its shard: a DTensor's local part),
+    its host peak so far and its device's peak allocation (None on a CPU)."""
+    local = (getattr(p, "_local_tensor", p) for p in model.parameters())
+    return {"event": "startup", "rank": rank, "param_bytes": sum(t.numel() * t.element_size() for t in local),
+            "host_peak_bytes": host_peak_bytes(),
+            "device_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+
+
+def startup_line(record: dict, world: int) -> str:
+    peak = record["device_peak_bytes"]
+    device = "" if peak is None else f", device peak {peak / 2**30:.2f} GiB"
+    return (f"start-up done: rank {record['rank']} of {world} holds {record['param_bytes'] / 2**30:.2f} GiB of "
+            f"parameters; host peak {record['host_peak_bytes'] / 2**30:.2f} GiB{device}")
+
+
+def report_startup(model: torch.nn.Module, d, event, log) -> None:
+    """Start-up is over: every rank's `startup` record to `event` on rank 0 (one all-gather; rank 0 writes
+    metrics.jsonl), rank 0's line on the console."""
+    from kiln.train.parallel.dist import all_gather_objects
+
+    records = all_gather_objects(d, startup_record(model, d.rank, d.device))
+    if d.is_main:
+        for record in records:
+            event(record)
+        log(startup_line(records[0], d.world))
+
+
 class MetricsLog:
     def __init__(self, path: Path, resume_step: int, tensorboard_dir: Path | None = None,
                  sinks: list | None = None) -> None:

@@ -31,13 +31,13 @@ from kiln.train.checkpoint import Checkpointer, RunInputs, SaveClock, TrainState
 from kiln.train.checkpoint import resume as resume_checks
 from kiln.train.checkpoint.init_from import start_from
 from kiln.train.console import TrainConsole, warnings_for
-from kiln.train.cpu_memory import keep_freed_memory
+from kiln.train.cpu_memory import keep_freed_memory, require_host_memory
 from kiln.train.data import open_splits
 from kiln.train.determinism import layout, set_deterministic
 from kiln.train.engine import attention_kernel_line, Engine
 from kiln.train.loader import Loader
 from kiln.train.loggers import check_loggers, open_sinks
-from kiln.train.metrics import MetricsLog, peak_tflops
+from kiln.train.metrics import MetricsLog, peak_tflops, report_startup
 from kiln.train.parallel import Dist, init_distributed, set_step_timeout
 from kiln.train.parallel.mesh import build_mesh
 from kiln.train.parallel.parallelize import Precision, parallelize
@@ -81,14 +81,17 @@ class Trainer:
         self.schedule = build_schedule(t)
         self.spikes, self.escalation = SpikeGuard(cfg.guards), Escalation(cfg.guards)
         manifest = self.train_set.manifest
-        model = build_model(cfg.model, int(manifest["vocab_size"]), cfg.pack.seq_len, manifest.get("eos_id"))
-        model = model.to(self.d.device)
+        # On meta: parallelize splits it, then each rank draws its part only (kiln.model.init, from cfg.seed)
+        model = build_model(cfg.model, int(manifest["vocab_size"]), cfg.pack.seq_len, manifest.get("eos_id"), "meta")
+        g = self.mesh.degrees  # the node's memory must hold its ranks' start-up: one line before any work
+        require_host_memory(model, self.d.device.type, g.dp_shard * g.tp * g.pp, self.d.world)
         kernel = attention_kernel_line(cfg, model, self.d.device)  # document masking's kernel, or None
         if kernel and self.d.is_main:
             self.log(kernel)
         self.flops_per_token = model.flops_per_token(cfg.pack.seq_len)
         self.params = sum(p.numel() for p in model.parameters())  # the whole model's, before a pipeline splits it
-        parallel = parallelize(model, self.d, cfg.parallel, Precision.of(t), next_token_loss, self.mesh, self.pad_id)
+        parallel = parallelize(model, self.d, cfg.parallel, Precision.of(t), next_token_loss, self.mesh, self.pad_id,
+                               seed=cfg.seed)
         if self.d.device.type == "cuda":
             # fp32 matmuls on tensor cores (TF32), which is what the peak table's fp32 figures assume.
             torch.set_float32_matmul_precision("high")
@@ -213,6 +216,7 @@ class Trainer:
             self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", self.step if resumed else -1,
                                       self.run_dir / "tensorboard" if "tensorboard" in t.loggers else None,
                                       open_sinks(t.loggers, self.run_dir, cfg.model_dump(mode="json"), t.wandb_project))
+        report_startup(self.model, self.d, self.event, self.log)  # built, split, initialised or loaded
         if resumed:
             self.log(f"resumed from {resumed} (step {self.step})")
         elif self.step == 0:

@@ -392,10 +392,9 @@ def parallelize(model: nn.Module, d: Dist, cfg: ParallelConfig, precision: Preci
         except ValueError as exc:
             raise KilnError(str(exc)) from None
         autocast = None  # FSDP2's mixed-precision policy casts parameters instead
-    if is_meta(model):  # 5b
-        if seed is None:
-            raise ValueError("parallelize: a model on the meta device needs the seed of its initial weights")
-        materialize(model, d.device, seed)
+    if is_meta(model) and seed is not None:  # 5b (no seed: left on meta, for `kiln plan --trace`'s fake tensors)
+        stages = [s.submod for s in extra["pipeline"].stages] if "pipeline" in extra else []
+        materialize(model, d.device, seed, stages)
         if "experts" in extra:  # to_empty may have replaced the experts FSDP2 leaves out
             extra["experts"].find(model)
     if cfg.compile and kind is Parallelized:  # 6
