@@ -156,3 +156,14 @@ def test_parquet_docs_are_byte_identical_on_ray(runs, warc, tmp_path, monkeypatc
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert_same_output(runs[2], tmp_path / "docs")
+
+
+def test_parquet_without_pyarrow_is_one_config_line_before_any_work(tmp_path, monkeypatch, warc):
+    import sys
+
+    from kiln.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # as if the parquet extra were not installed
+    with pytest.raises(ConfigError, match=r"data.docs_format: parquet needs pyarrow, .* pip install"):
+        run_data([str(warc)], tmp_path / "docs", cfg(docs_format="parquet"))
+    assert not any(tmp_path.iterdir())
