@@ -82,3 +82,24 @@ def test_plan_reports_host_memory_per_rank_and_per_node(capsys):
     largest = 128256 * 8192 * 4  # the embedding in fp32: a rank never holds the 282 GB model on its host
     assert host["per_rank_bytes"] == cpu_memory.HOST_BASE_BYTES["cuda"] + largest
     assert host["per_node_bytes"] == 8 * host["per_rank_bytes"]
+
+
+def test_plan_trace_against_two_real_fsdp_ranks(workdir, tmp_path, capsys):
+    """#39.3: the traced rank's sharded parameters and optimizer state (2 fake ranks) equal what each of 2 real
+    gloo ranks holds (its startup record's parameter bytes; AdamW's two moments are twice that) within 5%."""
+    import json
+    import os
+
+    from kiln.cli import main as kiln
+
+    cfg = tmp_path / "c.yaml"
+    sections = {"train": {"max_steps": 1}, "parallel": {"dp_shard": 2}, "plan": {"devices": 2, "device": "H100"}}
+    cfg.write_text(tiny_config(workdir, **sections).to_yaml())
+    assert kiln(["plan", "--json", "--trace", str(cfg)]) == 0
+    trace = json.loads(capsys.readouterr().out)["trace"]
+    proc = torchrun_kiln("train", cfg, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    held = startups(workdir)[0]["param_bytes"]
+    assert trace["world"] == 2 and trace["kind"] == "fsdp"
+    assert abs(trace["tracker"]["Sharded Param"] - held) <= 0.05 * held
+    assert abs(trace["optimizer"] - 2 * held) <= 0.05 * 2 * held

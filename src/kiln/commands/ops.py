@@ -62,6 +62,8 @@ def add_plan(sub) -> None:
                        epilog=example("kiln plan examples/gpu-1b.yaml plan.devices=8"))
     s.add_argument("config")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--trace", action="store_true", help="also run the configured step on fake tensors over a fake "
+                   "process group of plan.devices ranks and report its traced per-device peak by category")
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     s.set_defaults(fn=cmd_plan)
 
@@ -70,7 +72,13 @@ def cmd_plan(args) -> int:
     from kiln.config import load_config
     from kiln.ops.plan import make_plan, print_plan
 
-    plan = make_plan(load_config(args.config, args.overrides))
+    cfg = load_config(args.config, args.overrides)
+    plan = make_plan(cfg)
+    if args.trace:
+        from kiln.ops.plan import _vocab
+        from kiln.ops.trace import trace_memory
+
+        plan["trace"] = trace_memory(cfg, _vocab(cfg), cfg.plan.devices)
     print(json.dumps(plan, indent=1)) if args.json else print_plan(plan)
     return 0
 

@@ -138,6 +138,8 @@ def print_plan(plan: dict) -> None:
     console = plain_console(stderr=False)
     console.print(t)
     _print_memory(console, plan["memory"])
+    if "trace" in plan:
+        _print_trace(console, plan["trace"], plan["memory"])
     console.print("assumptions:\n" + "\n".join(f"  - {a}" for a in plan["assumptions"]))
 
 
@@ -171,3 +173,17 @@ def _print_memory(console, m: dict) -> None:
         for a in m["alternatives"]:
             alt.add_row(_layout(a), _gb(a["total"]), {None: "?", True: "yes", False: "no"}[a["fits"]])
         console.print(alt)
+
+
+def _print_trace(console, tr: dict, formula: dict) -> None:
+    """The traced peak beside the formula's figures (`fits` is the formula's, with its headroom)."""
+    from rich.table import Table
+
+    t = Table("per device", "traced at the peak", "formula",
+              title=f"kiln plan --trace: rank 0 of {tr['world']} fake ranks ({tr['kind']}, {tr['seconds']:.0f} s)")
+    pairs = [("parameters", formula["parameters"] + formula["fsdp_buffers"]), ("gradients", formula["gradients"]),
+             ("optimizer", formula["optimizer"]), ("activations", formula["activations"]), ("temporaries", None),
+             ("total", formula["total"])]
+    for key, f in pairs:
+        t.add_row(key, _gb(tr[key]), "-" if f is None else _gb(f))
+    console.print(t)
