@@ -86,29 +86,33 @@ def add_ckpt(sub) -> None:
     )
     s = ck.add_parser("verify", help="exit 0 when every file matches the manifest, else 1 naming the file",
                       epilog=example("kiln ckpt verify out/tiny/run/checkpoints/step-00000300"))
-    s.add_argument("checkpoint", metavar="CHECKPOINT_DIR")
+    s.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a checkpoint folder, or a checkpoint.dir URL's "
+                   "step-NNNNNNNN (credentials and endpoint from the environment: AWS_ENDPOINT_URL, ...)")
     s.set_defaults(fn=cmd_ckpt_verify)
     s = ck.add_parser("list", help="each checkpoint of a run and whether it is valid",
                       epilog=example("kiln ckpt list out/tiny/run"))
-    s.add_argument("run_dir", metavar="RUN_DIR")
+    s.add_argument("run_dir", metavar="RUN_DIR", help="a run folder, its checkpoints/, or a checkpoint.dir URL")
     s.add_argument("--public-key", help="also check signatures with this Ed25519 public key (PEM)")
     s.set_defaults(fn=cmd_ckpt_list)
 
 
 def cmd_ckpt_verify(args) -> int:
     from kiln.train.checkpoint import verify_checkpoint
+    from kiln.train.checkpoint.remote import is_url, verify_url
 
-    m = verify_checkpoint(Path(args.checkpoint))
+    m = verify_url(args.checkpoint) if is_url(args.checkpoint) else verify_checkpoint(Path(args.checkpoint))
     print(f"ok: {args.checkpoint} (step {m['step']}, {len(m['files'])} files match manifest.json)")
     return 0
 
 
 def cmd_ckpt_list(args) -> int:
     from kiln.train.checkpoint import checkpoint_table
+    from kiln.train.checkpoint.remote import is_url, url_table
 
     run = Path(args.run_dir)
     root = run / "checkpoints" if (run / "checkpoints").is_dir() else run
-    rows = checkpoint_table(root, args.public_key)
+    rows = url_table(args.run_dir, args.public_key) if is_url(args.run_dir) else checkpoint_table(root, args.public_key)
+    root = args.run_dir if is_url(args.run_dir) else root
     if not rows:
         raise KilnError(f"{root}: no checkpoints; pass a run folder ({{out_dir}}/run) or its checkpoints/ folder")
     for r in rows:

@@ -9,6 +9,7 @@ package, bottom up (each module imports only those above it in this list):
   full.py          checkpoint.format=full: whole weights and optimizer state, written by rank 0
   sharded.py       checkpoint.format=sharded: every rank writes its pieces; any world size and mesh reads them
   read.py          either format: load, verify, the newest valid one, the table `kiln ckpt list` prints
+  remote.py        checkpoint.dir (an fsspec URL): upload, COMMITTED marker, download into the local cache, retention
   agreement.py     the checkpoint (and data, tokenizer) every rank of a multi-rank run agrees on
   resume.py        the checks before a run trains: prepared data, the run folder's lock, resuming onto its own data
   checkpointer.py  `TrainState` and `Checkpointer`: save, resume and roll back, as the loop asks; `SaveClock`:

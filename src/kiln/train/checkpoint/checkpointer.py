@@ -29,10 +29,12 @@ from kiln.train.checkpoint import agreement
 from kiln.train.checkpoint import resume as resume_checks
 from kiln.train.checkpoint.folder import list_checkpoints, restore_rng, retain, rng_state
 from kiln.train.checkpoint.full import FullCheckpoint
+from kiln.train.checkpoint.remote import RemoteCheckpoints
 from kiln.train.checkpoint.saver import Saver, all_finite, snapshot
-from kiln.train.checkpoint.sharded import ShardedCheckpoint, is_sharded, resolve_format, save_barrier
+from kiln.train.checkpoint.sharded import (ShardedCheckpoint, checkpoint_group, is_sharded, resolve_format,
+                                           save_barrier)
 from kiln.train.determinism import layout_warning
-from kiln.train.parallel import Dist, all_gather_objects
+from kiln.train.parallel import Dist, all_gather_objects, broadcast_object
 from kiln.train.parallel.parallelize import Parallelized
 
 
@@ -140,6 +142,8 @@ class Checkpointer:
         self.saver = Saver(cfg.async_save, log)
         self.saver.busy = self.saving
         self.clock = clock or SaveClock(cfg.every_seconds)
+        # checkpoint.dir (a URL): rank 0 uploads each checkpoint there and resumes from there (remote.py)
+        self.remote = RemoteCheckpoints(cfg.dir, cfg.storage_options) if cfg.dir and d.is_main else None
 
     def saving(self):
         """The context a save (or the wait for a background one) runs in: the watchdog knows of it."""
@@ -181,15 +185,39 @@ class Checkpointer:
             weights = (snapshot(weights[0]), snapshot(weights[1]))
 
         def write() -> None:
-            self.format.write(self.ckpt_dir, step, weights, rngs, state, self.config_yaml, self.inputs.tokenizer_file,
-                              fields, cfg.signing_key)
+            folder = self.format.write(self.ckpt_dir, step, weights, rngs, state, self.config_yaml,
+                                       self.inputs.tokenizer_file, fields, cfg.signing_key)
             if self.d.is_main:
-                retain(self.ckpt_dir, cfg.keep_last, cfg.keep_every, best)
+                self._retain(folder, best)
 
         stall = waited + self.saver.save(write)
         record = {"event": "save", "step": step, "reason": reason, "stall_s": round(stall, 4),
                   "async": self.saver.async_save}
         self.event({**record, "format": "sharded"} if self.format.every_rank_writes else record)
+
+    def _retain(self, folder: Path, best: int | None) -> None:
+        """Rank 0, after a commit: retention; with checkpoint.dir the upload first, retention there, and the local
+        folder kept as a cache of the newest checkpoint only."""
+        cfg = self.cfg
+        if self.remote is None:
+            retain(self.ckpt_dir, cfg.keep_last, cfg.keep_every, best)
+            return
+        self.remote.upload(folder)
+        self.remote.retain(cfg.keep_last, cfg.keep_every, best)
+        retain(self.ckpt_dir, 1, None, None)
+
+    def _sync(self, log: Callable[[str], None], before: int | None) -> None:
+        """checkpoint.dir: rank 0 brings the newest committed checkpoint there into the local cache (remote.sync)
+        before the ranks agree on the local folder; a failure there is every rank's."""
+        outcome = None
+        if self.remote is not None:
+            try:
+                self.remote.sync(self.ckpt_dir, log, before)
+            except KilnError as exc:
+                outcome = str(exc)
+        outcome = broadcast_object(self.d, outcome, checkpoint_group(self.d, self.cfg.save_timeout_s))
+        if outcome is not None:
+            raise KilnError(outcome)
 
     def wait(self) -> None:
         self.saver.wait()
@@ -224,6 +252,8 @@ class Checkpointer:
         is running)."""
         quiet = self.log if self.d.is_main and before is None else (lambda *_: None)
         with self.saving():
+            if self.cfg.dir:
+                self._sync(quiet, before)
             return agreement.agreed_checkpoint(self.d, self.ckpt_dir, quiet, self.cfg.public_key, before=before,
                                                timeout_s=self.cfg.save_timeout_s)
 

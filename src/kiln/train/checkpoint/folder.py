@@ -176,12 +176,24 @@ def retain(root: Path, keep_last: int, keep_every: int | None, best_step: int | 
     (`kiln.manifest.set_aside`); what an older Kiln's killed removal left (`half_deleted`) goes too. Returns the
     deleted."""
     ckpts = [c for c in list_checkpoints(root) if not half_deleted(c)]
-    keep = set(ckpts[-keep_last:])
-    keep |= {c for c in ckpts if keep_every and step_of(c) % keep_every == 0}
-    keep |= {c for c in ckpts if best_step is not None and step_of(c) == best_step}
-    gone = [c for c in ckpts if c not in keep and _written_by_kiln(c)]  # never a folder Kiln cannot vouch for
+    keep = kept_steps([step_of(c) for c in ckpts], keep_last, keep_every, best_step)
+    gone = [c for c in ckpts if step_of(c) not in keep and _written_by_kiln(c)]  # never one Kiln cannot vouch for
     halves = [c for c in list_checkpoints(root) if half_deleted(c)]
     return [c for c in gone + halves if _remove(c, in_place=c in halves)]
+
+
+def kept_steps(steps: list[int], keep_last: int, keep_every: int | None, best_step: int | None) -> set[int]:
+    """The steps retention keeps of `steps` (ascending): the last K, every M-th, the best."""
+    keep = set(steps[-keep_last:])
+    keep |= {s for s in steps if keep_every and s % keep_every == 0}
+    return keep | {s for s in steps if s == best_step}
+
+
+def remove_checkpoint(folder: Path) -> bool:
+    """Remove one checkpoint folder Kiln wrote as retention does (aside first; spared while a reader pins it);
+    False for one Kiln cannot vouch for, or a pinned one."""
+    halved = half_deleted(folder)
+    return (halved or _written_by_kiln(Path(folder))) and _remove(Path(folder), in_place=halved)
 
 
 def _remove(folder: Path, in_place: bool) -> bool:
