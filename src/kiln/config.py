@@ -552,6 +552,21 @@ class CheckpointConfig(Section):
         3600, gt=0, description="how long a checkpoint save may take on any rank before the watchdog and the "
         "checkpoint's collectives call it hung (instead of watchdog.stall_timeout_s / parallel.step_timeout_s)"
     )
+    dir: str | None = Field(
+        None, description="an fsspec URL (s3://bucket/prefix, gs://...) the checkpoints are uploaded to and resumed "
+        "from: each is written to {out_dir}/run/checkpoints as ever (the local cache, newest only), then uploaded "
+        "to {dir}/step-NNNNNNNN/ with manifest.json last and a COMMITTED marker after it; null = local only")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="checkpoint.dir's fsspec options, as data.storage_options (each s3:// "
+        "call bounded by config_kwargs: connect_timeout 10, read_timeout 20, retries {max_attempts: 3})")
+
+    @model_validator(mode="after")
+    def _url_dir(self) -> "CheckpointConfig":
+        if self.dir is not None and "://" not in self.dir:
+            raise ValueError(f"checkpoint.dir must be an fsspec URL (s3://bucket/prefix, gs://...), got {self.dir!r}; "
+                             "local checkpoints are always {out_dir}/run/checkpoints: drop checkpoint.dir")
+        return self
+
 
 
 class ParallelConfig(Section):
@@ -713,6 +728,13 @@ class Config(Section):
     plan: PlanConfig = Field(default_factory=PlanConfig)
     loader: LoaderConfig = Field(default_factory=LoaderConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _local_out_dir(self) -> "Config":
+        if "://" in self.out_dir:  # Path() would make s3://b/run a local folder named "s3:"
+            raise ValueError(f"out_dir must be a local folder, got the URL {self.out_dir!r}; to keep checkpoints on "
+                             "object storage set checkpoint.dir (e.g. s3://bucket/run/checkpoints)")
+        return self
 
     @property
     def out(self) -> Path:
