@@ -28,6 +28,7 @@ $(CORE): pyproject.toml constraints.txt
 
 $(DEV): $(CORE)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
+	$(BIN)/python -m pip install -q --no-deps -c constraints.txt ai2-olmo-core cached-path dataclass-extensions bettermap
 	touch $@
 
 run: setup

@@ -349,6 +349,10 @@ class PackConfig(Section):
                                          "may take to answer (as data.ray_connect_timeout_s)")
     task_parts: int = Field(2, ge=1, description="docs parts per pack task: each task packs its range of the docs "
                             "into shards of its own (its stream's tail, under one sample, is dropped)")
+    format: Literal["kiln", "megatron", "olmo-core"] = Field(
+        "kiln", description="kiln: Kiln's shards (what kiln train reads); megatron: Megatron-LM's indexed dataset "
+        "({split}/tokens.bin + .idx, one document an entry); olmo-core: OLMo-core's numpy token files "
+        "({split}/tokens.npy, EOS-ended documents, tokens.csv.gz their bounds); formats.md")
 
 
 class SourceConfig(Section):

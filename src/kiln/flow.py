@@ -13,7 +13,7 @@ from kiln.data.docs import content_fingerprint, read_docs
 from kiln.data.pipeline import expand_inputs, fingerprint as data_fingerprint, run_data
 from kiln.data.rejections import few_documents_message
 from kiln.data.tables import down_weighted
-from kiln.errors import KilnError
+from kiln.errors import ConfigError, KilnError
 from kiln.manifest import MANIFEST, is_complete, read_manifest, sha256_file
 from kiln.shards.pack import pack
 from kiln.train.console import stage_progress, stderr_is_terminal
@@ -132,6 +132,10 @@ def run_all(cfg: Config, log: Callable[[str], None] = print, until: str = "train
     time (`timings_s`) and the stages that were already up to date (`skipped`)."""
     if until == "train":  # what would stop the last stage, before the first one's work
         from kiln.train.loggers import check_loggers
+
+        if cfg.pack.format != "kiln":
+            raise ConfigError(f"pack.format: {cfg.pack.format} packs for another trainer, which kiln train does not "
+                              "read; add --until pack, or set pack.format: kiln to train with Kiln")
 
         check_loggers(cfg.train.loggers)
     results: dict[str, Any] = {"timings_s": {}, "skipped": []}

@@ -129,6 +129,9 @@ def add_pack(sub) -> None:
     s.add_argument("--tokenizer", required=True)
     s.add_argument("--out", required=True)
     s.add_argument("--config")
+    s.add_argument("--format", choices=["kiln", "megatron", "olmo-core"],
+                   help="kiln: Kiln's shards (kiln train); megatron: Megatron-LM's .bin/.idx; olmo-core: OLMo-core's "
+                        "token files (as pack.format; docs/formats.md)")
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     s.set_defaults(fn=cmd_pack)
 
@@ -140,7 +143,7 @@ def cmd_pack(args) -> int:
 
     from kiln.data.tables import down_weighted
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides + ([f"pack.format={args.format}"] if args.format else []))
     docs = Path(args.docs_dir)
     weights = down_weighted(docs) if (docs / "manifest.json").is_file() else None
     m = pack(read_docs(docs), Path(args.tokenizer), Path(args.out), cfg.pack, source_weights=weights)

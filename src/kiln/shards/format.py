@@ -130,6 +130,11 @@ def verify_shards(folder: Path) -> dict:
     from kiln.shards.provenance import side_file
 
     manifest = verify_folder(folder)
+    if manifest.get("format", "kiln") != "kiln":  # packed for Megatron-LM or OLMo-core
+        from kiln.shards.external import verify
+
+        verify(folder, manifest)
+        return manifest
     n_docs = int(manifest["documents"])
     for split, info in manifest["splits"].items():
         total = 0

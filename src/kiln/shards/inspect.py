@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import IntegrityError, KilnError
-from kiln.manifest import verify_folder
+from kiln.manifest import read_manifest, verify_folder
+from kiln.shards.external import document_provenance
 from kiln.shards.format import read_index
 from kiln.shards.reader import ShardSet
 from kiln.shards.provenance import read_rows, side_file
@@ -22,6 +23,9 @@ def sample_provenance(folder: Path, split: str, index: int) -> dict[str, Any]:
     `pieces[i]["sample_tokens"]` is the piece's [start, end) within the sample and
     `doc_tokens` the same tokens' [start, end) within the document (EOS counted).
     """
+    manifest = read_manifest(Path(folder))
+    if manifest.get("format", "kiln") != "kiln":  # Megatron's or OLMo-core's files: a sequence is a document
+        return document_provenance(Path(folder), manifest, split, index)
     ss = ShardSet(folder, split)
     if len(ss) == 0:
         raise KilnError(f"{folder}: the {split} split has no sequences (pack.val_fraction 0, or too few tokens); "

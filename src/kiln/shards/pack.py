@@ -48,6 +48,7 @@ from kiln.config import PackConfig
 from kiln.data.docs import DocsReader
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import FileList, sha256_file, staging_dir, write_atomic, write_manifest, writes_folder
+from kiln.shards import external
 from kiln.shards.encode import encode_documents
 from kiln.shards.format import FILES_TABLE, FORMAT_VERSION, ShardHeader, token_dtype
 from kiln.shards.packing import make_packer
@@ -106,8 +107,8 @@ class ShardGroups:
         if source not in self.weights:
             return shared[split]
         if (split, source) not in self.own:
-            self.own[split, source] = SplitWriter(self.folder, split, self.header, self.cfg.samples_per_shard,
-                                                  make_packer(self.cfg, self.pad), prefix=group_prefix(source))
+            self.own[split, source] = split_writer(self.folder, split, self.header, self.cfg, self.pad,
+                                                   group_prefix(source))
         return self.own[split, source]
 
     def close(self, shared: dict[str, SplitWriter]) -> dict[str, list]:
@@ -145,7 +146,18 @@ class PackSpec:
 
     @property
     def dtype(self) -> np.dtype:
-        return token_dtype(self.header.vocab_size)
+        """The tokens' dtype: Kiln's shards' (format.token_dtype), or the rule of the trainer they are for."""
+        fmt, vocab = self.cfg.format, self.header.vocab_size
+        return token_dtype(vocab) if fmt == "kiln" else external.token_dtype(fmt, vocab)
+
+
+def split_writer(folder: Path, split: str, header: ShardHeader, cfg: PackConfig, pad: int | None,
+                 prefix: str = "") -> SplitWriter | external.DocWriter:
+    """One split's (or shard group's) writer in a task: Kiln's packed shards, or whole documents for another
+    trainer's format (external.py)."""
+    if cfg.format != "kiln":
+        return external.DocWriter(folder, split, external.token_dtype(cfg.format, header.vocab_size), prefix)
+    return SplitWriter(folder, split, header, cfg.samples_per_shard, make_packer(cfg, pad), prefix=prefix)
 
 
 def write_shards(encoded: Iterable[tuple[dict, np.ndarray]], first: int, folder: Path, spec: PackSpec) -> dict:
@@ -153,8 +165,7 @@ def write_shards(encoded: Iterable[tuple[dict, np.ndarray]], first: int, folder:
     its own under `folder`; returns its summary (`assemble` reads it)."""
     cfg = spec.cfg
     groups = ShardGroups(folder, spec.header, cfg, spec.pad, spec.weights)
-    writers = {s: SplitWriter(folder, s, spec.header, cfg.samples_per_shard, make_packer(cfg, spec.pad))
-               for s in SPLITS}
+    writers = {s: split_writer(folder, s, spec.header, cfg, spec.pad) for s in SPLITS}
     text_bytes, tokens_by_lang = {s: 0 for s in SPLITS}, Counter()  # for bytes/token and the report
     train_tokens, weighted = 0, 0.0
     number = first
@@ -306,19 +317,25 @@ def run_pack_tasks(docs: DocsReader, spec: PackSpec, out: Path, advance=None) ->
 
 # --- the final step ------------------------------------------------------------------------------
 
-def assemble(tasks: list[tuple[Path, dict]], out: Path, move: bool = False) -> tuple[dict[str, dict], dict[str, dict]]:
+def assemble(tasks: list[tuple[Path, dict]], out: Path, move: bool = False,
+             external_format: tuple[str, np.dtype] | None = None) -> tuple[dict[str, dict], dict[str, dict]]:
     """The tasks' files (each task's folder and summary, in task order) linked (`move`: renamed) into `out` under
     global names, numbered on per split and shard group in task order; returns the splits as the manifest lists
-    them and every file's size and sha256 (write_manifest's `hashed`). Reads no shard."""
+    them and every file's size and sha256 (write_manifest's `hashed`). Reads no shard. `external_format`
+    (format, dtype): each split's and shard group's task files are streamed into one file set instead
+    (external.concatenate)."""
     merged: dict[str, dict[str | None, dict[str, Any]]] = {s: {} for s in SPLITS}
     weights: dict[str | None, float] = {None: 1.0}
     hashed: dict[str, dict] = {}
+    joined: dict[tuple[str, str | None], list[tuple[Path, str]]] = {}
     for folder, summary in tasks:
         for split, parts in summary["splits"].items():
             for group, weight, info in parts:
                 weights[group] = weight
                 into = merged[split].setdefault(group, {k: ([] if k == "files" else 0) for k in info})
-                for local in info["files"]:
+                if external_format:
+                    joined.setdefault((split, group), []).extend((folder, local) for local in info["files"])
+                for local in [] if external_format else info["files"]:
                     name = f"{split}/{group_prefix(group)}{len(into['files']):05d}.bin"
                     into["files"].append(name)
                     for suffix in (".bin", ".idx", PROVENANCE):
@@ -328,6 +345,12 @@ def assemble(tasks: list[tuple[Path, dict]], out: Path, move: bool = False) -> t
                 for k, v in info.items():
                     if k != "files":
                         into[k] += v
+    for (split, group), files in joined.items():
+        if files:
+            fmt, dtype = external_format
+            name = f"{split}/{group_prefix(group)}{external.STEM}{external.TOKENS[fmt]}"
+            merged[split][group]["files"] = [name]
+            hashed |= external.concatenate(files, out, name, fmt, dtype)
     splits = {}
     for split in SPLITS:
         parts = [(None, merged[split].get(None))] + sorted((g, p) for g, p in merged[split].items() if g is not None)
@@ -376,7 +399,8 @@ def pack(docs: Iterable[dict], tokenizer_dir: Path, out: Path, cfg: PackConfig, 
                                        spec.eos, advance)
             summary = write_shards(encoded, 0, folder, spec)
             tasks = [(folder, summary | {"files": _file_records(folder)})]
-        splits, hashed = assemble(tasks, tmp, move=work is None)
+        splits, hashed = assemble(tasks, tmp, move=work is None,
+                                  external_format=None if cfg.format == "kiln" else (cfg.format, spec.dtype))
         if work is None:
             shutil.rmtree(tmp / ".task-00000")
         manifest = _write_manifest(tmp, spec, fingerprint, splits, hashed, [s for _, s in tasks])
@@ -411,8 +435,10 @@ def _write_manifest(tmp: Path, spec: PackSpec, fingerprint: str, splits: dict[st
         splits=splits, packing_efficiency=packing_efficiency(splits),
         data_weight=round(data_weight(train_tokens, weighted), 6),
         split_documents=sum(s["split_documents"] for s in splits.values()),
-        documents=sum(s["documents"] for s in splits.values()), provenance=f"{{split}}/NNNNN{PROVENANCE}",
+        documents=sum(s["documents"] for s in splits.values()),
+        provenance=f"{{split}}/{'NNNNN' if cfg.format == 'kiln' else external.STEM}{PROVENANCE}",
         tokens_by_lang=dict(tokens_by_lang.most_common()), text_bytes=text_bytes, table=FILES_TABLE,
+        **({} if cfg.format == "kiln" else {"format": cfg.format}),  # Kiln's own shards: as before, no key
     )
 
 

@@ -49,6 +49,9 @@ class ShardSet:
         if "splits" not in self.manifest and self.manifest.get("stage") not in (None, "pack"):  # docs, say
             raise KilnError(f"{folder}: a `kiln {self.manifest['stage']}` output, not token shards; give the folder "
                             "`kiln pack` wrote ({out_dir}/shards)")
+        if (fmt := self.manifest.get("format", "kiln")) != "kiln":
+            raise KilnError(f"{folder}: packed for {fmt} (pack.format: {fmt}), which kiln train does not read; pack "
+                            "again with pack.format=kiln for Kiln's trainer")
         if split not in self.manifest.get("splits", {}):
             raise KilnError(f"{folder}: no '{split}' split in manifest.json; re-run `kiln pack`")
         if tokenizer_sha256 and self.manifest["tokenizer_sha256"] != tokenizer_sha256:
