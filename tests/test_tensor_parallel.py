@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, tiny_config, torchrun_script
+from conftest import ROOT, assert_trained_alike, tiny_config, torchrun_script
 from kiln.train.checkpoint import list_checkpoints, load_checkpoint
 from kiln.train.metrics import read_metrics
 from kiln.train.trainer import Trainer
@@ -113,9 +113,7 @@ def test_tp2_kiln_train_matches_one_process_over_40_steps(workdir, tmp_path):
     a = load_checkpoint(list_checkpoints(workdir / "run" / "checkpoints")[-1])["model"]
     b = load_checkpoint(list_checkpoints(tp / "run" / "checkpoints")[-1])["model"]
     assert (list_checkpoints(tp / "run" / "checkpoints")[-1] / "model.safetensors").is_file()
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].shape == b[k].shape and torch.allclose(a[k], b[k], rtol=1e-2, atol=1e-4), k
+    assert_trained_alike(a, b)
 
 
 def resume_from_step_5(tmp_path: Path, full: Path, nproc: int, **sections) -> Path:
