@@ -132,7 +132,8 @@ def test_init_optimizer_brings_the_moments_and_keeps_this_runs_settings(run_a, b
     saved = load_checkpoint(a_last)["optimizer"]
     opt = trainer.engine.optimizer
     first = opt.param_groups[0]["params"][0]
-    assert torch.equal(opt.state[first]["exp_avg"], saved["state"][0]["exp_avg"])
+    first_name = saved["param_groups"][0]["params"][0]  # the optimizer state is keyed by parameter name
+    assert torch.equal(opt.state[first]["exp_avg"], saved["state"][first_name]["exp_avg"])
     assert opt.param_groups[0]["weight_decay"] == 0.05 and opt.param_groups[0]["betas"] == (0.9, 0.99)
     assert trainer.step == 0 and trainer.warm_start.record["optimizer"] is True
 

@@ -127,13 +127,18 @@ def test_a_changed_model_key_is_refused_naming_it_and_a_changed_lr_is_said(workd
     assert "model.dim: 64 in the checkpoint, 128 in the config; model.n_layers: 2 in the checkpoint, 3 in the " \
            "config" in message and "\n" not in message and "new out_dir" in message
     log: list[str] = []
-    summary = Trainer(tiny_config(workdir, train={"max_steps": 4, "lr": 6e-3, "warmup_steps": 1}),
-                      log=log.append).run()
+    trainer = Trainer(tiny_config(workdir, train={"max_steps": 4, "lr": 6e-3, "warmup_steps": 1,
+                                                  "weight_decay": 0.05}), log=log.append)
+    summary = trainer.run()
     assert summary["steps"] == 4
-    [note] = [line for line in log if "schedule settings" in line]
-    assert note == ("note: resuming step-00000002 with other schedule settings, applied from step 3 on: train.lr: "
-                    "0.003 in the checkpoint, 0.006 in the config; train.max_steps: 2 in the checkpoint, 4 in the "
-                    "config; train.warmup_steps: 2 in the checkpoint, 1 in the config")
+    [note] = [line for line in log if "schedule or optimizer settings" in line]
+    assert note == ("note: resuming step-00000002 with other schedule or optimizer settings, applied from step 3 on: "
+                    "train.lr: 0.003 in the checkpoint, 0.006 in the config; train.max_steps: 2 in the checkpoint, 4 "
+                    "in the config; train.warmup_steps: 2 in the checkpoint, 1 in the config; train.weight_decay: 0.1 "
+                    "in the checkpoint, 0.05 in the config")
+    # What the note says is what the optimizer does: the decayed group takes this config's weight decay (the
+    # checkpoint's param_groups would otherwise have brought 0.1 back), the other group keeps none.
+    assert sorted(g["weight_decay"] for g in trainer.engine.optimizer.param_groups) == [0.0, 0.05]
 
 
 def test_a_tokenizer_of_another_vocabulary_size_is_refused_without_an_override_that_would_fail(prepared, tmp_path):

@@ -572,7 +572,6 @@ class CheckpointConfig(Section):
         return self
 
 
-
 class ParallelConfig(Section):
     mode: Literal["auto", "ddp", "fsdp"] = Field("auto", description="auto = DDP when several ranks, none for one")
     mesh: list[int] | None = Field(

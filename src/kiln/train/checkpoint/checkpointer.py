@@ -35,6 +35,7 @@ from kiln.train.checkpoint.sharded import (ShardedCheckpoint, checkpoint_group, 
                                            save_barrier)
 from kiln.train.determinism import layout_warning
 from kiln.train.parallel import Dist, all_gather_objects, broadcast_object
+from kiln.train.parallel.optimizer_state import settings_kept
 from kiln.train.parallel.parallelize import Parallelized
 
 
@@ -232,7 +233,8 @@ class Checkpointer:
         resume_checks.check_settings(state.get("config_hash"), self.state.config_hash, folder, self.config_yaml,
                                      RESUME_SECTIONS)
         resume_checks.check_vocab_size(data["model"], self.engine.model.vocab_size, folder)
-        fmt.load(self.engine.parallel, self.engine.optimizer, data)
+        with settings_kept(self.engine.optimizer):  # the moments from the checkpoint, the settings this config's
+            fmt.load(self.engine.parallel, self.engine.optimizer, data)
         self.state.load_state_dict(state, rollback=rollback)
         if not rollback:
             rngs = data["rng"]

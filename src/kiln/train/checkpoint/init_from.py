@@ -26,6 +26,7 @@ from kiln.train.checkpoint import agreement
 from kiln.train.checkpoint.folder import checkpoint_config, checkpoint_root, step_of
 from kiln.train.checkpoint.sharded import CheckpointWeights
 from kiln.train.parallel import broadcast_object
+from kiln.train.parallel.optimizer_state import settings_kept
 
 # The model keys (and resolved sizes) that decide the weights' shapes.
 SHAPE_KEYS = ("dim", "n_layers", "n_heads", "kv_heads", "hidden", "tie_embeddings", "moe.n_experts",
@@ -114,9 +115,7 @@ def load_weights(checkpointer, folder: Path, optimizer_state: bool) -> None:
     fmt = checkpointer.reader(folder)
     data = fmt.read(folder, checkpointer.d, engine.parallel.every_rank_reads)
     optimizer = engine.optimizer
-    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    fmt.load(engine.parallel, optimizer, data)
-    for group, mine in zip(optimizer.param_groups, settings):
-        group.update(mine)
+    with settings_kept(optimizer):
+        fmt.load(engine.parallel, optimizer, data)
     if not optimizer_state:
         optimizer.state.clear()  # AdamW makes its moments afresh at the first step

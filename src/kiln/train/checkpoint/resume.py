@@ -188,9 +188,11 @@ def resume_notes(folder: Path, train, step: int) -> list[str]:
     return notes
 
 
-# The train.* settings a resume takes from this config, not the checkpoint: the lr schedule and the clipping.
+# The train.* settings a resume takes from this config, not the checkpoint: the lr schedule, the clipping and
+# AdamW's settings (optimizer_state.settings_kept; the checkpoint gives the moments).
 SCHEDULE_KEYS = ("lr", "min_lr_ratio", "warmup_steps", "max_steps", "schedule", "decay_fraction", "decay_shape",
-                 "breathing", "base_lr", "reference_batch_size", "warmup_calibration", "grad_clip", "grad_clip_groups")
+                 "breathing", "base_lr", "reference_batch_size", "warmup_calibration", "grad_clip", "grad_clip_groups",
+                 "weight_decay", "beta1", "beta2")
 
 
 def schedule_note(folder: Path, train, step: int) -> str | None:
@@ -202,5 +204,5 @@ def schedule_note(folder: Path, train, step: int) -> str | None:
     diff = differences(saved, train.model_dump(mode="json"), SCHEDULE_KEYS, prefix="train.")
     if not diff:
         return None
-    return (f"note: resuming {Path(folder).name} with other schedule settings, applied from step {step + 1} on: "
-            f"{'; '.join(diff)}")
+    return (f"note: resuming {Path(folder).name} with other schedule or optimizer settings, applied from step "
+            f"{step + 1} on: {'; '.join(diff)}")

@@ -9,6 +9,8 @@ accepts both (a full checkpoint of an older Kiln is keyed by number), and the tw
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -65,3 +67,14 @@ def by_number(optim_sd: dict, model: nn.Module, optimizer: torch.optim.Optimizer
         groups.append({**saved, "params": members})
         first += len(members)
     return {"state": {number[k]: v for k, v in optim_sd["state"].items()}, "param_groups": groups}
+
+
+@contextmanager
+def settings_kept(optimizer: torch.optim.Optimizer):
+    """Around loading a checkpoint's optimizer state: the groups' settings (betas, weight decay, eps) stay this run's,
+    as its lr does (the schedule sets it every step); only the state (moments, step counts) comes from the checkpoint.
+    Unchanged settings give the same values, so a resume stays bitwise."""
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    yield
+    for group, mine in zip(optimizer.param_groups, settings):
+        group.update(mine)
