@@ -330,3 +330,52 @@ def test_import_of_a_bad_config_json_is_one_line(exported, prepared, tmp_path, c
     (hf / "config.json").write_text(config)
     rc, err = _import(hf, prepared, tmp_path / "run", capsys)
     assert rc == 2 and err.startswith(f"kiln: error: {hf / 'config.json'}: ") and words in err and "\n" not in err
+
+
+def test_export_splits_weights_into_hf_shards_that_transformers_and_import_read(trained, prepared, tmp_path, capsys):
+    """--max-shard-size: model-0000K-of-0000N.safetensors of at most that many bytes (a larger tensor alone) and
+    Hugging Face's index; transformers' loss is `kiln eval`'s, and `kiln import --hf` reads the files back."""
+    from safetensors import safe_open
+
+    cfg, ckpt = trained
+    hf_dir = tmp_path / "hf"
+    assert kiln(["export", "--hf", str(ckpt), str(hf_dir), "--max-shard-size", "100KB"]) == 0
+    capsys.readouterr()
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    n = len(files)
+    assert n > 3 and files == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+    assert not (hf_dir / "model.safetensors").exists()
+    total, seen = 0, {}
+    for f in files:
+        with safe_open(str(hf_dir / f), framework="pt") as st:
+            sizes = {k: st.get_tensor(k).numel() * 4 for k in st.keys()}
+        assert sum(sizes.values()) <= 100_000 or len(sizes) == 1, (f, sizes)
+        total += sum(sizes.values())
+        seen |= dict.fromkeys(sizes, f)
+    assert seen == index["weight_map"] and index["metadata"] == {"total_size": total}
+    one = export_hf(ckpt, tmp_path / "one")  # the default limit: one file, no index
+    assert one["parameters"] == total // 4 and (tmp_path / "one" / "model.safetensors").is_file()
+
+    text = short_text(ckpt, cfg.pack.seq_len - 1)
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    assert kiln(["eval", str(ckpt), "--text", str(tmp_path / "t.txt")]) == 0
+    ours = json.loads(capsys.readouterr().out)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    inputs = hf_tok(text, return_tensors="pt")
+    with torch.no_grad():
+        theirs = hf(**inputs, labels=inputs["input_ids"]).loss.item()
+    assert ours["loss"] == pytest.approx(theirs, rel=1e-5)
+
+    step0 = import_hf(hf_dir, tiny_config(fresh_out(prepared, tmp_path / "run")))
+    want = load_checkpoint(ckpt)["model"]
+    assert all(torch.equal(load_checkpoint(step0)["model"][k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("size", ["5 parsecs", "0", "-3GB", "GB"])
+def test_export_max_shard_size_that_is_not_a_size_is_one_line(trained, tmp_path, capsys, size):
+    assert kiln(["export", "--hf", str(trained[1]), str(tmp_path / "hf"), f"--max-shard-size={size}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kiln: error: --max-shard-size {size!r} is not a size") and "\n" not in err
+    assert not (tmp_path / "hf").exists()

@@ -22,9 +22,11 @@ def add_train(sub) -> None:
 def cmd_train(args) -> int:
     from kiln.config import load_config
     from kiln.train.parallel import init_distributed, shutdown
+    from kiln.train.remote_run import localize
     from kiln.train.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)  # validated before any process group forms
+    cfg = localize(cfg)  # out_dir: s3://...: the local run folder, its tokenizer downloaded (remote_run.py)
     d = init_distributed(cfg.parallel.startup_timeout_s, cfg.out / "run")
     try:
         summary = Trainer(cfg, d, log=console().print if d.is_main else (lambda *_: None)).run()
@@ -133,13 +135,17 @@ def add_export(sub) -> None:
     s.add_argument("--hf", action="store_true", required=True, help="the Hugging Face transformers layout")
     s.add_argument("checkpoint", metavar="CHECKPOINT", help=CHECKPOINT_HELP)
     s.add_argument("out_dir", metavar="OUT_DIR")
+    s.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="the largest weight file (default 5GB, as transformers); more weights are split into "
+                        "model-0000K-of-0000N.safetensors with model.safetensors.index.json")
     s.set_defaults(fn=cmd_export)
 
 
 def cmd_export(args) -> int:
-    from kiln.ops.export import export_hf
+    from kiln.ops.export import export_hf, parse_size
 
-    print(json.dumps(export_hf(checkpoint_arg(args.checkpoint), Path(args.out_dir))))
+    size = parse_size(args.max_shard_size)  # before the checkpoint is looked for
+    print(json.dumps(export_hf(checkpoint_arg(args.checkpoint), Path(args.out_dir), size)))
     return 0
 
 

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from kiln.config import Config
 from kiln.errors import KilnError
@@ -39,6 +38,8 @@ NAMES = [
     ("output.weight", "lm_head.weight"),
 ]
 EXPORT_STAGE = "hf-export"
+MAX_SHARD_SIZE = 5 * 10**9  # bytes of one weight file: transformers' save_pretrained default ("5GB")
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
 def _pattern(template: str) -> re.Pattern:
@@ -164,27 +165,28 @@ def to_hf(weights: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tens
     return out
 
 
-def from_hf(state: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
-    out, experts = {}, {}
-    for name, t in state.items():
+def hf_sources(names, where: Path) -> dict[str, list[str]]:
+    """{Kiln name: the HF names it is made of} for HF tensor `names`: one name, or a stacked expert tensor's
+    experts in order; RoPE tables of older exports are left out (Kiln recomputes them)."""
+    out: dict[str, list[str]] = {}
+    experts: dict[str, dict[int, str]] = {}
+    for name in names:
         if "rotary_emb" in name:
-            continue  # older exports stored RoPE tables; Kiln recomputes them
+            continue
         if (kiln := rename(name, to_hf=False)) is not None:
-            out[kiln] = t
+            out[kiln] = [name]
             continue
         for kiln_name, hf_name in EXPERT_NAMES:
             if m := _pattern(hf_name).match(name):
                 target = kiln_name.replace("{i}", m["i"])
                 if "e" in m.groupdict():
-                    experts.setdefault(target, {})[int(m["e"])] = t
+                    experts.setdefault(target, {})[int(m["e"])] = name
                 else:
-                    out[target] = t
+                    out[target] = [name]
                 break
         else:
             raise KilnError(f"{where}: tensor {name!r} is not part of a Kiln Llama or Mixtral")
-    for target, parts in experts.items():
-        out[target] = torch.stack([parts[e] for e in sorted(parts)])
-    return out
+    return out | {target: [parts[e] for e in sorted(parts)] for target, parts in experts.items()}
 
 
 def tokenizer_files(names: dict[str, str | None], seq_len: int) -> dict[str, dict]:
@@ -272,15 +274,16 @@ multiple-choice file with the harness's definitions of acc, acc_norm and acc_byt
 
 
 @writes_folder(EXPORT_STAGE, out="out_dir", inputs=("checkpoint",))
-def export_hf(checkpoint: Path, out_dir: Path) -> dict:
+def export_hf(checkpoint: Path, out_dir: Path, max_shard_size: int = MAX_SHARD_SIZE) -> dict:
     """Write `out_dir` as a transformers Llama (or, for MoE, Mixtral) folder from a verified Kiln checkpoint, pinned
-    while it is read: the retention of a training still running spares it (`kiln.lock.pinned`)."""
+    while it is read: the retention of a training still running spares it (`kiln.lock.pinned`). The weights go
+    tensor by tensor into safetensors files of at most `max_shard_size` bytes (`_write_hf_weights`)."""
     with pinned(checkpoint, "was removed before it could be read (the checkpoint.keep_last retention of a training "
                             "still running); export again, naming the run folder for its newest checkpoint"):
-        return _export_hf(Path(checkpoint), Path(out_dir))
+        return _export_hf(Path(checkpoint), Path(out_dir), max_shard_size)
 
 
-def _export_hf(checkpoint: Path, out_dir: Path) -> dict:
+def _export_hf(checkpoint: Path, out_dir: Path, max_shard_size: int) -> dict:
     from kiln.train.checkpoint import CheckpointWeights, check_loads, checkpoint_config
 
     verify_folder(checkpoint)  # first: every file read below is one its manifest lists, inside it (kiln.names)
@@ -290,7 +293,7 @@ def _export_hf(checkpoint: Path, out_dir: Path) -> dict:
     tok = load_tokenizer(tok_file)
     with CheckpointWeights(checkpoint) as weights, staging_dir(out_dir) as tmp:
         config = hf_config(cfg, weights.shape("tok_embeddings.weight")[0], tok, checkpoint)
-        params = _write_hf_weights(weights, tmp / "model.safetensors", checkpoint, config["tie_word_embeddings"])
+        params = _write_hf_weights(weights, tmp, checkpoint, config["tie_word_embeddings"], max_shard_size)
         write_atomic(tmp / "config.json", json.dumps(config, indent=1))
         # No max_length: transformers would warn on every generate that it overrides max_new_tokens.
         write_atomic(tmp / "generation_config.json", json.dumps(
@@ -320,9 +323,37 @@ def _export_hf(checkpoint: Path, out_dir: Path) -> dict:
     return result
 
 
-def _write_hf_weights(weights, path: Path, checkpoint: Path, tied: bool) -> int:
-    """model.safetensors of the export, one Kiln tensor in memory at a time (read, renamed, written, dropped):
-    the names and shapes come from meta tensors first, then each tensor is read as the file reaches it. A tied
+def parse_size(text: str, what: str = "--max-shard-size") -> int:
+    """A size as transformers writes it ("5GB" = 5·10^9, "500MiB" = 500·2^20, or bytes); one line otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = SIZE_UNITS.get(m[2].upper()) if m else None
+    if unit is None or float(m[1]) * unit < 1:
+        raise KilnError(f"{what} {text!r} is not a size; give bytes or a number with KB, MB, GB (powers of 10) "
+                        "or KiB, MiB, GiB, e.g. 5GB")
+    return int(float(m[1]) * unit)
+
+
+def shard_files(names: list[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_size: int) -> list[list]:
+    """`names` (in order) cut into weight files of at most `max_shard_size` bytes each, as huggingface_hub's
+    split_torch_state_dict_into_shards cuts them: a tensor that would overflow the current file starts the next;
+    a tensor larger than the limit is a file of its own."""
+    files: list[list] = [[]]
+    size = 0
+    for entry in names:
+        nbytes = torch.Size(entry[2]).numel() * torch.empty((), dtype=entry[1]).element_size()
+        if files[-1] and size + nbytes > max_shard_size:
+            files.append([])
+            size = 0
+        files[-1].append(entry)
+        size += nbytes
+    return files
+
+
+def _write_hf_weights(weights, folder: Path, checkpoint: Path, tied: bool, max_shard_size: int) -> int:
+    """The export's weights, one Kiln tensor in memory at a time (read, renamed, written, dropped): the names and
+    shapes come from meta tensors first, then each tensor is read as its file reaches it. One model.safetensors
+    when they fit in `max_shard_size` bytes, else Hugging Face's layout: model-0000K-of-0000N.safetensors and
+    model.safetensors.index.json ({"metadata": {"total_size": bytes}, "weight_map": {name: file}}). A tied
     lm_head is left out (HF ties it to embed_tokens on load). Returns the parameter count written."""
     from kiln.train.checkpoint import write_safetensors
 
@@ -338,10 +369,20 @@ def _write_hf_weights(weights, path: Path, checkpoint: Path, tied: bool) -> int:
     def tensor_for(hf_name: str) -> torch.Tensor:
         key = source[hf_name]
         if current.get("key") != key:  # experts: one stacked tensor gives several HF tensors in a row
+            current.clear()  # the previous tensor goes before the next is read
             current.update(key=key, hf=to_hf({key: weights.get(key)}, checkpoint))
         return current["hf"][hf_name]
 
-    write_safetensors(path, names, tensor_for, metadata={"format": "pt"})
+    files = shard_files(names, max_shard_size)
+    weight_map = {}
+    for k, entries in enumerate(files, 1):
+        file = "model.safetensors" if len(files) == 1 else f"model-{k:05d}-of-{len(files):05d}.safetensors"
+        write_safetensors(folder / file, entries, tensor_for, metadata={"format": "pt"})
+        weight_map.update({name: file for name, _, _ in entries})
+    if len(files) > 1:
+        total = sum(torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size() for _, dt, shape in names)
+        write_atomic(folder / "model.safetensors.index.json",
+                     json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     return sum(torch.Size(shape).numel() for _, _, shape in names)
 
 
@@ -443,17 +484,58 @@ def _read_hf_config(hf_dir: Path) -> dict[str, Any]:
     return hf
 
 
-def _load_weights(files: list[Path]) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
+class HFWeights:
+    """The tensors of an HF folder's safetensors files, read one at a time under Kiln's names (`get`: an expert
+    tensor stacked from its experts), never all at once. A file that does not open or read is one line naming it.
+    Use as a context manager (it keeps the files open)."""
 
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            state.update(load_file(str(file)))
-        except (SafetensorError, OSError) as exc:
-            raise KilnError(f"{file}: not a readable safetensors file ({str(exc)[:160]}); the download is cut or "
-                            "the file is another format: download it again (safetensors only)") from None
-    return state
+    def __init__(self, files: list[Path], where: Path) -> None:
+        from safetensors import safe_open
+
+        self._open: list = []
+        self._file_of: dict[str, Any] = {}
+        for file in files:
+            with self._readable(file):
+                f = safe_open(str(file), framework="pt").__enter__()
+                self._open.append(f)
+                self._file_of.update({name: (file, f) for name in f.keys()})
+        self.sources = hf_sources(self._file_of, where)
+
+    @staticmethod
+    def _readable(file: Path):
+        from contextlib import contextmanager
+
+        from safetensors import SafetensorError
+
+        @contextmanager
+        def guard():
+            try:
+                yield
+            except (SafetensorError, OSError, RuntimeError) as exc:
+                raise KilnError(f"{file}: not a readable safetensors file ({str(exc)[:160]}); the download is cut "
+                                "or the file is another format: download it again (safetensors only)") from None
+        return guard()
+
+    def __enter__(self) -> "HFWeights":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for f in self._open:
+            f.__exit__(None, None, None)
+        self._open.clear()
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """Kiln tensor `key`'s shape, from the headers only."""
+        shapes = [tuple(self._file_of[name][1].get_slice(name).get_shape()) for name in self.sources[key]]
+        return shapes[0] if len(shapes) == 1 else (len(shapes), *shapes[0])
+
+    def get(self, key: str) -> torch.Tensor:
+        parts = []
+        for name in self.sources[key]:
+            file, f = self._file_of[name]
+            with self._readable(file):
+                parts.append(f.get_tensor(name))
+        return parts[0] if len(parts) == 1 else torch.stack(parts)
 
 
 def same_tokenizer(run_tokenizer: Path, hf_tokenizer: Path, eos_token: str) -> bool:
@@ -497,24 +579,25 @@ def import_hf(hf_dir: Path, cfg: Config) -> Path:
     if mismatches:
         raise KilnError(f"{hf_dir / 'config.json'} does not match the config's model section: {'; '.join(mismatches)}; "
                         "set the model.* keys to the folder's sizes")
-    weights = {k: v.to(torch.float32) for k, v in from_hf(_load_weights(weight_files), hf_dir).items()}
-    if cfg.model.tie_embeddings:
-        weights.setdefault("output.weight", weights["tok_embeddings.weight"])
     ckpt_dir = cfg.out / "run" / "checkpoints"
     with OutputLock(cfg.out / "run", "`kiln import --hf`"):  # the lock `kiln train` takes: no run writes meanwhile
         if list_checkpoints(ckpt_dir):
             raise KilnError(f"{ckpt_dir} already holds checkpoints; import into a new run (another out_dir)")
-        return write_step_zero(cfg, weights, hf_dir / "model.safetensors")
+        with HFWeights(weight_files, hf_dir) as weights:
+            return write_step_zero(cfg, weights, weight_files[0])
 
 
-def write_step_zero(cfg: Config, weights: dict[str, torch.Tensor], source: Path) -> Path:
+def write_step_zero(cfg: Config, weights: HFWeights, source: Path) -> Path:
     """{out_dir}/run/checkpoints/step-00000000 with `weights`: what a run at step 0 would save.
 
-    The weights are loaded into the config's model first (a mismatch is a one-line error naming `source`);
-    the optimizer state is a fresh AdamW's and the RNG state the one a run has after building its model, so
-    the run that resumes from here is the run that would have started with these weights.
+    The config's model is built on the meta device and the weights' names and shapes checked against it (a
+    mismatch is a one-line error naming `source`); then each tensor is read, cast to the model's dtype and
+    written in turn (`StreamedWeights`), so the host holds one tensor, never the model. The optimizer state is a
+    fresh AdamW's and the RNG state the one a run has after building its model, so the run that resumes from
+    here is the run that would have started with these weights.
     """
-    from kiln.train.checkpoint import FullCheckpoint, RunInputs, TrainState, config_hash, rng_state
+    from kiln.train.checkpoint import (FullCheckpoint, RunInputs, StreamedWeights, TrainState, config_hash,
+                                       rng_state)
     from kiln.train.checkpoint import resume as resume_checks
     from kiln.train.data import open_splits
     from kiln.train.determinism import layout
@@ -528,19 +611,36 @@ def write_step_zero(cfg: Config, weights: dict[str, torch.Tensor], source: Path)
     tok_sha = tokenizer_sha256(cfg.out / "tokenizer")
     train_set, _ = open_splits(cfg, tok_sha)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)  # as the Trainer does before building its model
-        model = build_model(cfg.model, int(train_set.manifest["vocab_size"]), cfg.pack.seq_len)
-        try:
-            model.load_state_dict(weights)
-        except RuntimeError as exc:
-            raise KilnError(f"{source} does not fit the config's model: {str(exc)[:300]}") from None
+        torch.manual_seed(cfg.seed)  # as the Trainer does before building its model (on meta: nothing drawn)
+        model = build_model(cfg.model, int(train_set.manifest["vocab_size"]), cfg.pack.seq_len, device="meta")
         rngs = [rng_state(torch.device("cpu"))]
+    names = [(k, v.dtype, tuple(v.shape)) for k, v in model.state_dict().items()]
+    tied = ({"output.weight": "tok_embeddings.weight"}
+            if cfg.model.tie_embeddings and "output.weight" not in weights.sources else {})
+    _check_fits(weights, names, tied, source)
     d = Dist()
     inputs = RunInputs(resume_checks.data_fingerprint(train_set), tok_sha, tokenizer,
                        cfg.out / "shards" / "manifest.json", layout(d, cfg.train.deterministic), env.fingerprint)
     state = TrainState((), d.world, config_hash(cfg))  # no parts: each starts fresh on resume
-    optimizer = build_optimizer(model, cfg.train, d.device)
-    model_state = {k: v.detach() for k, v in model.state_dict().items()}
+    optimizer = build_optimizer(model, cfg.train, d.device)  # AdamW's state is empty until its first step
+    dtypes = dict((k, dt) for k, dt, _ in names)
+    streamed = StreamedWeights(names, lambda k: weights.get(tied.get(k, k)).to(dtypes[k]))
     fields = inputs.manifest_fields(state.config_hash)
-    return FullCheckpoint().write(cfg.out / "run" / "checkpoints", 0, (model_state, optimizer.state_dict()), rngs,
+    return FullCheckpoint().write(cfg.out / "run" / "checkpoints", 0, (streamed, optimizer.state_dict()), rngs,
                                   state.state_dict(), cfg.to_yaml(), tokenizer, fields, cfg.checkpoint.signing_key)
+
+
+def _check_fits(weights: HFWeights, names: list, tied: dict[str, str], source: Path) -> None:
+    """The HF tensors are the config's model's, by name and shape (headers only); else one line naming `source`."""
+    want = {k: shape for k, _, shape in names}
+    have = {k: weights.shape(k) for k in weights.sources}
+    have |= {k: have[v] for k, v in tied.items() if k not in have and v in have}
+    problems = []
+    if missing := [k for k in want if k not in have]:
+        problems.append(f"missing {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")
+    if extra := [k for k in have if k not in want]:
+        problems.append(f"unexpected {', '.join(extra[:5])}{' …' if len(extra) > 5 else ''}")
+    problems += [f"{k} is {list(have[k])} there, {list(s)} in the config's model"
+                 for k, s in want.items() if k in have and tuple(have[k]) != tuple(s)][:3]
+    if problems:
+        raise KilnError(f"{source} does not fit the config's model: {'; '.join(problems)}")

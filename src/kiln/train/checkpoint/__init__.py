@@ -28,10 +28,10 @@ from kiln.train.checkpoint.read import (check_loads, checkpoint_table, latest_va
                                         verify_checkpoint)
 from kiln.train.checkpoint.saver import Saver, all_finite, snapshot
 from kiln.train.checkpoint.sharded import CheckpointWeights, ShardedCheckpoint, is_sharded
-from kiln.train.checkpoint.storage import write_safetensors
+from kiln.train.checkpoint.storage import StreamedWeights, write_safetensors
 
 __all__ = ["SMALL_FILES", "CheckpointWeights", "Checkpointer", "FullCheckpoint", "RunInputs", "SaveClock", "Saver",
-           "ShardedCheckpoint", "TrainState", "all_finite", "check_loads", "checkpoint_config", "checkpoint_format",
-           "checkpoint_table", "config_hash", "is_sharded", "latest_valid", "latest_valid_of", "list_checkpoints",
-           "load_checkpoint", "restore_rng", "retain", "rng_state", "sign_manifest", "snapshot", "step_dir",
-           "step_of", "verify_checkpoint", "verify_signature", "write_checkpoint", "write_safetensors"]
+           "ShardedCheckpoint", "StreamedWeights", "TrainState", "all_finite", "check_loads", "checkpoint_config",
+           "checkpoint_format", "checkpoint_table", "config_hash", "is_sharded", "latest_valid", "latest_valid_of",
+           "list_checkpoints", "load_checkpoint", "restore_rng", "retain", "rng_state", "sign_manifest", "snapshot",
+           "step_dir", "step_of", "verify_checkpoint", "verify_signature", "write_checkpoint", "write_safetensors"]

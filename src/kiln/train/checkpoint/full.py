@@ -21,6 +21,7 @@ from kiln.errors import IntegrityError
 from kiln.manifest import staging_dir, write_atomic, write_manifest
 from kiln.train.checkpoint.folder import (check_listed, check_manifest, listed_file, loads_safely, read_small_files,
                                           sign_manifest, step_dir)
+from kiln.train.checkpoint.storage import StreamedWeights, write_safetensors
 
 FILES = ("model.safetensors", "optimizer.pt")  # beside folder.COMMON_FILES
 
@@ -29,16 +30,18 @@ if TYPE_CHECKING:
     from kiln.train.parallel.parallelize import Parallelized
 
 
-def write_checkpoint(root: Path, step: int, model_state: dict[str, torch.Tensor], optimizer_state: dict,
+def write_checkpoint(root: Path, step: int, model_state: dict[str, torch.Tensor] | StreamedWeights,
+                     optimizer_state: dict,
                      rng_states: list[dict[str, Any]], state: dict[str, Any], config_yaml: str,
                      tokenizer_file: Path, manifest_fields: dict[str, Any], signing_key: str | None = None) -> Path:
     """Write step-NNNNNNNN/ atomically: files, fsync, manifest (+ signature), rename, parent fsync."""
     final = step_dir(root, step)
     with staging_dir(final) as tmp:
-        # safetensors refuses tensors that share memory (tied embeddings): store each once.
-        save_file(
-            {k: v.detach().cpu().contiguous().clone() for k, v in model_state.items()}, str(tmp / "model.safetensors")
-        )
+        if isinstance(model_state, StreamedWeights):  # one tensor in memory at a time (kiln import --hf)
+            write_safetensors(tmp / "model.safetensors", model_state.names, model_state.get)
+        else:  # safetensors refuses tensors that share memory (tied embeddings): store each once.
+            save_file({k: v.detach().cpu().contiguous().clone() for k, v in model_state.items()},
+                      str(tmp / "model.safetensors"))
         torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(rng_states, tmp / "rng.pt")
         write_atomic(tmp / "state.json", json.dumps(state, indent=1))

@@ -105,6 +105,14 @@ def write_safetensors(path: Path, names: list[tuple[str, torch.dtype, tuple[int,
     return 8 + len(raw) + offset
 
 
+@dataclass(frozen=True)
+class StreamedWeights:
+    """Weights given one tensor at a time: `names` [(name, dtype, shape)] in file order, `get(name)` the tensor
+    (read when the writer reaches it): what write_safetensors takes, for a writer that never holds them all."""
+    names: list[tuple[str, torch.dtype, tuple[int, ...]]]
+    get: Callable[[str], torch.Tensor]
+
+
 def write_pieces(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """One rank's pieces of one kind, in one file (each key once)."""
     names = [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
