@@ -110,10 +110,12 @@ def _shape_difference(folder: Path, cfg, ours: dict, theirs: dict) -> str:
 
 def load_weights(checkpointer, folder: Path, optimizer_state: bool) -> None:
     """The weights (and, with `optimizer_state`, the AdamW moments) of `folder`, read in its own format; this
-    run's optimizer settings stay."""
+    run's optimizer settings stay. A sharded checkpoint is read as a sharded resume reads it: each rank only the
+    slices of its own part, one box at a time, and without `optimizer_state` no moment is read or made. A full
+    checkpoint is the whole-model format: rank 0 reads it whole, as a full resume does."""
     engine = checkpointer.engine
     fmt = checkpointer.reader(folder)
-    data = fmt.read(folder, checkpointer.d, engine.parallel.every_rank_reads)
+    data = {**fmt.read(folder, checkpointer.d, engine.parallel.every_rank_reads), "optimizer_state": optimizer_state}
     optimizer = engine.optimizer
     with settings_kept(optimizer):
         fmt.load(engine.parallel, optimizer, data)

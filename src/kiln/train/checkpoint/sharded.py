@@ -334,7 +334,9 @@ class ShardedCheckpoint:
         return {**data, "model": model_shapes(folder), "folder": Path(folder)}
 
     def load(self, parallel, optimizer: torch.optim.Optimizer, data: dict[str, Any]) -> None:
-        load(data["folder"], parallel.model, optimizer, self.d, self.timeout_s, parallel.checkpoint_slices())
+        """`data["optimizer_state"]` False: the weights only (train.init_from without init_optimizer)."""
+        load(data["folder"], parallel.model, optimizer, self.d, self.timeout_s, parallel.checkpoint_slices(),
+             data.get("optimizer_state", True))
 
 
 def _open_stage(d, group, final: Path):
@@ -590,14 +592,15 @@ def _raise_first(errors: list[str | None]) -> None:
 
 
 def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, d, timeout_s: float = 1800,
-         slices: Slices | None = None) -> None:
+         slices: Slices | None = None, optimizer_state: bool = True) -> None:
     """Fill the model and optimizer (any world size and mesh: FSDP2/HSDP, DDP, tensor parallel, a pipeline stage,
     expert slices, one process) from a sharded checkpoint.
 
     Every rank reads only the slices of its own share (`slices`: Parallelized.checkpoint_slices, the plain
     tensors that are parts of larger ones; a pipeline stage's model holds its own layers only). Every rank calls
     this; a failure on any rank stops every rank with its message. Memory: one box at a time on GPU runs (a CPU
-    staging buffer), nothing extra on CPU.
+    staging buffer), nothing extra on CPU. Without `optimizer_state` (train.init_from without init_optimizer)
+    the weights only: the optimizer's moments are neither read nor made.
     """
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
@@ -613,13 +616,16 @@ def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, d, ti
             for key, t in model_sd.items():
                 _fill(p, "model", key, t, slices)
         set_model_state_dict(model, model_sd)
-        optim_sd = get_optimizer_state_dict(model, optimizer)  # builds the state to fill (a zero step)
-        with torch.no_grad(), PieceIndex(folder, index["index_files"], "optimizer", files) as p:
-            for fqn, entries in optim_sd["state"].items():
-                for name, t in entries.items():
-                    _fill(p, "optimizer", f"{fqn}/{name}", t, slices)
+        if optimizer_state:
+            optim_sd = get_optimizer_state_dict(model, optimizer)  # builds the state to fill (a zero step)
+            with torch.no_grad(), PieceIndex(folder, index["index_files"], "optimizer", files) as p:
+                for fqn, entries in optim_sd["state"].items():
+                    for name, t in entries.items():
+                        _fill(p, "optimizer", f"{fqn}/{name}", t, slices)
     except (KilnError, OSError, RuntimeError, ValueError) as exc:
         error = f"rank {d.rank}: {exc}"
+    if not optimizer_state:  # every rank takes this branch alike: the weights' errors, then done
+        return _raise_first(all_gather_objects(d, error, group))
     # Each rank's parameter names too: a pipeline stage's groups are a part of the checkpoint's.
     held = all_gather_objects(d, (error, [g["params"] for g in optim_sd["param_groups"]]), group)
     _raise_first([e for e, _ in held])
