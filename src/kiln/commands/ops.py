@@ -63,7 +63,8 @@ def add_plan(sub) -> None:
     s.add_argument("config")
     s.add_argument("--json", action="store_true")
     s.add_argument("--trace", action="store_true", help="also run the configured step on fake tensors over a fake "
-                   "process group of plan.devices ranks and report its traced per-device peak by category")
+                   "process group of plan.devices ranks, report its traced per-device peak by category, and "
+                   "judge `fits` by it")
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     s.set_defaults(fn=cmd_plan)
 
@@ -75,10 +76,9 @@ def cmd_plan(args) -> int:
     cfg = load_config(args.config, args.overrides)
     plan = make_plan(cfg)
     if args.trace:
-        from kiln.ops.plan import _vocab
-        from kiln.ops.trace import trace_memory
+        from kiln.ops.plan import add_trace
 
-        plan["trace"] = trace_memory(cfg, _vocab(cfg), cfg.plan.devices)
+        add_trace(plan, cfg)
     print(json.dumps(plan, indent=1)) if args.json else print_plan(plan)
     return 0
 

@@ -118,6 +118,21 @@ def plan_memory(cfg: Config, model, device: str) -> dict:
             "alternatives": alternatives(cfg, model, cfg.plan.devices, device_bytes)}
 
 
+def add_trace(plan: dict, cfg: Config) -> dict:
+    """`kiln plan --trace`: the traced step (ops/trace.py) under plan["trace"]; the traced total, with the
+    formula's HEADROOM kept free, then decides `fits` (memory.fits_by says which; fits_formula keeps the other)."""
+    from kiln.ops.memory import HEADROOM
+    from kiln.ops.trace import trace_memory
+
+    m = plan["memory"]
+    plan["trace"] = trace_memory(cfg, _vocab(cfg), cfg.plan.devices, m["host"]["device_type"])
+    m["fits_formula"] = m["fits"]
+    if m["device_bytes"] is not None:
+        m["fits"] = plan["trace"]["total"] <= m["device_bytes"] * (1 - HEADROOM)
+    m["fits_by"] = "trace"
+    return plan
+
+
 def print_plan(plan: dict) -> None:
     from rich.table import Table
 
@@ -154,6 +169,8 @@ def _layout(d: dict) -> str:
 def _print_memory(console, m: dict) -> None:
     from rich.table import Table
 
+    from kiln.ops.memory import HEADROOM
+
     console.print(f"memory per device: {_layout(m['degrees'])} ({m['degrees']['mode']}), micro-batch "
                   f"{m['micro_batch']}" + (f", pipeline rank {m['pp_rank']} (the heaviest)" if m['degrees']['pp'] > 1
                                            else ""))
@@ -163,7 +180,8 @@ def _print_memory(console, m: dict) -> None:
     device = "unknown (set plan.device or plan.device_memory_gb)" if m["device_bytes"] is None \
         else _gb(m["device_bytes"])
     t.add_row("device memory", device)
-    t.add_row("fits", {None: "unknown", True: "yes", False: "NO"}[m["fits"]])
+    by = m.get("fits_by", "formula")
+    t.add_row(f"fits (by the {by}, {HEADROOM:.0%} kept free)", {None: "unknown", True: "yes", False: "NO"}[m["fits"]])
     h = m["host"]
     t.add_row("host per rank at start-up", f"{_gb(h['per_rank_bytes'])} ({h['device_type']} ranks)")
     t.add_row(f"host per node ({h['ranks_per_node']} ranks)", _gb(h["per_node_bytes"]))
@@ -176,7 +194,7 @@ def _print_memory(console, m: dict) -> None:
 
 
 def _print_trace(console, tr: dict, formula: dict) -> None:
-    """The traced peak beside the formula's figures (`fits` is the formula's, with its headroom)."""
+    """The traced peak beside the formula's figures (with --trace, `fits` is the trace's: add_trace)."""
     from rich.table import Table
 
     t = Table("per device", "traced at the peak", "formula",
@@ -186,4 +204,6 @@ def _print_trace(console, tr: dict, formula: dict) -> None:
              ("total", formula["total"])]
     for key, f in pairs:
         t.add_row(key, _gb(tr[key]), "-" if f is None else _gb(f))
+    said = {None: "unknown", True: "yes", False: "NO"}
+    t.add_row("fits (the plan's: the trace's)", said[formula["fits"]], said[formula.get("fits_formula")])
     console.print(t)
