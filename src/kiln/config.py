@@ -732,15 +732,12 @@ class Config(Section):
     loader: LoaderConfig = Field(default_factory=LoaderConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
-    @model_validator(mode="after")
-    def _local_out_dir(self) -> "Config":
-        if "://" in self.out_dir:  # Path() would make s3://b/run a local folder named "s3:"
-            raise ValueError(f"out_dir must be a local folder, got the URL {self.out_dir!r}; to keep checkpoints on "
-                             "object storage set checkpoint.dir (e.g. s3://bucket/run/checkpoints)")
-        return self
-
     @property
     def out(self) -> Path:
+        if "://" in self.out_dir:  # Path() would make s3://b/run a local folder named "s3:"
+            raise ConfigError(f"out_dir {self.out_dir!r} is a URL, which only `kiln train` reads (its tokenizer/ and "
+                              "shards/ there; kiln.train.remote_run); run the data stages with a local out_dir "
+                              "(out_dir=DIR) and copy DIR/tokenizer and DIR/shards up beside it")
         return Path(self.out_dir)
 
     def section_hash(self, *names: str) -> str:

@@ -204,6 +204,7 @@ class Checkpointer:
             retain(self.ckpt_dir, cfg.keep_last, cfg.keep_every, best)
             return
         self.remote.upload(folder)
+        self.remote.upload_run_files(self.run_dir)  # an out_dir URL's metrics.jsonl, config.yaml, env.json
         self.remote.retain(cfg.keep_last, cfg.keep_every, best)
         retain(self.ckpt_dir, 1, None, None)
 
@@ -213,6 +214,8 @@ class Checkpointer:
         outcome = None
         if self.remote is not None:
             try:
+                if before is None:  # a resume on another machine gets the run's metrics.jsonl back
+                    self.remote.fetch_metrics(self.run_dir, log)
                 self.remote.sync(self.ckpt_dir, log, before)
             except KilnError as exc:
                 outcome = str(exc)

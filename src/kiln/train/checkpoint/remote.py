@@ -13,6 +13,9 @@ removed from the cache; the newest committed step is downloaded into the cache (
 save writes it) unless the cache holds that very manifest; the local agreement then verifies it as ever.
 Retention removes COMMITTED first, then the files, manifest.json last; a prefix without COMMITTED (a killed
 upload or removal) holding nothing but Kiln's checkpoint files goes too. Only Kiln's names are ever deleted.
+The run's own files (`{dir}` = `{out_dir}/run/checkpoints`, as an out_dir URL implies: kiln.train.remote_run):
+metrics.jsonl, config.yaml and env.json are uploaded to `{out_dir}/run/` after each checkpoint's upload, and a
+resume whose local run folder has no metrics.jsonl downloads it first (MetricsLog then cuts what follows the step).
 Every call is bounded (data.sources' S3 bounds: botocore's connect/read timeouts and attempts, overridable in
 checkpoint.storage_options' config_kwargs); a failure is one line naming the URL.
 """
@@ -28,13 +31,14 @@ from typing import Any, Callable, Iterator
 
 from kiln.data.sources import _filesystem, unreachable
 from kiln.errors import IntegrityError, KilnError
-from kiln.manifest import MANIFEST, read_manifest, sha256_file, staging_dir
+from kiln.manifest import MANIFEST, read_manifest, sha256_file, staging_dir, write_atomic
 from kiln.names import check_name
 from kiln.train.checkpoint.folder import (CHECKPOINT_FILE, SIGNATURE, STEP_DIR, kept_steps, list_checkpoints,
                                           remove_checkpoint, step_dir, step_of)
 from kiln.train.checkpoint.read import verify_checkpoint
 
 MARKER = "COMMITTED"
+RUN_FILES = ("metrics.jsonl", "config.yaml", "env.json")  # uploaded beside {out_dir}/run/checkpoints
 UNFINISHED = f"its upload did not finish (no {MARKER} marker): never loaded"
 
 
@@ -112,6 +116,36 @@ class RemoteCheckpoints:
                 self.fs.put_file(str(folder / name), self._path(step, name))
         with self.call(self.where(step, MARKER)):
             self.fs.pipe_file(self._path(step, MARKER), sha256_file(folder / MANIFEST).encode())
+
+    def run_url(self) -> str | None:
+        """`{out_dir}/run` when the checkpoints are `{out_dir}/run/checkpoints` (an out_dir URL's), else None."""
+        parent, _, name = self.url.rpartition("/")
+        return parent if name == "checkpoints" and parent.endswith("/run") else None
+
+    def upload_run_files(self, run_dir: Path) -> None:
+        """The run's small files beside the checkpoints (metrics.jsonl up to its last whole line)."""
+        if self.run_url() is None:
+            return
+        for name in RUN_FILES:
+            if (run_dir / name).is_file():
+                data = (run_dir / name).read_bytes()
+                data = data[:data.rfind(b"\n") + 1] if name == "metrics.jsonl" else data  # a line being written
+                with self.call(f"{self.run_url()}/{name}"):
+                    self.fs.pipe_file(f"{self.root.rpartition('/')[0]}/{name}", data)
+
+    def fetch_metrics(self, run_dir: Path, log: Callable[[str], None]) -> None:
+        """A resume on a machine whose run folder has no metrics.jsonl: the one uploaded with the last save."""
+        local = run_dir / "metrics.jsonl"
+        if self.run_url() is None or local.exists():
+            return
+        with self.call(f"{self.run_url()}/metrics.jsonl"):
+            try:
+                data = self.fs.cat_file(f"{self.root.rpartition('/')[0]}/metrics.jsonl")
+            except FileNotFoundError:
+                return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(local, data)
+        log(f"metrics.jsonl from {self.run_url()}/metrics.jsonl ({len(data.splitlines())} records)")
 
     def remove(self, step: int) -> bool:
         """COMMITTED first, then Kiln's checkpoint files, manifest.json last; anything else is left (and the step
