@@ -3,7 +3,8 @@ group of the planned world size, with torch's memory tracker counting what it al
 
 The model is built and split exactly as `kiln train` does (meta device, `parallelize` with the configured layout,
 precision, activation checkpointing; materialised as fake tensors: no memory), then two steps run under
-`FakeTensorMode` (forward and backward of one micro-batch, the AdamW step; the second has optimizer state), with
+`FakeTensorMode` (forward and backward of one micro-batch, the AdamW step; the second has optimizer state and,
+when the configured step accumulates gradients, two micro-batches: the second runs beside the gradients), with
 `FSDPMemTracker` (FSDP2) or `MemTracker` (other kinds); `held` is what the rank holds after the second
 step (parameters, gradients before zero_grad, optimizer state). The categories at the traced peak:
 parameters (sharded and, under FSDP2, the gathered ones), gradients, optimizer state, activations and
@@ -117,7 +118,8 @@ def trace_memory(cfg: Config, vocab_size: int, world: int, device_type: str = "c
             materialize(parallel.model, d.device, cfg.seed)
             optimizer = build_optimizer(parallel.model, cfg.train, torch.device(device_type))
             batch = torch.randint(0, vocab_size, (micro, cfg.pack.seq_len + 1))
-            peak, now = _run_steps(parallel, optimizer, batch)
+            accumulates = cfg.train.batch_size > micro * degrees.dp  # micro-steps hold the gradients between them
+            peak, now = _run_steps(parallel, optimizer, batch, 2 if accumulates else 1)
             state = optimizer_state_bytes(optimizer)
     finally:
         dist.destroy_process_group()
@@ -141,7 +143,9 @@ def trace_memory(cfg: Config, vocab_size: int, world: int, device_type: str = "c
             "tracker": {getattr(ref, "value", str(ref)): n for ref, n in peak.items()}}
 
 
-def _run_steps(parallel, optimizer, batch: torch.Tensor) -> dict:
+def _run_steps(parallel, optimizer, batch: torch.Tensor, micro_steps: int) -> tuple[dict, dict]:
+    """Two optimizer steps (the second with AdamW's state), the second of `micro_steps` micro-batches: with
+    gradient accumulation the later micro-batches run while the rank holds its gradients."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
@@ -154,8 +158,12 @@ def _run_steps(parallel, optimizer, batch: torch.Tensor) -> dict:
     tracker.track_inputs((batch,)) if hasattr(tracker, "track_inputs") else None
     with tracker:
         for i in range(2):
-            with parallel.no_sync(True):
-                parallel.loss_fn(parallel.module, batch, parallel.autocast).backward()
+            n = micro_steps if i == 1 else 1
+            for j in range(n):
+                if j:
+                    tracker.reset_mod_stats()  # FSDPMemTracker takes one forward per module between resets
+                with parallel.no_sync(j == n - 1):
+                    parallel.loss_fn(parallel.module, batch, parallel.autocast).backward()
             parallel.after_backward()
             optimizer.step()
             if i == 1:  # what the rank holds between steps, gradients not yet zeroed
