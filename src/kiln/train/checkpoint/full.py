@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,12 +79,15 @@ def check_loads(folder: Path) -> None:
     try:
         with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
             f.keys()
-        for name in ("optimizer.pt", "rng.pt"):
-            torch.load(folder / name, map_location="cpu", weights_only=True, mmap=True)
         json.loads((folder / "state.json").read_text())
-    except Exception as exc:  # SafetensorError, UnpicklingError, RuntimeError (not a zip), ValueError
+    except Exception as exc:  # SafetensorError, ValueError
         raise IntegrityError(f"{folder}: matches its manifest but does not load ({type(exc).__name__}: "
                              f"{str(exc)[:160]})") from None
+    with loads_safely(folder):  # a bare pickle (not torch's zip archive) is refused unread, never unpickled
+        for name in ("optimizer.pt", "rng.pt"):
+            if not zipfile.is_zipfile(folder / name):
+                raise ValueError(f"{name} is not a torch zip archive")
+            torch.load(folder / name, map_location="cpu", weights_only=True, mmap=True)
 
 
 class FullCheckpoint:
