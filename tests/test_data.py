@@ -201,9 +201,12 @@ def test_sample_languages(sample_run):
     langs = Counter(doc["lang"] for doc in docs)
     assert SAMPLE_LANGS <= set(langs)
     assert langs == Counter(stats["kept_by_lang"])
-    # the page name carries its language (ch01.de.html, index.zh-cn.html): ID agrees for nearly all
-    agree = sum(re.search(r"\.([a-z]+)(-[a-z]+)?\.html$", doc["url"]).group(1) == doc["lang"] for doc in docs)
-    assert agree >= len(docs) - 5
+    # The page name carries its language (ch01.de.html, index.zh-cn.html): ID agrees but for the partly translated
+    # chapters where most of the text is still English, which get their largest language (docs/quality.md).
+    differ = sorted(doc["url"].rsplit("/", 1)[-1] for doc in docs
+                    if re.search(r"\.([a-z]+)(-[a-z]+)?\.html$", doc["url"]).group(1) != doc["lang"])
+    assert differ == ["ch03.fr.html", "ch07.fr.html", "ch07.ja.html", "ch07.pt.html", "ch08.fr.html", "ch08.pt.html"]
+    assert all(doc["lang"] == "en" for doc in docs if doc["url"].rsplit("/", 1)[-1] in differ)
 
 
 def test_sample_provenance(sample_run, sample_warc):

@@ -75,14 +75,24 @@ def copy_of(built: Path, name: str, tmp_path: Path) -> Path:
 
 # --- inputs ---------------------------------------------------------------------------------------
 
-def test_a_folder_given_as_an_input_says_to_give_its_files(tmp_path):
+def test_a_folder_given_as_an_input_reads_its_files_and_one_without_any_is_refused(tmp_path):
+    """A folder is read whole (every data file in it, issue 37 item 9: test_data_hub has the mixed one); a folder
+    holding no data file is one line naming the kinds Kiln reads, before any work."""
     (tmp_path / "crawl").mkdir()
     write_jsonl(tmp_path / "crawl" / "a.jsonl", 0, 3)
+    (tmp_path / "crawl" / "notes.txt").write_text("not data")
     r = kiln("data", str(tmp_path / "crawl"), "--out", str(tmp_path / "docs"), *QUIET)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "docs" / "stats.json").read_text())["documents"]["read"] == 3
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "notes.txt").write_text("not data")
+    r = kiln("data", str(tmp_path / "notes"), "--out", str(tmp_path / "docs2"), *QUIET)
     assert r.returncode == 2
-    assert error_line(r) == (f"kiln: error: input {tmp_path / 'crawl'} is a folder; give its files or a glob, e.g. "
-                             f"'{tmp_path / 'crawl' / '*.warc.gz'}' or '{tmp_path / 'crawl' / '*.jsonl'}'")
-    assert not (tmp_path / "docs").exists()
+    line = error_line(r)
+    assert line.startswith(f"kiln: error: input {tmp_path / 'notes'} is a folder with no data files (.parquet, ")
+    assert line.endswith(f"give its files or a glob, e.g. '{tmp_path / 'notes' / '*.warc.gz'}' or "
+                         f"'{tmp_path / 'notes' / '*.jsonl'}'")
+    assert not (tmp_path / "docs2").exists()
 
 
 @pytest.mark.parametrize("name, make, said", [
