@@ -143,3 +143,41 @@ def test_an_unreachable_checkpoint_url_is_one_line():
     assert str(err.value).startswith("s3://nowhere/checkpoints: could not reach the storage server "
                                      "(EndpointConnectionError: ")
     assert "checkpoint.storage_options" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.slow  # ~80 s: four two-rank runs
+def test_a_sharded_two_rank_run_checkpoints_to_the_url_and_resumes_from_it_bitwise(workdir, tmp_path, s3):
+    """FSDP2 on 2 gloo ranks with checkpoint.format sharded: every rank's pieces reach the URL under the marker, and
+    after the local checkpoints are lost the same two ranks resume from the download with bitwise the losses of
+    the same run resumed from its local disk (each run: steps 1-4, then the same command to step 6)."""
+    opts, _ = s3
+    url = f"s3://{BUCKET}/sharded/checkpoints"
+    sharded = {"every": 2, "keep_last": 3, "keep_best": False, "format": "sharded"}
+    remote_ckpt = {**sharded, "dir": url, "storage_options": opts}
+
+    def two_runs(out, checkpoint, between=lambda: None) -> str:
+        for steps in (4, 6):
+            if steps == 6:
+                between()
+            cfg = write_config(tmp_path / f"{out.name}-{steps}.yaml", out, parallel={"mode": "fsdp"},
+                               train={"max_steps": steps}, checkpoint=checkpoint)
+            said = finish(launch(cfg, nproc=2))
+        return said
+
+    reference = clone(workdir, tmp_path / "ref")
+    two_runs(reference, sharded)
+    remote = RemoteCheckpoints(url, opts)
+
+    def lose_the_disk():  # the nodes' disks are gone: the resume downloads step 4 from the URL
+        assert remote.steps() == [2, 4] and all(remote.committed(s)[1] is None for s in (2, 4))
+        names = {p.rsplit("/", 1)[-1] for p in remote.fs.ls(f"{url}/step-00000004".removeprefix("s3://"))}
+        assert {"model-00000.safetensors", "model-00001.safetensors", "optimizer-00000.safetensors",
+                "optimizer-00001.safetensors", MARKER, "manifest.json"} <= names
+        import shutil
+
+        shutil.rmtree(workdir / "run" / "checkpoints")
+
+    out = two_runs(workdir, remote_ckpt, lose_the_disk)
+    assert "resumed from" in out and "step-00000004 (step 4)" in out
+    assert len(losses(workdir)) == 6 and losses(workdir) == losses(reference)
+    assert remote.steps() == [2, 4, 6]
