@@ -8,7 +8,7 @@ built) must stay under half the model (it was more than the whole model for impo
 the model on the host). VmHWM counts more: safetensors reads through a memory map, so the pages of the files read
 count as resident (clean page cache the kernel reclaims) until a file is closed; the tests print both.
 A ~1 B checkpoint (~4 GB of weights) is not written here: with the AdamW state the run that saves it needs
-~16 GB, more than this shared machine spares (see BENCHMARKS.md)."""
+~16 GB; `python -m benchmarks export_size` writes one on 2 FSDP ranks and measures its export (BENCHMARKS.md)."""
 
 from __future__ import annotations
 
