@@ -657,14 +657,15 @@ def _restore_groups(saved: list[dict], current: list[dict], everyone: list[list[
 class CheckpointWeights:
     """A checkpoint's weights read one tensor at a time, full or sharded: `keys()`, `shape(k)`, `dtype(k)` from
     the headers and indexes, `get(k)` the whole tensor (a sharded one assembled from its pieces). Memory: the
-    tensor asked for. Use as a context manager (it keeps the files open)."""
+    tensor asked for (its file pages are unmapped after it). Use as a context manager (it keeps the headers open)."""
 
     def __init__(self, folder: Path) -> None:
         from safetensors import safe_open
 
         self.folder = Path(folder)
         self._pieces = pieces(folder, "model") if is_sharded(folder) else None
-        self._file = None if self._pieces else safe_open(str(listed_file(folder, "model.safetensors")), framework="pt")
+        self._path = None if self._pieces else listed_file(folder, "model.safetensors")
+        self._file = None if self._pieces else safe_open(str(self._path), framework="pt")
 
     def __enter__(self) -> "CheckpointWeights":
         if self._file is not None:
@@ -698,4 +699,10 @@ class CheckpointWeights:
         return torch.empty(tuple(s.get_shape()), dtype=FROM_SAFETENSORS[s.get_dtype()], device="meta")
 
     def get(self, key: str) -> torch.Tensor:
-        return self._pieces.full(key) if self._pieces is not None else self._file.get_tensor(key)
+        """The whole tensor, its file's memory map dropped after it (PieceIndex.full): one tensor's pages held."""
+        if self._pieces is not None:
+            return self._pieces.full(key)
+        from safetensors import safe_open
+
+        with safe_open(str(self._path), framework="pt") as f:
+            return f.get_tensor(key)

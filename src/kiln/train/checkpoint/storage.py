@@ -273,8 +273,13 @@ class PieceIndex:
         return out
 
     def full(self, key: str) -> torch.Tensor:
-        """The whole tensor `key`, assembled from its pieces."""
-        return self.read_box(key, torch.empty(self.global_shape(key), dtype=self.dtype(key)))
+        """The whole tensor `key`, assembled from its pieces. The files are closed after it: safetensors reads
+        through a memory map, whose pages count as this process's resident memory while it is open, so a caller
+        reading one tensor at a time (export) holds one tensor's pages, not every file's it has read."""
+        try:
+            return self.read_box(key, torch.empty(self.global_shape(key), dtype=self.dtype(key)))
+        finally:
+            self.close()
 
     def tensors(self, keys: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
         for key in keys:
