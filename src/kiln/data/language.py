@@ -65,7 +65,8 @@ _LETTERS = _UPPER + _UPPER.lower()
 
 SAMPLE_WINDOW = 200  # characters in one window of the sample language ID reads
 MAX_CHARS = DataConfig.model_fields["lang_max_chars"].default
-CLOSER = 4  # a page whose windows disagree is read again with this many times the windows
+CLOSER = 4  # a page read with little confidence is read again in this many times the windows, one by one
+SURE = 0.9  # a score read whole at which a page is of one language (no window is labelled on its own)
 
 
 def _windows(text: str, count: int, width: int) -> list[str]:
@@ -89,26 +90,26 @@ def language_sample(text: str, max_chars: int = MAX_CHARS) -> str:
 
 
 def detect_language(text: str, max_chars: int = MAX_CHARS, model_path: str | None = None) -> tuple[str, float]:
-    """(language, score) of `text`: each window of its sample is labelled on its own. When they agree, the
-    sample read whole decides (what `_detector(max_chars, model_path).detect(language_sample(text, max_chars),
-    k=1)[0]` says). When they disagree (a page of mixed languages), CLOSER times the windows are labelled; the
-    page gets the language of the largest share of those windows' characters, each weighted by its
-    confidence, scored by that share of the windows' confidence-weighted characters: a page passes
-    data.lang_threshold (0.5) in a language only when most of what the model reads with confidence is in it.
-    (Re-reading the chosen windows together would inflate the score by the choice: one window of digits that
-    fastText calls Turkish at 0.9998 made a price list `tr` 0.9998.)"""
-    if len(text) <= max_chars:
-        return _predict(" ".join(text.split()), max_chars, model_path)
+    """(language, score) of `text`: its sample read whole (what `_detector(max_chars, model_path).detect(
+    language_sample(text, max_chars), k=1)[0]` says), which decides when it is SURE or the text is short. Below
+    that (perhaps a page of mixed languages) CLOSER times the sample's windows are labelled one by one; where they
+    agree the whole reading stands, where they disagree the page gets the language of the largest share of their
+    characters, each weighted by its confidence, scored by that share of the windows' confidence-weighted
+    characters: it passes data.lang_threshold (0.5) only when most of what the model reads with confidence is in
+    that language. (Re-reading the chosen windows together would inflate the score by the choice: one window of
+    digits that fastText calls Turkish at 0.9998 made a price list `tr` 0.9998.) Cost: one prediction for a page
+    read with confidence, as before; 1 + CLOSER for the others."""
+    whole = _predict(language_sample(text, max_chars), max_chars, model_path)
+    if len(text) <= max_chars or whole[1] >= SURE:
+        return whole
     k = max(1, max_chars // SAMPLE_WINDOW)
-    width = max_chars // k
-    labels = [_predict(w, max_chars, model_path) for w in _windows(text, k, width) if w]
-    if len({lang for lang, _ in labels}) <= 1:
-        return _predict(language_sample(text, max_chars), max_chars, model_path)
-    windows = [w for w in _windows(text, CLOSER * k, width) if w]
-    labels = [_predict(w, max_chars, model_path) for w in windows]
+    windows = [w for w in _windows(text, CLOSER * k, max_chars // k) if w]
     weight: dict[str, float] = {}
-    for window, (lang, score) in zip(windows, labels):
+    for window in windows:
+        lang, score = _predict(window, max_chars, model_path)
         weight[lang] = weight.get(lang, 0.0) + len(window) * score
+    if len(weight) <= 1:
+        return whole
     best = max(weight, key=weight.__getitem__)
     return best, weight[best] / sum(weight.values())
 
