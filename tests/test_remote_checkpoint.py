@@ -43,10 +43,16 @@ def s3():
 
     boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
                  region_name="us-east-1").create_bucket(Bucket=BUCKET)
+    import s3fs
+
+    # fsspec caches a filesystem per set of arguments, not per environment: a client made for another module's
+    # server (the CLI reads the endpoint from AWS_ENDPOINT_URL) would otherwise be reused here, and after
+    s3fs.S3FileSystem.clear_instance_cache()
     try:
         yield opts, env
     finally:
         server.stop()
+        s3fs.S3FileSystem.clear_instance_cache()
 
 
 def remote_sha(remote: RemoteCheckpoints, step: int, name: str) -> str:
