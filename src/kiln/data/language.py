@@ -65,8 +65,8 @@ _LETTERS = _UPPER + _UPPER.lower()
 
 SAMPLE_WINDOW = 200  # characters in one window of the sample language ID reads
 MAX_CHARS = DataConfig.model_fields["lang_max_chars"].default
-CLOSER = 4  # a page read with little confidence is read again in this many times the windows, one by one
-SURE = 0.9  # a score read whole at which a page is of one language (no window is labelled on its own)
+CLOSER = 4  # a page read whole under `sure` is read again in this many times the windows, one by one
+SURE = DataConfig.model_fields["lang_threshold"].default  # detect_language's `sure` when none is given
 
 
 def _windows(text: str, count: int, width: int) -> list[str]:
@@ -89,18 +89,20 @@ def language_sample(text: str, max_chars: int = MAX_CHARS) -> str:
     return " ".join(_windows(text, k, max_chars // k))
 
 
-def detect_language(text: str, max_chars: int = MAX_CHARS, model_path: str | None = None) -> tuple[str, float]:
+def detect_language(text: str, max_chars: int = MAX_CHARS, model_path: str | None = None,
+                    sure: float = SURE) -> tuple[str, float]:
     """(language, score) of `text`: its sample read whole (what `_detector(max_chars, model_path).detect(
-    language_sample(text, max_chars), k=1)[0]` says), which decides when it is SURE or the text is short. Below
-    that (perhaps a page of mixed languages) CLOSER times the sample's windows are labelled one by one; where they
-    agree the whole reading stands, where they disagree the page gets the language of the largest share of their
-    characters, each weighted by its confidence, scored by that share of the windows' confidence-weighted
-    characters: it passes data.lang_threshold (0.5) only when most of what the model reads with confidence is in
-    that language. (Re-reading the chosen windows together would inflate the score by the choice: one window of
-    digits that fastText calls Turkish at 0.9998 made a price list `tr` 0.9998.) Cost: one prediction for a page
-    read with confidence, as before; 1 + CLOSER for the others."""
+    language_sample(text, max_chars), k=1)[0]` says), which decides when its score reaches `sure` (the stage passes
+    data.lang_threshold: a page it keeps reads as it always did) or the text is short. Below that (a page it
+    would drop: perhaps one of mixed languages, none of which dominates the whole reading) CLOSER times the
+    sample's windows are labelled one by one; where they agree the whole reading stands, where they disagree the
+    page gets the language of the largest share of their characters, each weighted by its confidence, scored by
+    that share: it is kept only when most of what the model reads with confidence is in one language. (Re-reading
+    the chosen windows together would inflate the score by the choice: one window of digits that fastText calls
+    Turkish at 0.9998 made a price list `tr` 0.9998.) Cost: one prediction a page, as before; 1 + CLOSER for a
+    page under `sure`."""
     whole = _predict(language_sample(text, max_chars), max_chars, model_path)
-    if len(text) <= max_chars or whole[1] >= SURE:
+    if len(text) <= max_chars or whole[1] >= sure:
         return whole
     k = max(1, max_chars // SAMPLE_WINDOW)
     windows = [w for w in _windows(text, CLOSER * k, max_chars // k) if w]
@@ -140,7 +142,7 @@ def identify_language(docs: Iterator[Document], languages: list[str] | None, thr
     allowed = set(languages) if languages else None
     for doc in docs:
         if doc.rejection is None:
-            doc.lang, doc.lang_score = detect_language(doc.text or "", max_chars, model_path)
+            doc.lang, doc.lang_score = detect_language(doc.text or "", max_chars, model_path, sure=threshold)
             if doc.lang_score < threshold:
                 doc.reject(
                     "language", "low_lang_score", lang=doc.lang, score=round(doc.lang_score, 4), threshold=threshold
