@@ -397,6 +397,8 @@ def parallelize(model: nn.Module, d: Dist, cfg: ParallelConfig, precision: Preci
         materialize(model, d.device, seed, stages)
         if "experts" in extra:  # to_empty may have replaced the experts FSDP2 leaves out
             extra["experts"].find(model)
+        if "pipeline" in extra:  # and the parameters whose gradients the stage's replicas average
+            extra["pipeline"].find(model)
     if cfg.compile and kind is Parallelized:  # 6
         # Model and loss in one graph: the upcast and log-softmax over the vocabulary fuse too
         # (+9-14% over compiling the model alone, BENCHMARKS.md), in one piece.

@@ -131,6 +131,13 @@ class Pipeline:
         dist.all_reduce(total, group=self.group)  # only the last stage's is non-zero
         return total
 
+    def find(self, part: nn.Module) -> None:
+        """The replicas' parameters taken again from `part`: materialising a part built on meta (to_empty)
+        replaces its parameters, and the ones listed at build time would never get a gradient."""
+        if self.replicas is not None:
+            group, n, _ = self.replicas
+            self.replicas = (group, n, list(part.parameters()))
+
     @staticmethod
     def _average_gradients(group, n: int, params: list[torch.Tensor]) -> None:
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
