@@ -5,6 +5,8 @@ Each fenced block's info string says what happens to it (README.md, "Development
   environment) and a short run in `out/tiny` made by `examples/tiny.yaml` with a smaller model (the same docs,
   tokenizer and shards as `make run`'s);
 - `sh runnable slow`: also run, by the slow test, in a fresh copy of the repository after a real `make run`;
+- `sh runnable dev`: as `sh runnable`, but it needs the dev extras (pyarrow, datasets), which `make run` does not
+  install: the fresh copy leaves it out;
 - `console runnable`: each `$ COMMAND` runs and the lines after it must appear in its output, in order;
 - `sh dry-run`: `make -n TARGET` (running the test suite from a test would recurse);
 - `sh cluster`: needs GPUs, several nodes or a cluster service: every `kiln` subcommand and `KEY=VALUE` key
@@ -34,7 +36,7 @@ from kiln.config import Config, build_config, load_config
 
 README = ROOT / "README.md"
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
-KINDS = {"sh runnable", "sh runnable slow", "console runnable", "sh dry-run", "sh cluster"}
+KINDS = {"sh runnable", "sh runnable dev", "sh runnable slow", "console runnable", "sh dry-run", "sh cluster"}
 # The stand-in for `make run` in the default suite: the same data, tokenizer and shards, a far smaller model.
 STAND_IN = ["model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "train.batch_size=2",
             "train.eval_batches=1", "train.threads=1"]
@@ -133,7 +135,7 @@ def test_readme_commands_run_on_the_bundled_sample(sandbox):
     env = sandbox_env(sandbox)
     ran = 0
     for info, body in blocks():
-        if info == "sh runnable":
+        if info in ("sh runnable", "sh runnable dev"):
             run_block(body, sandbox, env)
             ran += 1
         elif info == "console runnable":
@@ -171,7 +173,8 @@ def test_readme_from_a_fresh_copy_every_runnable_block(tmp_path):
     root = fresh_copy(tmp_path / "kiln")
     fresh = {**sandbox_env(root), "PATH": "/usr/local/bin:/usr/bin:/bin"}  # a newcomer's shell: no .venv yet
     env = {**fresh, "PATH": f"{root / '.venv' / 'bin'}{os.pathsep}{fresh['PATH']}"}  # after `. .venv/bin/activate`
-    first, *rest = [(info, body) for info, body in blocks() if info in KINDS - {"sh dry-run", "sh cluster"}]
+    first, *rest = [(info, body) for info, body in blocks()
+                    if info in KINDS - {"sh dry-run", "sh cluster", "sh runnable dev"}]
     assert first == ("sh runnable slow", "make run\n")
     done = subprocess.run(["make", "run"], cwd=root, env=fresh, capture_output=True, text=True, timeout=3600)
     assert done.returncode == 0, done.stderr[-3000:]
