@@ -395,10 +395,9 @@ def parallelize(model: nn.Module, d: Dist, cfg: ParallelConfig, precision: Preci
     if is_meta(model) and seed is not None:  # 5b (no seed: left on meta, for `kiln plan --trace`'s fake tensors)
         stages = [s.submod for s in extra["pipeline"].stages] if "pipeline" in extra else []
         materialize(model, d.device, seed, stages)
-        if "experts" in extra:  # to_empty may have replaced the experts FSDP2 leaves out
-            extra["experts"].find(model)
-        if "pipeline" in extra:  # and the parameters whose gradients the stage's replicas average
-            extra["pipeline"].find(model)
+        for listed in ("experts", "pipeline"):  # to_empty replaced the parameters they listed (experts FSDP2
+            if listed in extra:  # leaves out; those whose gradients a stage's replicas average)
+                extra[listed].find(model)
     if cfg.compile and kind is Parallelized:  # 6
         # Model and loss in one graph: the upcast and log-softmax over the vocabulary fuse too
         # (+9-14% over compiling the model alone, BENCHMARKS.md), in one piece.
