@@ -242,10 +242,10 @@ def test_ablation_html_is_self_contained_and_renders_in_headless_chromium(small,
 
 # --- resuming -----------------------------------------------------------------------------------------------------
 
-def test_kill_9_mid_ablation_then_the_same_command_gives_the_uninterrupted_json(small, corpus):
-    """The finished ablation's junk runs and outputs removed, the same command in a subprocess, killed (SIGKILL,
-    its whole process group) while the junk arm's first run trains, then run again: ablation.json is the
-    uninterrupted one's, timings aside (training resumes bitwise from the newest checkpoint)."""
+def _rerun_until_the_junk_arm_trains(small, corpus):
+    """The finished ablation's junk runs and outputs removed, the same command started in a subprocess (its own
+    process group) and left to run until the junk arm's first run has checkpointed step 4: (the uninterrupted
+    ablation.json, the process, that run's checkpoints folder)."""
     whole = json.loads((small / "ablation.json").read_text())
     for gone in ("junk/seed-1", "junk/seed-2", "ablation.json", "ablation.html"):
         (shutil.rmtree if (small / gone).is_dir() else os.remove)(small / gone)
@@ -256,6 +256,14 @@ def test_kill_9_mid_ablation_then_the_same_command_gives_the_uninterrupted_json(
     deadline = time.time() + 300
     while not (checkpoints / "step-00000004").is_dir() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
+    return whole, proc, checkpoints
+
+
+def test_kill_9_mid_ablation_then_the_same_command_gives_the_uninterrupted_json(small, corpus):
+    """The finished ablation's junk runs and outputs removed, the same command in a subprocess, killed (SIGKILL,
+    its whole process group) while the junk arm's first run trains, then run again: ablation.json is the
+    uninterrupted one's, timings aside (training resumes bitwise from the newest checkpoint)."""
+    whole, proc, checkpoints = _rerun_until_the_junk_arm_trains(small, corpus)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
@@ -269,16 +277,7 @@ def test_kill_9_mid_ablation_then_the_same_command_gives_the_uninterrupted_json(
 def test_sigterm_mid_ablation_checkpoints_exits_0_and_the_same_command_finishes_it(small, corpus):
     """Issue #37 item 15, for real: SIGTERM while the junk arm's first run trains: the run checkpoints, the
     ablation says so and exits 0 (as `kiln train` does); the same command again gives the uninterrupted json."""
-    whole = json.loads((small / "ablation.json").read_text())
-    for gone in ("junk/seed-1", "junk/seed-2", "ablation.json", "ablation.html"):
-        (shutil.rmtree if (small / gone).is_dir() else os.remove)(small / gone)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen([sys.executable, "-m", "kiln", "ablate", str(corpus / "ablation.yaml")], cwd=corpus,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    checkpoints = small / "junk" / "seed-1" / "run" / "checkpoints"
-    deadline = time.time() + 300
-    while not (checkpoints / "step-00000004").is_dir() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
+    whole, proc, checkpoints = _rerun_until_the_junk_arm_trains(small, corpus)
     proc.send_signal(signal.SIGTERM)
     err = proc.communicate(timeout=300)[1].decode()
     assert proc.returncode == 0, err[-2000:]
