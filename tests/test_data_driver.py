@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from kiln.config import DataConfig
-from kiln.data import executor
+from kiln.tasks import executor
 from kiln.data.pipeline import run_data
 from kiln.data.tables import rows
 

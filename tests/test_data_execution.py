@@ -23,7 +23,7 @@ import pytest
 
 from conftest import write_warc
 from kiln.config import DataConfig
-from kiln.data.executor import run_tasks
+from kiln.tasks.executor import run_tasks
 from kiln.data.docs import read_docs, read_part
 from kiln.data.pipeline import plan_tasks, run_data
 from kiln.errors import KilnError

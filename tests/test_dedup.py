@@ -435,7 +435,7 @@ def test_a_rerun_of_the_stages_redoes_only_missing_results(tmp_path, corpus, mon
     changed[-1] ^= 1  # the same size, one bit changed
     results[11].write_bytes(bytes(changed))
     ran = []
-    from kiln.data import executor
+    from kiln.tasks import executor
 
     monkeypatch.setattr(executor, "run_tasks", lambda fn, jobs, *a: ran.extend(jobs) or [fn(j) for j in jobs])
     again = stages.run_stages(stages.Layout.load(work), 1)

@@ -318,7 +318,7 @@ def test_the_ray_address_check_lets_a_real_cluster_through(monkeypatch):
     """The check before ray.init accepts a real Ray head: its GCS answers the gRPC hello (a real local Ray, started
     as `kiln data` starts one)."""
     ray = pytest.importorskip("ray")
-    from kiln.data.executor import check_ray_address
+    from kiln.tasks.executor import check_ray_address
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, SAMPLE_WARC
-from kiln.data import executor, raywatch
+from kiln.tasks import executor, raywatch
 from kiln.errors import KilnError
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
@@ -154,7 +154,7 @@ def test_the_watchdog_ends_the_marked_processes_when_its_kiln_is_killed(tmp_path
     session's marker, SIGTERM ignored as Ray's agents do) and is killed by SIGKILL; the child goes, a process with
     another marker stays."""
     script = ("import subprocess, sys, time\n"
-              "from kiln.data.executor import _watch_ray\n"
+              "from kiln.tasks.executor import _watch_ray\n"
               "watchdog = _watch_ray()\n"
               "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
               "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)'])\n"

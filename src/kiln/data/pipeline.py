@@ -45,7 +45,7 @@ from kiln.data.gates.distribution import (Composition, SpilledProfiles, check_gr
                                           source_group)
 from kiln.data.tables import TABLES, InputCounts, SpilledCounts, TableWriter, composition_rows, write_table
 from kiln.data.document import Document, ReadReport
-from kiln.data.executor import engine, run_tasks
+from kiln.tasks.executor import engine, run_tasks
 from kiln.data.gates.semantic import REVIEW as SEMANTIC_REVIEW
 from kiln.data.gates.semantic import prepare as prepare_semantic
 from kiln.data.language import check_model

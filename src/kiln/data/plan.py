@@ -263,7 +263,7 @@ def plan_tasks(files: list[str], cfg: DataConfig, work: Path | None = None, work
     """Every input's pieces as tasks, in input order then file order. The probes run on the engine (`workers`
     of `cfg.executor`: call inside `executor.engine` to keep one Ray session); without a work folder, a
     compressed JSONL file is one task (nowhere to spool it)."""
-    from kiln.data.executor import run_tasks
+    from kiln.tasks.executor import run_tasks
 
     inputs = [InputFile(i, source, input_size(source, cfg.storage_options)) for i, source in enumerate(files)]
     spool_dir = None if work is None else Path(work) / SPOOL

@@ -5,7 +5,7 @@ chunk is encoded in a spawned process (a forked one would inherit the
 tokenizer's thread pool) and results are taken back in submission order, at
 most `2 × workers` chunks in flight, so the output is the same token stream,
 byte for byte, for any number of workers. The workers end with the driver
-(SIGTERM, SIGINT, an error, a consumer that stops early): `kiln.data.workers`.
+(SIGTERM, SIGINT, an error, a consumer that stops early): `kiln.tasks.workers`.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from kiln.data.workers import ending_workers, worker_init
+from kiln.tasks.workers import ending_workers, worker_init
 
 _worker_tokenizer = None
 
 
 def _init_worker(tokenizer_file: str, threads: int) -> None:
     global _worker_tokenizer
-    worker_init()  # ends with the driver (see kiln.data.workers)
+    worker_init()  # ends with the driver (see kiln.tasks.workers)
     # tokenizers sizes its thread pool on first use: set before the first encode so workers do not oversubscribe.
     os.environ["RAYON_NUM_THREADS"] = str(threads)  # rayon reads this name; RAYON_RS_NUM_THREADS is ignored
     from kiln.tokenizer import load_tokenizer

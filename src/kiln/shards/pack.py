@@ -6,7 +6,7 @@ its documents in order (encode.py), splits them by id hash, packs each split's s
 and streams it into shards of its own (writer.py, provenance.py) in the work folder beside the output,
 `.NAME-work-<key>/task-KKKKK/`, then hashes and fsyncs them; the driver writes `task-KKKKK.done.json` (each
 file's size, sha256 and xxh3) when the task's summary comes back. Tasks run on the data stage's engine
-(kiln.data.executor): a local pool of `pack.workers` spawned processes, or Ray (`pack.executor: ray`; the work
+(kiln.tasks.executor): a local pool of `pack.workers` spawned processes, or Ray (`pack.executor: ray`; the work
 folder on storage every node mounts). A re-run (after kill -9, say) redoes only the tasks without a marker that
 still matches their files. The final step (`assemble`) links every task's files into the staging folder under
 global names, `{split}/NNNNN.bin` numbered in task order (a shard group's `{split}/{slug}-NNNNN.bin` likewise),
@@ -283,7 +283,7 @@ def _check(job: tuple[str, PackTask]) -> tuple[int, bool]:
 def run_pack_tasks(docs: DocsReader, spec: PackSpec, out: Path, advance=None) -> tuple[Path, list[dict]]:
     """Every task's summary, in task order, running those without a valid marker on the engine; returns the work
     folder too (removed once the shards are committed)."""
-    from kiln.data.executor import engine, run_tasks
+    from kiln.tasks.executor import engine, run_tasks
 
     cfg = spec.cfg
     tasks, docs_sha = plan(docs, cfg)

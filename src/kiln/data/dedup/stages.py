@@ -523,7 +523,7 @@ def dedup_layout(work: Path, summaries: list[dict[str, Any]], cfg: DedupConfig, 
 def run_stages(layout: Layout, workers: int, executor: str = "local", ray_address: str | None = None) -> VerdictFiles:
     """The exact stage, then the band stage, then the verdicts task, on the engine; results the driver has
     written (and vouched for) are not redone, and the verdicts only when no stage result was."""
-    from kiln.data.executor import run_tasks
+    from kiln.tasks.executor import run_tasks
 
     t0 = time.perf_counter()
     results = Results(layout)

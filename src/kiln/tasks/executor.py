@@ -19,8 +19,8 @@ from itertools import islice
 from multiprocessing import get_context
 from typing import Any, Callable, Iterator
 
-from kiln.data import raywatch
-from kiln.data.workers import POLL_S, ending_workers, worker_init
+from kiln.tasks import raywatch
+from kiln.tasks.workers import POLL_S, ending_workers, worker_init
 from kiln.errors import KilnError
 
 
