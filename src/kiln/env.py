@@ -32,10 +32,10 @@ def _cpu_model() -> str:
 def fingerprint(nvml=None) -> dict[str, Any]:
     """What a run depends on: versions, devices and host size. Plain JSON; a run stores it as run/env.json.
 
-    nvml: an NVML module already loaded (kiln.ops.nvml.load_nvml), else it is loaded here for the driver."""
+    nvml: an NVML module already loaded (kiln.hardware.load_nvml), else it is loaded here for the driver."""
     import torch
 
-    from kiln.ops.nvml import driver_version, load_nvml
+    from kiln.hardware import driver_version, load_nvml
 
     fp = {
         "kiln": __version__, "python": platform.python_version(), "os": platform.platform(),

@@ -252,7 +252,8 @@ def collect(cfg: Config | None, out_dir: Path, against: Path | None = None,
             nvml=None) -> tuple[dict, list[Check], list[dict] | None]:
     """The fingerprint, every check's verdict, and (with `against`) how this environment differs from that
     run's. `cfg` adds the probes that need the run's shards and dtype."""
-    from kiln.ops.nvml import gpu_checks, load_nvml
+    from kiln.hardware import load_nvml
+    from kiln.ops.nvml import gpu_checks
 
     d = cfg.doctor if cfg is not None else DoctorConfig()
     nvml = nvml or load_nvml()

@@ -1,4 +1,5 @@
-"""NVIDIA hardware checks through NVML (`nvidia-ml-py`): PCIe link, ECC, temperature, clocks and throttling, NVLink.
+"""`kiln doctor`'s NVIDIA hardware checks through NVML (loaded by kiln.hardware): PCIe link, ECC, temperature,
+clocks and throttling, NVLink.
 
 Every function takes the NVML module as an argument, so the verdict logic is tested with a fake one on
 machines without a GPU.
@@ -6,35 +7,8 @@ machines without a GPU.
 
 from __future__ import annotations
 
+from kiln.hardware import BAD_THROTTLE
 from kiln.ops.check import Check
-
-# Throttle reasons that mean the GPU is slowed by a fault or by heat. Software power capping and
-# sync boost are normal under full load; an idle GPU reports GpuIdle.
-BAD_THROTTLE = {
-    0x08: "HW slowdown (power or thermal, from the board)",
-    0x20: "SW thermal slowdown",
-    0x40: "HW thermal slowdown",
-    0x80: "HW power brake (external power supply)",
-}
-
-
-def load_nvml():
-    """The initialised NVML module, or None when there is no NVIDIA driver or nvidia-ml-py is missing."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return pynvml
-    except Exception:  # ImportError, or pynvml's NVMLError_* for a missing library or driver: no NVML here
-        return None
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def driver_version(nvml) -> str:
-    return _text(nvml.nvmlSystemGetDriverVersion())
 
 
 def _pcie(nvml, i: int, h) -> Check:

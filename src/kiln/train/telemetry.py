@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.config import TelemetryConfig
-from kiln.ops.nvml import BAD_THROTTLE
+from kiln.hardware import BAD_THROTTLE
 from kiln.train.parallel import Dist, all_gather_objects
 
 GB = 2**30
@@ -122,7 +122,7 @@ class Telemetry:
             return None
         nvml = None
         if d.device.type == "cuda":
-            from kiln.ops.nvml import load_nvml
+            from kiln.hardware import load_nvml
 
             nvml = load_nvml()
         return cls(d, cfg, nvml, log=log)
