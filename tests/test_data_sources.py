@@ -380,18 +380,18 @@ def test_s3_missing_object_is_a_clear_error(s3):
 
 
 # A storage server that is down, freezes or dies: one line naming it, within a bound (each call: 2 attempts of
-# 1 s here; Kiln's defaults are in sources.S3_CALL_BOUNDS), and a re-run resumes.
+# 1 s here; Kiln's defaults are in kiln.storage.S3_CALL_BOUNDS), and a re-run resumes.
 BOUNDS = {"connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 2}}
 
 
 def test_every_s3_call_is_bounded_by_default_and_storage_options_win():
-    from kiln.data.sources import _filesystem
+    from kiln.storage import filesystem
 
-    fs, _ = _filesystem("s3://crawl/a.jsonl", s3_options("http://127.0.0.1:1"))
+    fs, _ = filesystem("s3://crawl/a.jsonl", s3_options("http://127.0.0.1:1"))
     config = fs._prepare_config_kwargs()  # what s3fs gives botocore's Config
     assert (config["connect_timeout"], config["read_timeout"], config["retries"]["max_attempts"]) == (10, 20, 3)
     assert fs.retries == 1  # s3fs's own loop would multiply botocore's attempts (5 x 5 x 15 s: over 300 s)
-    fs, _ = _filesystem("s3://crawl/a.jsonl", s3_options("http://127.0.0.1:1", read_timeout=60))
+    fs, _ = filesystem("s3://crawl/a.jsonl", s3_options("http://127.0.0.1:1", read_timeout=60))
     assert fs._prepare_config_kwargs()["read_timeout"] == 60 and fs._prepare_config_kwargs()["connect_timeout"] == 10
 
 

@@ -100,7 +100,8 @@ def add_ckpt(sub) -> None:
 
 def cmd_ckpt_verify(args) -> int:
     from kiln.train.checkpoint import verify_checkpoint
-    from kiln.train.checkpoint.remote import is_url, verify_url
+    from kiln.storage import is_url
+    from kiln.train.checkpoint.remote import verify_url
 
     m = verify_url(args.checkpoint) if is_url(args.checkpoint) else verify_checkpoint(Path(args.checkpoint))
     print(f"ok: {args.checkpoint} (step {m['step']}, {len(m['files'])} files match manifest.json)")
@@ -109,7 +110,8 @@ def cmd_ckpt_verify(args) -> int:
 
 def cmd_ckpt_list(args) -> int:
     from kiln.train.checkpoint import checkpoint_table
-    from kiln.train.checkpoint.remote import is_url, url_table
+    from kiln.storage import is_url
+    from kiln.train.checkpoint.remote import url_table
 
     run = Path(args.run_dir)
     root = run / "checkpoints" if (run / "checkpoints").is_dir() else run

@@ -53,7 +53,7 @@ from kiln.data.shape import CorpusShape
 from kiln.data.steps import StepTimer, merge_steps, run_steps, task_steps
 from kiln.data.vouch import Recording, matches, record
 from kiln.data.plan import READ_ATTEMPTS, Task, index_key, plan_tasks, read_task
-from kiln.data.sources import StorageUnreachable, unreachable
+from kiln.storage import StorageUnreachable, unreachable
 from kiln.data.sources import expand_inputs as _expand
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import is_disk_full, staging_dir, write_atomic, write_manifest, writes_folder, writing_atomic
@@ -102,7 +102,7 @@ def run_task(args: tuple[Task, DataConfig, str]) -> dict[str, Any]:
     good. The task is pure, so it is read again from the start; when every attempt fails, the run stops
     with an error that names the file, and nothing of the task is committed, so the next run resumes it.
     Two OSErrors stop the run at once instead: a full disk (the output's, said by `writes_folder`) and a storage
-    server that cannot be reached (`sources.StorageUnreachable`, after the client's own bounded attempts).
+    server that cannot be reached (`kiln.storage.StorageUnreachable`, after the client's own bounded attempts).
     """
     task, cfg, work = args
     for attempt in range(1, READ_ATTEMPTS + 1):

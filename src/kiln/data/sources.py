@@ -15,102 +15,35 @@ the file goes on.
 
 from __future__ import annotations
 
-import copy
 import errno
 import glob
 import json
 import os
 import re
 import zlib
-from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Iterable, Iterator
 
 import zstandard
 
 from kiln.data.document import Document, ReadReport, missing_group
+from kiln import storage
 from kiln.errors import KilnError
+from kiln.storage import StorageUnreachable, filesystem, remote_call, unreachable
 
 _JSONL = (".jsonl", ".ndjson", ".json")
 
 
 def is_url(source: str) -> bool:
-    return "://" in source and not source.startswith("file://")
-
-
-# Every s3:// call is bounded: botocore's timeouts and attempts, unless data.storage_options' config_kwargs
-# set their own; s3fs's own retry loop (which would multiply botocore's attempts, and nests) makes one try.
-S3_CALL_BOUNDS = {"connect_timeout": 10, "read_timeout": 20, "retries": {"max_attempts": 3, "mode": "standard"}}
-
-
-def _filesystem(source: str, storage_options: dict[str, Any]):
-    import fsspec
-
-    s3 = source.split("://", 1)[0] in ("s3", "s3a")
-    if s3:
-        bounds = {**S3_CALL_BOUNDS, **(storage_options.get("config_kwargs") or {})}
-        storage_options = {**storage_options, "config_kwargs": copy.deepcopy(bounds)}  # botocore edits `retries`
-    try:
-        fs, path = fsspec.core.url_to_fs(source, **storage_options)
-    except (ImportError, ValueError) as exc:  # s3:// without s3fs installed; a scheme fsspec does not know
-        from kiln.install import install_hint
-
-        raise KilnError(f"{source}: no filesystem for this URL ({exc}); check the scheme, or install its "
-                        f"filesystem, e.g. for s3://: {install_hint('s3')}") from None
-    if s3:
-        fs.retries = 1
-    return fs, path
-
-
-class StorageUnreachable(KilnError, OSError):
-    """The storage server could not be reached, or stopped answering, after the client's own bounded attempts.
-    A KilnError: one line wherever it happens (the driver's listing and re-stat, a task). An OSError: a task
-    never takes it for damage in the data (`StorageWatch`), and it is not read again (pipeline.run_task): the
-    run stops, keeping the finished tasks."""
-
-
-# botocore's (ReadTimeoutError and ConnectionClosedError are its HTTPClientErrors), aiohttp's connect failure
-_UNREACHABLE = {"EndpointConnectionError": "refused or unreachable", "ClientConnectorError": "refused or unreachable",
-                "ConnectTimeoutError": "no connection within config_kwargs.connect_timeout",
-                "ProxyConnectionError": "the proxy refused or is unreachable",
-                "ReadTimeoutError": "no answer within config_kwargs.read_timeout",
-                "ConnectionClosedError": "it closed the connection"}
-
-
-def unreachable(exc: BaseException, source: str) -> StorageUnreachable | None:
-    """`exc` as a StorageUnreachable naming the server, or None when it is another error."""
-    if isinstance(exc, StorageUnreachable):
-        return exc
-    why = next((_UNREACHABLE[c.__name__] for c in type(exc).__mro__ if c.__name__ in _UNREACHABLE), None)
-    if why is None:
-        return None
-    from urllib.parse import urlsplit
-
-    url = urlsplit(str((getattr(exc, "kwargs", None) or {}).get("endpoint_url") or ""))
-    host = f"{url.scheme}://{url.netloc}" if url.netloc else getattr(exc, "host", None)
-    server = f"the storage server at {host}" if host else "the storage server"
-    return StorageUnreachable(
-        f"{source}: could not connect to {server} ({why}, on every attempt); the tasks finished so far are kept: "
-        f"start the server or fix data.storage_options (client_kwargs.endpoint_url; config_kwargs: "
-        f"connect_timeout, read_timeout, retries), then run the same command again to resume")
-
-
-@contextmanager
-def remote_call(source: str) -> Iterator[None]:
-    """A call to the storage: a connection failure is a StorageUnreachable naming the server."""
-    try:
-        yield
-    except Exception as exc:
-        if (error := unreachable(exc, source)) is None or error is exc:
-            raise
-        raise error from None
+    """An input read through fsspec: a URL other than file:// (a local path however it is spelled)."""
+    return storage.is_url(source) and not source.startswith("file://")
 
 
 def open_input(source: str, storage_options: dict[str, Any] | None = None) -> IO[bytes]:
     """A seekable binary file object for a local path or an fsspec URL."""
     if not is_url(source):
         return open(source.removeprefix("file://"), "rb")
-    fs, path = _filesystem(source, storage_options or {})
+    fs, path = filesystem(source, storage_options)
     try:
         with remote_call(source):
             return fs.open(path, "rb")
@@ -151,7 +84,7 @@ class StorageWatch:
 def input_size(source: str, storage_options: dict[str, Any] | None = None) -> int:
     if not is_url(source):
         return os.path.getsize(source.removeprefix("file://"))
-    fs, path = _filesystem(source, storage_options or {})
+    fs, path = filesystem(source, storage_options)
     with remote_call(source):
         return int(fs.size(path))
 
@@ -161,7 +94,7 @@ def input_identity(source: str, storage_options: dict[str, Any] | None = None) -
     if not is_url(source):
         st = os.stat(source.removeprefix("file://"))
         return (source, st.st_size, str(st.st_mtime_ns))
-    fs, path = _filesystem(source, storage_options or {})
+    fs, path = filesystem(source, storage_options)
     with remote_call(source):
         info = fs.info(path)
     version = info.get("ETag") or info.get("mtime") or info.get("LastModified") or ""
@@ -174,7 +107,7 @@ def expand_inputs(patterns: list[str], storage_options: dict[str, Any] | None = 
     files: list[str] = []
     for pattern in patterns:
         if is_url(pattern):
-            fs, path = _filesystem(pattern, storage_options or {})
+            fs, path = filesystem(pattern, storage_options)
             protocol = pattern.split("://", 1)[0]
             try:
                 with remote_call(pattern):  # a literal URL by info, not isfile: isfile takes any failure for "no"

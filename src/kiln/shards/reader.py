@@ -11,7 +11,8 @@ import numpy as np
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import read_manifest
 from kiln.shards.format import BIN_HEADER, read_header, read_tokens, token_dtype
-from kiln.shards.remote import RemoteFolder, ShardCache, is_url
+from kiln.shards.remote import RemoteFolder, ShardCache
+from kiln.storage import is_url
 from kiln.shards.verify import SplitVerifier
 
 

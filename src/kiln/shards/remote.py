@@ -20,25 +20,9 @@ from typing import Any
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import FILE_TABLE, MANIFEST, expand_file_table, table_name
 from kiln.names import check_name
+from kiln.storage import filesystem
 
 _CACHE_ENTRY = re.compile(r"[0-9a-f]{64}")
-
-
-def is_url(location: str | Path) -> bool:
-    return "://" in str(location)
-
-
-def _filesystem(url: str):
-    try:
-        from fsspec.core import url_to_fs
-    except ImportError:
-        from kiln.install import install_hint
-
-        raise KilnError(f"{url}: reading shards from a URL needs fsspec: {install_hint('s3')}") from None
-    try:
-        return url_to_fs(url)
-    except (ImportError, ValueError) as exc:
-        raise KilnError(f"{url}: no fsspec filesystem for this URL ({exc})") from None
 
 
 class RemoteFolder:
@@ -46,7 +30,7 @@ class RemoteFolder:
 
     def __init__(self, url: str, cache: "ShardCache") -> None:
         self.url, self.cache = url.rstrip("/"), cache
-        self.fs, self.root = _filesystem(self.url)
+        self.fs, self.root = filesystem(self.url)
 
     def read_manifest(self) -> dict[str, Any]:
         where = f"{self.url}/{MANIFEST}"

@@ -29,7 +29,8 @@ from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import MANIFEST, sha256_file, staging_dir
 from kiln.names import check_name
 from kiln.shards.remote import ShardCache
-from kiln.train.checkpoint.remote import RemoteCheckpoints, is_url
+from kiln.storage import is_url
+from kiln.train.checkpoint.remote import RemoteCheckpoints
 
 
 def local_folder(url: str) -> Path:

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from kiln.data.sources import _filesystem, unreachable
+from kiln.storage import filesystem, unreachable
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import MANIFEST, read_manifest, sha256_file, staging_dir, write_atomic
 from kiln.names import check_name
@@ -42,16 +42,12 @@ RUN_FILES = ("metrics.jsonl", "config.yaml", "env.json")  # uploaded beside {out
 UNFINISHED = f"its upload did not finish (no {MARKER} marker): never loaded"
 
 
-def is_url(location: str | Path) -> bool:
-    return "://" in str(location)
-
-
 class RemoteCheckpoints:
     """The checkpoints under one URL prefix: list, upload, download, remove, retain."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url.rstrip("/")
-        self.fs, self.root = _filesystem(self.url, storage_options or {})
+        self.fs, self.root = filesystem(self.url, storage_options)
 
     @contextmanager
     def call(self, what: str) -> Iterator[None]:
