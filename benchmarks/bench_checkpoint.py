@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 from kiln.model.config import ModelConfig
 from kiln.model.llama import Llama
-from kiln.train.checkpoint import Saver, load_checkpoint, rng_state, snapshot, write_checkpoint
+from kiln.checkpoint import load_checkpoint, rng_state, write_checkpoint
+from kiln.train.checkpoint import Saver, snapshot
 
 VOCAB, ARGS = 32_000, ModelConfig(dim=512, n_layers=8, n_heads=8)
 RUNS, THREADS = 5, 2

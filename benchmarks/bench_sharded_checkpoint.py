@@ -84,7 +84,8 @@ def worker(out: Path) -> None:
     from kiln.train import parallel
     from kiln.train.parallel.parallelize import FSDPModel, apply_fsdp
     from kiln.train.checkpoint import sharded
-    from kiln.train.checkpoint import Saver, load_checkpoint, rng_state, write_checkpoint
+    from kiln.checkpoint import load_checkpoint, rng_state, write_checkpoint
+    from kiln.train.checkpoint import Saver
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -161,7 +162,7 @@ def resume_hashing(d, roots: dict[str, Path]) -> dict[str, dict[str, list[float]
 
     from kiln import manifest
     from kiln.train.checkpoint import agreement as consensus
-    from kiln.train.checkpoint import check_loads, list_checkpoints, load_checkpoint
+    from kiln.checkpoint import check_loads, list_checkpoints, load_checkpoint
 
     consensus.HASH_THREADS = 1  # the ranks' split alone; the threads are measured by `verify`
 

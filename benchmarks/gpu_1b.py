@@ -126,7 +126,7 @@ def checkpoint(trainer) -> tuple[dict, list[str]]:
     """Save (sync), verify, load back bitwise; then the async save's stall and write time."""
     import torch
 
-    from kiln.train import checkpoint as ckpt
+    from kiln import checkpoint as ckpt
 
     failures = []
     saver, parallel = trainer.checkpointer.saver, trainer.engine.parallel
@@ -184,7 +184,7 @@ def resume(cfg_path: Path, base_overrides: list[str], work: Path, timeout_s: flo
     from safetensors.torch import load_file
 
     from kiln.config import load_config
-    from kiln.train.checkpoint import list_checkpoints
+    from kiln.checkpoint import list_checkpoints
 
     failures: list[str] = []
     runs = {}

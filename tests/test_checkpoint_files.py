@@ -119,7 +119,7 @@ def refuses(argv: list[str], reader: str, name: str, capsys) -> None:
 def test_a_file_dropped_from_the_manifest_is_refused_by_every_reader(runs, tmp_path, capsys, fmt):
     """Every listed file, dropped and altered: `ckpt verify`, the loaders and the pick of a resume each refuse it,
     naming it; the issue's two files against every command that reads a checkpoint."""
-    from kiln.train.checkpoint import check_loads, latest_valid, load_checkpoint
+    from kiln.checkpoint import check_loads, latest_valid, load_checkpoint
 
     names = _listed(runs, fmt)
     assert set(ISSUE) <= set(names) and len(names) >= 6, names
@@ -141,7 +141,7 @@ def test_the_issue_files_are_never_read_unlisted(runs, tmp_path, fmt):
     """The readers of tokenizer.json and config.yaml themselves (not only the verify before them) refuse them
     unlisted: eval's, generate's and export's helpers open them through the manifest."""
     from kiln.tokenizer import load_tokenizer, tokenizer_sha256
-    from kiln.train.checkpoint import checkpoint_config
+    from kiln.checkpoint import checkpoint_config
 
     for name, read in (("tokenizer.json", load_tokenizer), ("tokenizer.json", tokenizer_sha256),
                        ("config.yaml", checkpoint_config)):

@@ -70,7 +70,8 @@ import kiln.manifest as manifest
 from kiln.model.build import build_model
 from kiln.model.config import ModelConfig
 from kiln.train.checkpoint import agreement as consensus, sharded
-from kiln.train.checkpoint import Saver, rng_state, write_checkpoint
+from kiln.checkpoint import rng_state, write_checkpoint
+from kiln.train.checkpoint import Saver
 from kiln.train.parallel import Dist, set_step_timeout
 from kiln.train.parallel.parallelize import FSDPModel, apply_fsdp
 

@@ -25,7 +25,7 @@ from kiln.model.attention import DocumentMask, attend, document_ids, document_po
 from kiln.model.build import build_model
 from kiln.model.config import ModelConfig
 from kiln.tokenizer import eos_id, load_tokenizer
-from kiln.train.checkpoint import list_checkpoints, load_checkpoint
+from kiln.checkpoint import list_checkpoints, load_checkpoint
 from kiln.train.metrics import read_metrics
 from kiln.train.trainer import Trainer
 
@@ -198,14 +198,15 @@ def test_training_logs_its_kernel_and_resumes_bitwise(trained, prepared, tmp_pat
 def test_eval_of_a_masked_checkpoint_masks_too(trained, capsys):
     """`kiln eval` builds the checkpoint's model with its EOS: its loss on the validation shards is the masked
     model's, not that of the same weights attending across documents."""
-    from kiln.eval import load_eval_model, summed_loss
+    from kiln.checkpoint.model import load_model
+    from kiln.model.loss import summed_loss
     from kiln.shards.reader import ShardSet
 
     cfg, _ = trained
     ckpt = list_checkpoints(cfg.out / "run" / "checkpoints")[-1]
     assert kiln(["eval", str(ckpt)]) == 0
     reported = json.loads(capsys.readouterr().out)
-    model, _, _ = load_eval_model(ckpt)
+    model, _, _ = load_model(ckpt)
     plain = build_model(cfg.model.model_copy(update={"document_masking": False}), model.vocab_size,
                         cfg.pack.seq_len)
     plain.load_state_dict(model.state_dict())
@@ -224,7 +225,7 @@ def test_eval_of_a_masked_checkpoint_masks_too(trained, capsys):
 
 def test_transformers_on_each_document_alone_gives_kilns_loss_on_the_packed_row(trained, tok, tmp_path):
     transformers = pytest.importorskip("transformers")
-    from kiln.eval import load_eval_model
+    from kiln.checkpoint.model import load_model
     from kiln.ops.export import export_hf
 
     cfg, _ = trained
@@ -232,7 +233,7 @@ def test_transformers_on_each_document_alone_gives_kilns_loss_on_the_packed_row(
     result = export_hf(ckpt, tmp_path / "hf")
     assert "document_masking" in result.get("note", "")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
-    model, _, _ = load_eval_model(ckpt)
+    model, _, _ = load_model(ckpt)
     eos = eos_id(tok)
     docs = paragraphs(tok, 3, 18)
     row = pack(docs, eos)  # three documents, 57 tokens: one sample of seq_len 64

@@ -14,7 +14,7 @@ import torch
 from conftest import ROOT, tiny_config
 
 from kiln.cli import main as kiln
-from kiln.train.checkpoint import list_checkpoints
+from kiln.checkpoint import list_checkpoints
 from kiln.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
@@ -129,7 +129,7 @@ def test_a_missing_task_file_stops_training_before_step_one(workdir, tmp_path, c
 
 
 def test_each_metric_divides_as_lm_eval_does():
-    from kiln.eval.mc import Question, judge
+    from kiln.scoring.mc import Question, judge
 
     # "日本語" is 3 characters, 9 bytes; "abcdef" 6 and 6. Summed log-likelihoods -6 and -7.2:
     # acc takes the higher (0); per character -2 vs -1.2 (1); per byte -0.667 vs -1.2 (0).
@@ -141,7 +141,7 @@ def test_each_metric_divides_as_lm_eval_does():
 
 
 def test_context_whitespace_moves_into_the_continuation(prepared):
-    from kiln.eval.mc import Question, choice_tokens
+    from kiln.scoring.mc import Question, choice_tokens
     from kiln.tokenizer import load_tokenizer
 
     tok = load_tokenizer(prepared.out / "tokenizer")
@@ -153,7 +153,8 @@ def test_context_whitespace_moves_into_the_continuation(prepared):
 
 
 def test_per_question_results_add_up_to_the_command(trained, capsys):
-    from kiln.eval.mc import checkpoint_question_results, counts, load_questions, summarise
+    from kiln.scoring.mc import counts, load_questions, summarise
+    from kiln.eval.mc import checkpoint_question_results
 
     out, task, ckpt = trained
     results, questions = checkpoint_question_results(ckpt, task), load_questions(task)

@@ -39,7 +39,7 @@ from conftest import tiny_config, torchrun_kiln
 from kiln.config import PackConfig
 from kiln.data.docs import read_docs
 from kiln.shards.pack import pack
-from kiln.train.checkpoint import list_checkpoints, load_checkpoint
+from kiln.checkpoint import list_checkpoints, load_checkpoint
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 MAX_STEPS, BATCH, MICRO = 40, 8, 4

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from kiln.train.checkpoint import list_checkpoints, load_checkpoint
+from kiln.checkpoint import list_checkpoints, load_checkpoint
 from test_tensor_parallel import resume_from_step_5, steps, torchrun
 
 # No token dropped (capacity_factor None: every token reaches its experts), so each rank's routing is one

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import ROOT, torchrun_script
-from kiln.train.checkpoint import list_checkpoints, load_checkpoint
+from kiln.checkpoint import list_checkpoints, load_checkpoint
 from test_tensor_parallel import resume_from_step_5, steps, torchrun
 
 _DRIVE = r"""

@@ -18,7 +18,7 @@ from kiln.cli import main as kiln
 from kiln.errors import KilnError
 from kiln.ops.export import export_hf, import_hf
 from kiln.tokenizer import load_tokenizer
-from kiln.train.checkpoint import list_checkpoints, load_checkpoint, write_checkpoint, rng_state
+from kiln.checkpoint import list_checkpoints, load_checkpoint, write_checkpoint, rng_state
 from kiln.model.build import build_model
 from kiln.train.trainer import Trainer
 
@@ -248,7 +248,7 @@ def test_moe_that_mixtral_cannot_express_is_a_clear_error(prepared, tmp_path):
 
 
 def test_eval_on_validation_shards_reports_bits_per_byte(trained, capsys):
-    from kiln.eval import token_byte_lengths
+    from kiln.scoring.losses import token_byte_lengths
 
     cfg, ckpt = trained
     tok = load_tokenizer(ckpt / "tokenizer.json")

@@ -10,9 +10,10 @@ import torch
 
 from conftest import tiny_config
 from kiln.cli import main as kiln
-from kiln.eval.generate import generate, generate_from_checkpoint, sample_ids
+from kiln.scoring.sampling import generate, sample_ids
+from kiln.eval.generate import generate_from_checkpoint
 from kiln.tokenizer import eos_id, load_tokenizer
-from kiln.train.checkpoint import checkpoint_config, list_checkpoints, load_checkpoint
+from kiln.checkpoint import checkpoint_config, list_checkpoints, load_checkpoint
 from kiln.model.build import build_model
 from kiln.train.trainer import Trainer
 

@@ -18,7 +18,7 @@ import torch
 from conftest import ROOT, tiny_config
 from kiln.errors import KilnError
 from kiln.manifest import read_manifest, write_manifest
-from kiln.train import checkpoint as ckpt
+from kiln import checkpoint as ckpt
 from kiln.train.parallel import dist as parallel  # the process group: Dist, init_distributed, torch's dist
 from kiln.train.parallel.parallelize import apply_activation_checkpointing
 from kiln.train.metrics import read_metrics

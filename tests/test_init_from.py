@@ -22,7 +22,7 @@ from conftest import ROOT, tiny_config
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import sha256_file
 from kiln.model.loss import next_token_loss
-from kiln.train.checkpoint import list_checkpoints, load_checkpoint
+from kiln.checkpoint import list_checkpoints, load_checkpoint
 from kiln.train.loader import BatchPlan, LoaderState
 from kiln.train.metrics import read_metrics
 from kiln.train.trainer import Trainer
@@ -78,7 +78,7 @@ def steps(out: Path) -> list[dict]:
 
 
 def test_b_starts_from_as_last_checkpoint_on_other_data_and_anneals(run_a, b_data, tmp_path, capsys):
-    from kiln.eval import load_eval_model
+    from kiln.checkpoint.model import load_model
     from kiln.shards.reader import ShardSet
     from kiln.train.data import Mixture
 
@@ -94,7 +94,7 @@ def test_b_starts_from_as_last_checkpoint_on_other_data_and_anneals(run_a, b_dat
     assert train.manifest["tokenizer_sha256"] == sha256_file(run_a / "tokenizer" / "tokenizer.json")  # A's
     plan = BatchPlan(train, cfg.train.batch_size, cfg.train.batch_size, 0, 1)
     [batch] = plan.assemble(plan.advance(LoaderState(cfg.seed))[0])
-    a_model, _, _ = load_eval_model(a_last)
+    a_model, _, _ = load_model(a_last)
     with torch.no_grad():
         expected = float(next_token_loss(a_model.train(), batch, None, train.manifest.get("pad_id")))
     rows = steps(out)
@@ -195,7 +195,7 @@ def test_fsdp_on_two_gloo_ranks_starts_from_a_one_process_checkpoint(run_a, b_da
     import os
 
     from conftest import torchrun_kiln
-    from kiln.eval import load_eval_model
+    from kiln.checkpoint.model import load_model
     from kiln.shards.reader import ShardSet
     from kiln.train.data import Mixture
 
@@ -210,7 +210,7 @@ def test_fsdp_on_two_gloo_ranks_starts_from_a_one_process_checkpoint(run_a, b_da
     train = Mixture([ShardSet(out / "shards", "train")])
     plan = BatchPlan(train, cfg.train.batch_size, cfg.train.batch_size, 0, 1)
     [batch] = plan.assemble(plan.advance(LoaderState(cfg.seed))[0])
-    a_model, _, _ = load_eval_model(a_last)
+    a_model, _, _ = load_model(a_last)
     with torch.no_grad():
         expected = float(next_token_loss(a_model.train(), batch, None, train.manifest.get("pad_id")))
     assert steps(out)[0]["loss"] == pytest.approx(expected, rel=1e-5)  # two ranks' means, summed in another order

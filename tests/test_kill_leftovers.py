@@ -17,7 +17,7 @@ from conftest import tiny_config
 from kiln.errors import KilnError
 from kiln.lock import pin_path, pinned
 from kiln.manifest import read_manifest, remove_stale_staging, staging_dir, verify_folder, write_manifest
-from kiln.train.checkpoint import list_checkpoints, retain, rng_state, write_checkpoint
+from kiln.checkpoint import list_checkpoints, retain, rng_state, write_checkpoint
 from test_safety import ENV
 
 
@@ -44,7 +44,7 @@ def killed(code: str, *args: str) -> None:
 
 KILL_IN_RETENTION = """
 from pathlib import Path
-from kiln.train.checkpoint import retain
+from kiln.checkpoint import retain
 real, calls = os.unlink, []
 def unlink(*a, **k):  # dies after the first file of the removal is gone
     calls.append(a)

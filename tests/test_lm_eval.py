@@ -25,9 +25,10 @@ from conftest import ROOT, tiny_config
 
 from kiln.cli import main as kiln
 from kiln.data.docs import read_docs
-from kiln.eval.mc import METRICS, checkpoint_question_results, load_questions
+from kiln.scoring.mc import METRICS, load_questions
+from kiln.eval.mc import checkpoint_question_results
 from kiln.tokenizer import load_tokenizer
-from kiln.train.checkpoint import list_checkpoints
+from kiln.checkpoint import list_checkpoints
 from kiln.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from kiln.train.checkpoint import list_checkpoints
-from kiln.train.checkpoint.sharded import pieces
+from kiln.checkpoint import list_checkpoints
+from kiln.checkpoint.sharded import pieces
 
 pytestmark = pytest.mark.slow
 

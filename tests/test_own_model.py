@@ -13,7 +13,7 @@ import torch
 from conftest import ROOT, tiny_config
 
 from kiln.cli import main as kiln
-from kiln.train.checkpoint import list_checkpoints, load_checkpoint
+from kiln.checkpoint import list_checkpoints, load_checkpoint
 from kiln.model.build import build_model
 
 transformers = pytest.importorskip("transformers")

@@ -19,9 +19,11 @@ from conftest import ROOT, english_pages, tiny_config, warc_pages, write_warc
 
 from kiln.cli import main as kiln
 from kiln.data.docs import read_docs, read_part
-from kiln.eval import load_eval_model, summed_loss, text_windows
+from kiln.checkpoint.model import load_model
+from kiln.model.loss import summed_loss
+from kiln.scoring.losses import text_windows
 from kiln.tokenizer import eos_id
-from kiln.train.checkpoint import list_checkpoints
+from kiln.checkpoint import list_checkpoints
 from kiln.train.trainer import Trainer
 
 MAX_BPB = 5.0  # the trained model: English pages 3.7-4.6 bits per byte, word salad ~5.5, ru/ko far above
@@ -68,7 +70,7 @@ def run(warc, out, checkpoint, *overrides) -> int:
 
 def bits_per_byte(checkpoint, text: str) -> float:
     """Independently: the whole text's windows through kiln.eval's unbatched mean loss, times the count."""
-    model, tok, cfg = load_eval_model(checkpoint)
+    model, tok, cfg = load_model(checkpoint)
     ids = [eos_id(tok)] + tok.encode(text, add_special_tokens=False).ids
     total, _ = summed_loss(model, text_windows(ids, cfg.pack.seq_len + 1), torch.device("cpu"))
     return total / math.log(2) / len(text.encode("utf-8"))

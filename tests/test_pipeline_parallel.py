@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, assert_trained_alike, tiny_config, torchrun_script
-from kiln.train.checkpoint import list_checkpoints, load_checkpoint
+from kiln.checkpoint import list_checkpoints, load_checkpoint
 from kiln.train.metrics import read_metrics
 from kiln.train.trainer import Trainer
 from test_tensor_parallel import resume_from_step_5, torchrun

@@ -14,8 +14,8 @@ import pytest
 from conftest import ROOT, tiny_config
 from kiln.cli import main as kiln
 from kiln.errors import KilnError
-from kiln.train.checkpoint import list_checkpoints
-from kiln.train.checkpoint.remote import MARKER, RemoteCheckpoints
+from kiln.checkpoint import list_checkpoints
+from kiln.checkpoint.remote import MARKER, RemoteCheckpoints
 from kiln.train.trainer import Trainer
 from test_resilience import ENV, clone, final_weights, finish, launch, losses, same_weights, write_config
 

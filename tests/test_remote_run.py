@@ -11,7 +11,7 @@ import pytest
 
 from conftest import ROOT, tiny_config
 from kiln.cli import main as kiln
-from kiln.train.checkpoint.remote import MARKER, RemoteCheckpoints
+from kiln.checkpoint.remote import MARKER, RemoteCheckpoints
 from kiln.train.remote_run import local_folder
 from kiln.train.trainer import Trainer
 from test_remote_checkpoint import BUCKET, KILLED_UPLOAD, s3  # noqa: F401  (s3: the moto server fixture)

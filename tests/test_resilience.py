@@ -20,7 +20,8 @@ from conftest import ROOT, tiny_config
 from kiln.cli import main as kiln
 from kiln.errors import KilnError
 from kiln.manifest import read_manifest, write_manifest
-from kiln.train.checkpoint import SaveClock, checkpoint_table, list_checkpoints, load_checkpoint
+from kiln.checkpoint import checkpoint_table, list_checkpoints, load_checkpoint
+from kiln.train.checkpoint import SaveClock
 from kiln.train.metrics import read_metrics
 from kiln.train.trainer import Trainer
 

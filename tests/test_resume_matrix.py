@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import ROOT, torchrun_script
-from kiln.train.checkpoint.sharded import is_sharded, pieces
+from kiln.checkpoint.sharded import is_sharded, pieces
 from test_resilience import ENV, clone, events, write_config
 
 STEPS = 6

@@ -554,7 +554,7 @@ def test_disk_full_during_a_checkpoint_is_a_clear_message_and_the_earlier_ones_s
                                                                                     monkeypatch):
     import torch
 
-    import kiln.train.checkpoint.full as ckpt
+    import kiln.checkpoint.full as ckpt
 
     real, calls = torch.save, []
 
@@ -583,7 +583,7 @@ def test_export_into_a_file_is_refused(workdir, tmp_path, capsys):
 
 
 def test_a_checkpoint_that_verifies_but_does_not_load_is_skipped(workdir):
-    from kiln.train.checkpoint import latest_valid
+    from kiln.checkpoint import latest_valid
 
     train(workdir)
     newest = workdir / "run" / "checkpoints" / "step-00000010"
@@ -644,7 +644,7 @@ def test_two_trainings_on_one_out_dir_the_second_is_refused(workdir, tmp_path):
 
 def test_retention_and_the_shard_cache_delete_only_their_own_files(workdir, tmp_path):
     from kiln.shards.remote import ShardCache
-    from kiln.train.checkpoint import retain
+    from kiln.checkpoint import retain
 
     train(workdir, max_steps=10)
     root = workdir / "run" / "checkpoints"

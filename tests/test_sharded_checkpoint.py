@@ -23,8 +23,8 @@ from conftest import ROOT, tiny_config
 from kiln.cli import main as kiln
 from kiln.errors import IntegrityError
 from kiln.manifest import read_manifest, write_manifest
-from kiln.train.checkpoint import checkpoint_table, latest_valid, list_checkpoints, load_checkpoint, verify_checkpoint
-from kiln.train.checkpoint.storage import Piece, PieceIndex, write_index, write_pieces, write_safetensors
+from kiln.checkpoint import checkpoint_table, latest_valid, list_checkpoints, load_checkpoint, verify_checkpoint
+from kiln.checkpoint.storage import Piece, PieceIndex, write_index, write_pieces, write_safetensors
 from kiln.train.trainer import Trainer
 from test_resilience import ENV, _keypair, clone, events, finish, launch, losses, write_config
 
@@ -445,7 +445,8 @@ from kiln.model.config import ModelConfig
 from kiln.train import parallel
 from kiln.train.parallel.parallelize import FSDPModel, apply_fsdp
 from kiln.train.checkpoint import sharded
-from kiln.train.checkpoint import Saver, rng_state
+from kiln.checkpoint import rng_state
+from kiln.train.checkpoint import Saver
 
 dist.init_process_group("gloo")
 d = parallel.Dist(rank=dist.get_rank(), world=dist.get_world_size())
@@ -500,7 +501,8 @@ from kiln.model.config import ModelConfig
 from kiln.train import parallel
 from kiln.train.parallel.parallelize import FSDPModel, apply_fsdp
 from kiln.train.checkpoint import sharded
-from kiln.train.checkpoint import Saver, load_checkpoint, rng_state
+from kiln.checkpoint import load_checkpoint, rng_state
+from kiln.train.checkpoint import Saver
 
 dist.init_process_group("gloo")
 d = parallel.Dist(rank=dist.get_rank(), world=dist.get_world_size())

@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 from kiln.cli import main as kiln
 from kiln.errors import IntegrityError
 from kiln.manifest import read_manifest, write_manifest
-from kiln.train.checkpoint import list_checkpoints, load_checkpoint, verify_checkpoint
-from kiln.train.checkpoint.storage import Piece, PieceIndex, write_index, write_pieces
+from kiln.checkpoint import list_checkpoints, load_checkpoint, verify_checkpoint
+from kiln.checkpoint.storage import Piece, PieceIndex, write_index, write_pieces
 from kiln.train.checkpoint.sharded import local_boxes
 from test_resilience import clone, events, finish, launch, write_config
 
@@ -351,7 +351,8 @@ from kiln.config import ParallelConfig
 from kiln.model.build import build_model
 from kiln.model.config import ModelConfig
 from kiln.train.checkpoint import sharded
-from kiln.train.checkpoint import Saver, load_checkpoint, rng_state
+from kiln.checkpoint import load_checkpoint, rng_state
+from kiln.train.checkpoint import Saver
 from kiln.train.parallel import Dist
 from kiln.train.parallel.mesh import Mesh, resolve_degrees
 from kiln.train.parallel.parallelize import Precision, parallelize
@@ -457,7 +458,8 @@ def test_a_model_holding_only_some_of_the_checkpoints_layers_is_refused_in_one_l
     from kiln.model.build import build_model
     from kiln.model.config import ModelConfig
     from kiln.train.checkpoint import sharded
-    from kiln.train.checkpoint import Saver, rng_state
+    from kiln.checkpoint import rng_state
+    from kiln.train.checkpoint import Saver
     from kiln.train.engine import param_groups
     from kiln.train.parallel import Dist
     from kiln.train.parallel.pipeline import ModelPart

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import ROOT, assert_trained_alike, tiny_config, torchrun_script
-from kiln.train.checkpoint import list_checkpoints, load_checkpoint
+from kiln.checkpoint import list_checkpoints, load_checkpoint
 from kiln.train.metrics import read_metrics
 from kiln.train.trainer import Trainer
 

@@ -24,7 +24,7 @@ from conftest import ROOT, tiny_config, torchrun_kiln
 from kiln.cli import main as kiln
 from kiln.errors import IntegrityError
 from kiln.manifest import write_manifest
-from kiln.train.checkpoint import latest_valid, list_checkpoints, load_checkpoint, verify_checkpoint
+from kiln.checkpoint import latest_valid, list_checkpoints, load_checkpoint, verify_checkpoint
 from kiln.train.metrics import read_metrics
 from kiln.train.schedule import Cosine
 from kiln.train.trainer import Trainer

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from conftest import tiny_config
-from kiln.train.checkpoint import list_checkpoints, load_checkpoint
+from kiln.checkpoint import list_checkpoints, load_checkpoint
 from kiln.train.metrics import read_metrics
 from kiln.train.checkpoint import TrainState
 from kiln.train.trainer import Trainer

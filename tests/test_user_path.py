@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT, tiny_config
 
 from kiln.cli import main as kiln
-from kiln.train.checkpoint import list_checkpoints
+from kiln.checkpoint import list_checkpoints
 from kiln.train.trainer import Trainer
 
 

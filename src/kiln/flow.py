@@ -113,7 +113,7 @@ def run_pack_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
 
 
 def run_train_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
-    from kiln.train.checkpoint import latest_valid, step_of
+    from kiln.checkpoint import latest_valid, step_of
     from kiln.train.trainer import Trainer
 
     latest = latest_valid(cfg.out / "run" / "checkpoints", log=log)

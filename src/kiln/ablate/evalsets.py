@@ -106,7 +106,7 @@ def _text_rows(path: Path) -> Iterator[tuple[str, str]]:
 
 def load_eval_sets(text: dict[str, str], tasks: list) -> list[EvalSet]:
     """Every text set and task, read whole (one line naming the file on any problem, or on an empty set)."""
-    from kiln.eval.mc import DELIMITER, load_questions
+    from kiln.scoring.mc import DELIMITER, load_questions
 
     sets = []
     for name, where in text.items():

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kiln.eval import load_eval_model, row_losses, text_windows
+from kiln.checkpoint.model import load_model
+from kiln.scoring.losses import row_losses, text_windows
 from kiln.tokenizer import EOS, eos_id
 
 BATCH = 16
@@ -50,7 +51,7 @@ def document_bits(model, tok, eos: int, texts: list[str], seq_len: int, device: 
 def task_hits(model, tok, questions: list, seq_len: int, device: torch.device, eos_token: str) -> dict[str, list]:
     """Per question, 1.0 when the metric picks the right choice: {"acc": [...], "acc_norm": [...], ...}
     (kiln.eval.mc.question_results, lm-eval's definitions)."""
-    from kiln.eval.mc import METRICS, question_results
+    from kiln.scoring.mc import METRICS, question_results
 
     results = question_results(model, tok, questions, seq_len, device, eos_token=eos_token)
     return {metric: [float(r.correct(metric)) for r in results] for metric in METRICS}
@@ -58,7 +59,7 @@ def task_hits(model, tok, questions: list, seq_len: int, device: torch.device, e
 
 def measure_checkpoint(checkpoint: Path, sets: list, keep: dict[str, list[int]]) -> dict[str, Any]:
     """{"text": {set: {"bits": [...]}}, "tasks": {task: {metric: [...]}}} over the kept units of each set."""
-    model, tok, cfg = load_eval_model(checkpoint)
+    model, tok, cfg = load_model(checkpoint)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     eos = eos_id(tok, cfg.tokenizer.eos_token or EOS)

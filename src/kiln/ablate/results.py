@@ -25,7 +25,7 @@ from kiln.ablate.evalsets import OVERLAP, EvalSet
 from kiln.ablate.outdir import check_outputs
 from kiln.ablate.plan import EVAL, ArmPlan, Plan
 from kiln.ablate.spec import PAGE, RESULTS
-from kiln.eval.mc import METRICS as TASK_METRICS
+from kiln.scoring.mc import METRICS as TASK_METRICS
 from kiln.lock import OutputLock
 from kiln.manifest import MANIFEST, read_manifest, sha256_file, write_atomic
 

@@ -98,7 +98,7 @@ def shared_tokenizer(plan: Plan, log: Callable[[str], None]) -> None:
 def check_tasks(plan: Plan, sets: list[EvalSet]) -> None:
     """Every task's choices fit the model's window under the shared tokenizer: a one-line error now, not after
     the first run has trained (kiln.eval.mc.choice_tokens raises it)."""
-    from kiln.eval.mc import choice_tokens
+    from kiln.scoring.mc import choice_tokens
     from kiln.tokenizer import eos_id, load_tokenizer
 
     tasks = [s for s in sets if s.kind == "task"]
@@ -116,7 +116,8 @@ def finished_checkpoint(run: RunPlan) -> Path | None:
     """The run's newest valid checkpoint when it reached train.max_steps on this run's data and settings, else
     None. One trained on other shards, tokenizer or model settings (an arm edited since) is refused with the
     trainer's own message: the ablation never measures, or replaces, a run it did not plan."""
-    from kiln.train.checkpoint import config_hash, latest_valid, step_of
+    from kiln.checkpoint import latest_valid, step_of
+    from kiln.train.checkpoint import config_hash
     from kiln.train.checkpoint.resume import check_resume_data
 
     latest = latest_valid(run.cfg.out / "run" / "checkpoints", log=lambda *_: None)
@@ -137,7 +138,7 @@ def run_record(run: RunPlan, checkpoint: Path) -> dict[str, Any]:
     the validation loss the loop measured at that step, and two content hashes that are the same whenever the
     run is (stats.json's timings, which reach the shards' manifest, do not): `fingerprint` of the config hash
     the checkpoint recorded, the seed, the shard files and the tokenizer; `weights_sha256` of its weights."""
-    from kiln.train.checkpoint import checkpoint_table
+    from kiln.checkpoint import checkpoint_table
 
     manifest = json.loads((checkpoint / MANIFEST).read_text())
     row = next(r for r in checkpoint_table(checkpoint.parent) if Path(r["path"]).name == checkpoint.name)

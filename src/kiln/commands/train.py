@@ -52,7 +52,8 @@ def cmd_eval(args) -> int:
     from kiln.eval import evaluate_checkpoint
 
     if args.mc:
-        from kiln.eval.mc import evaluate_mc_checkpoint, load_questions
+        from kiln.scoring.mc import load_questions
+        from kiln.eval.mc import evaluate_mc_checkpoint
 
         load_questions(args.mc)  # a bad task file is named before the checkpoint is looked for
         print(json.dumps({"mc": evaluate_mc_checkpoint(checkpoint_arg(args.checkpoint), Path(args.mc))}))
@@ -99,9 +100,9 @@ def add_ckpt(sub) -> None:
 
 
 def cmd_ckpt_verify(args) -> int:
-    from kiln.train.checkpoint import verify_checkpoint
+    from kiln.checkpoint import verify_checkpoint
     from kiln.storage import is_url
-    from kiln.train.checkpoint.remote import verify_url
+    from kiln.checkpoint.remote import verify_url
 
     m = verify_url(args.checkpoint) if is_url(args.checkpoint) else verify_checkpoint(Path(args.checkpoint))
     print(f"ok: {args.checkpoint} (step {m['step']}, {len(m['files'])} files match manifest.json)")
@@ -109,9 +110,9 @@ def cmd_ckpt_verify(args) -> int:
 
 
 def cmd_ckpt_list(args) -> int:
-    from kiln.train.checkpoint import checkpoint_table
+    from kiln.checkpoint import checkpoint_table
     from kiln.storage import is_url
-    from kiln.train.checkpoint.remote import url_table
+    from kiln.checkpoint.remote import url_table
 
     run = Path(args.run_dir)
     root = run / "checkpoints" if (run / "checkpoints").is_dir() else run

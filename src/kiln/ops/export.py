@@ -284,7 +284,7 @@ def export_hf(checkpoint: Path, out_dir: Path, max_shard_size: int = MAX_SHARD_S
 
 
 def _export_hf(checkpoint: Path, out_dir: Path, max_shard_size: int) -> dict:
-    from kiln.train.checkpoint import CheckpointWeights, check_loads, checkpoint_config
+    from kiln.checkpoint import CheckpointWeights, check_loads, checkpoint_config
 
     verify_folder(checkpoint)  # first: every file read below is one its manifest lists, inside it (kiln.names)
     check_loads(checkpoint)
@@ -355,7 +355,7 @@ def _write_hf_weights(weights, folder: Path, checkpoint: Path, tied: bool, max_s
     when they fit in `max_shard_size` bytes, else Hugging Face's layout: model-0000K-of-0000N.safetensors and
     model.safetensors.index.json ({"metadata": {"total_size": bytes}, "weight_map": {name: file}}). A tied
     lm_head is left out (HF ties it to embed_tokens on load). Returns the parameter count written."""
-    from kiln.train.checkpoint import write_safetensors
+    from kiln.checkpoint import write_safetensors
 
     source: dict[str, str] = {}
     names = []
@@ -557,7 +557,7 @@ def import_hf(hf_dir: Path, cfg: Config) -> Path:
     fresh), which `kiln train` resumes like any other.
     """
     from kiln.lock import OutputLock
-    from kiln.train.checkpoint import list_checkpoints
+    from kiln.checkpoint import list_checkpoints
 
     hf_dir = Path(hf_dir)
     for name in ("config.json", "tokenizer.json"):
@@ -596,8 +596,8 @@ def write_step_zero(cfg: Config, weights: HFWeights, source: Path) -> Path:
     fresh AdamW's and the RNG state the one a run has after building its model, so the run that resumes from
     here is the run that would have started with these weights.
     """
-    from kiln.train.checkpoint import (FullCheckpoint, RunInputs, StreamedWeights, TrainState, config_hash,
-                                       rng_state)
+    from kiln.checkpoint import StreamedWeights, rng_state
+    from kiln.train.checkpoint import FullCheckpoint, RunInputs, TrainState, config_hash
     from kiln.train.checkpoint import resume as resume_checks
     from kiln.train.data import open_splits
     from kiln.train.determinism import layout

@@ -155,7 +155,7 @@ def _grad_norm_check(p, steps: list[dict]) -> Check:
 
 
 def _checkpoint_check(model_state: dict, ckpt_folder: Path | None) -> Check:
-    from kiln.train.checkpoint import load_checkpoint, verify_checkpoint
+    from kiln.checkpoint import load_checkpoint, verify_checkpoint
 
     if ckpt_folder is None:
         return Check(
@@ -177,7 +177,7 @@ def _checkpoint_check(model_state: dict, ckpt_folder: Path | None) -> Check:
 
 def preflight(cfg: Config) -> tuple[dict, list[Check]]:
     from kiln.ops.probes import device_peak, loader_tokens_per_s
-    from kiln.train.checkpoint import list_checkpoints
+    from kiln.checkpoint import list_checkpoints
     from kiln.train.trainer import Trainer
 
     shards = cfg.out / "shards"

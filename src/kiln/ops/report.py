@@ -523,7 +523,7 @@ def config_changes(config: dict) -> list[dict]:
 
 
 def _checkpoints(run_dir: Path) -> str:
-    from kiln.train.checkpoint import checkpoint_table
+    from kiln.checkpoint import checkpoint_table
 
     rows = checkpoint_table(run_dir / "checkpoints")
     if not rows:

@@ -30,7 +30,7 @@ from kiln.manifest import MANIFEST, sha256_file, staging_dir
 from kiln.names import check_name
 from kiln.shards.remote import ShardCache
 from kiln.storage import is_url
-from kiln.train.checkpoint.remote import RemoteCheckpoints
+from kiln.checkpoint.remote import RemoteCheckpoints
 
 
 def local_folder(url: str) -> Path:

@@ -20,8 +20,8 @@ from kiln.errors import IntegrityError
 
 def resolve_checkpoint(path: str | Path, log: Callable[[str], None] = lambda *_: None) -> Path:
     """The checkpoint folder `path` stands for; `log` is told which one was chosen when it was not `path`."""
-    from kiln.train.checkpoint import latest_valid
-    from kiln.train.checkpoint.folder import checkpoint_root
+    from kiln.checkpoint import latest_valid
+    from kiln.checkpoint.folder import checkpoint_root
 
     path = Path(path)
     root, folder = checkpoint_root(path)

@@ -21,12 +21,12 @@ import torch
 from kiln import env
 from kiln.config import Config
 from kiln.errors import KilnError
-from kiln.eval.mc import DownstreamTasks
+from kiln.scoring.mc import DownstreamTasks
 from kiln.manifest import disk_full_message, is_disk_full, remove_stale_staging, write_atomic
 from kiln.model.build import build_model
 from kiln.model.loss import next_token_loss
 from kiln.tokenizer import tokenizer_sha256
-from kiln.train import checkpoint as ckpt
+from kiln import checkpoint as ckpt
 from kiln.train.checkpoint import Checkpointer, RunInputs, SaveClock, TrainState, config_hash
 from kiln.train.checkpoint import resume as resume_checks
 from kiln.train.checkpoint.init_from import start_from

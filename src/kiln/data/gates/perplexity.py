@@ -38,7 +38,7 @@ _SCORERS: dict[str, Scorer] = {}  # one model per worker process, not per task
 
 def checkpoint_folder(path: str) -> Path:
     """A checkpoint folder (`step-NNNNNNNN`), or the newest valid one of a run folder or its checkpoints/."""
-    from kiln.train.checkpoint import latest_valid
+    from kiln.checkpoint import latest_valid
 
     p = Path(path)
     if (p / "manifest.json").is_file():
@@ -55,19 +55,19 @@ class Scorer:
     """The checkpoint's model and tokenizer on the CPU, in eval mode."""
 
     def __init__(self, path: str) -> None:
-        from kiln.eval import load_eval_model
+        from kiln.checkpoint.model import load_model
         from kiln.tokenizer import eos_id
 
         folder = checkpoint_folder(path)
         try:
-            self.model, self.tok, cfg = load_eval_model(folder)
+            self.model, self.tok, cfg = load_model(folder)
         except (IntegrityError, KilnError) as exc:
             raise ConfigError(f"data.quality.perplexity.checkpoint {path}: {exc}") from None
         self.window = cfg.pack.seq_len + 1  # as in training: seq_len inputs, seq_len predictions
         self.eos = eos_id(self.tok)
 
     def windows(self, text: str) -> list[list[int]]:
-        from kiln.eval import text_windows
+        from kiln.scoring.losses import text_windows
 
         ids = [self.eos] + self.tok.encode(text, add_special_tokens=False).ids
         return [w[0].tolist() for w in text_windows(ids, self.window)]
@@ -76,7 +76,7 @@ class Scorer:
         """Each text's summed loss in bits over its UTF-8 bytes; the texts' windows go `batch_size` rows a pass."""
         import torch
 
-        from kiln.eval import row_losses
+        from kiln.scoring.losses import row_losses
 
         rows, owner = [], []
         for i, text in enumerate(texts):

@@ -18,12 +18,13 @@ from pathlib import Path
 
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import HASH_THREADS, MANIFEST, read_manifest, sha256_file, verify_folder
-from kiln.train.checkpoint.folder import SMALL_FILES, list_checkpoints, step_dir, step_of, verify_signature
-from kiln.train.checkpoint.read import check_loads, load_checkpoint
+from kiln.checkpoint.folder import SMALL_FILES, list_checkpoints, step_dir, step_of, verify_signature
+from kiln.checkpoint.read import check_loads, load_checkpoint
 # The checkpoint's own gloo group (checkpoint.save_timeout_s), which saves talk over: the agreement waits for
 # hashing as a save waits for writing.
-from kiln.train.checkpoint.sharded import checkpoint_group, is_sharded
-from kiln.train.checkpoint.storage import rank_file
+from kiln.checkpoint.sharded import is_sharded
+from kiln.train.checkpoint.sharded import checkpoint_group
+from kiln.checkpoint.storage import rank_file
 from kiln.train.parallel import Dist, all_gather_objects, broadcast_object
 
 

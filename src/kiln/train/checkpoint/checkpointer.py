@@ -27,12 +27,12 @@ from kiln.config import CheckpointConfig, GuardConfig, TrainConfig
 from kiln.errors import ConfigError, KilnError
 from kiln.train.checkpoint import agreement
 from kiln.train.checkpoint import resume as resume_checks
-from kiln.train.checkpoint.folder import list_checkpoints, restore_rng, retain, rng_state
+from kiln.checkpoint.folder import list_checkpoints, restore_rng, retain, rng_state
 from kiln.train.checkpoint.full import FullCheckpoint
-from kiln.train.checkpoint.remote import RemoteCheckpoints
+from kiln.checkpoint.remote import RemoteCheckpoints
 from kiln.train.checkpoint.saver import Saver, all_finite, snapshot
-from kiln.train.checkpoint.sharded import (ShardedCheckpoint, checkpoint_group, is_sharded, resolve_format,
-                                           save_barrier)
+from kiln.checkpoint.sharded import is_sharded
+from kiln.train.checkpoint.sharded import ShardedCheckpoint, checkpoint_group, resolve_format, save_barrier
 from kiln.train.determinism import layout_warning
 from kiln.train.parallel import Dist, all_gather_objects, broadcast_object
 from kiln.train.parallel.optimizer_state import settings_kept

@@ -23,8 +23,8 @@ import torch
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import MANIFEST, read_manifest, sha256_file
 from kiln.train.checkpoint import agreement
-from kiln.train.checkpoint.folder import checkpoint_config, checkpoint_root, step_of
-from kiln.train.checkpoint.sharded import CheckpointWeights
+from kiln.checkpoint.folder import checkpoint_config, checkpoint_root, step_of
+from kiln.checkpoint.sharded import CheckpointWeights
 from kiln.train.parallel import broadcast_object
 from kiln.train.parallel.optimizer_state import settings_kept
 

@@ -27,7 +27,7 @@ import yaml
 
 from kiln.errors import KilnError
 from kiln.manifest import sha256_file
-from kiln.train.checkpoint.folder import listed_file
+from kiln.checkpoint.folder import listed_file
 
 
 def require_prepared(cfg) -> None:

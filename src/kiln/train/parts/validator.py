@@ -10,7 +10,7 @@ import torch
 
 from kiln.config import TrainConfig
 from kiln.errors import KilnError
-from kiln.eval import sample_batches
+from kiln.scoring.losses import sample_batches
 from kiln.train.parallel import Dist, all_reduce_sum
 from kiln.train.parallel.parallelize import Parallelized
 from kiln.train.schedule import Schedule

@@ -33,9 +33,9 @@ from kiln.storage import filesystem, unreachable
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import MANIFEST, read_manifest, sha256_file, staging_dir, write_atomic
 from kiln.names import check_name
-from kiln.train.checkpoint.folder import (CHECKPOINT_FILE, SIGNATURE, STEP_DIR, kept_steps, list_checkpoints,
+from kiln.checkpoint.folder import (CHECKPOINT_FILE, SIGNATURE, STEP_DIR, kept_steps, list_checkpoints,
                                           remove_checkpoint, step_dir, step_of)
-from kiln.train.checkpoint.read import verify_checkpoint
+from kiln.checkpoint.read import verify_checkpoint
 
 MARKER = "COMMITTED"
 RUN_FILES = ("metrics.jsonl", "config.yaml", "env.json")  # uploaded beside {out_dir}/run/checkpoints

@@ -10,8 +10,8 @@ from typing import Any, Callable
 
 from kiln.errors import IntegrityError
 from kiln.manifest import HASH_THREADS, verify_folder
-from kiln.train.checkpoint import full, sharded
-from kiln.train.checkpoint.folder import (STEP_DIR, check_step, half_deleted, list_checkpoints, step_of,
+from kiln.checkpoint import full, sharded
+from kiln.checkpoint.folder import (STEP_DIR, check_step, half_deleted, list_checkpoints, step_of,
                                           verify_signature)
 
 
