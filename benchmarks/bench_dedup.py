@@ -8,9 +8,10 @@ into ~19,000 documents in 26 languages, their own near copies left out, copies p
 then the corpus's size). Its words are not a 3,000-word vocabulary, so Kiln's per-process cache of token
 hashes no longer always hits.
 
-- Kiln: each file is a task: read its JSONL, `Signer` (exact key, MinHash 20 bands x 6 rows,
-  shingles) writes the task's files; then the exact stage, the band stage (candidates confirmed by
-  exact Jaccard >= 0.8) and the clusters (`stages.run_stages`), one worker, in a process of its own.
+- Kiln: each file is a task: read its JSONL, `Signer` (exact key, MinHash 20 bands x 6 rows) writes the
+  task's files beside its outcome (the documents, zstd JSONL); then the exact stage, the band stage, the
+  candidates' shingles read again from the outcomes, their confirmation by exact Jaccard >= 0.8 and the
+  clusters (`stages.run_stages`), one worker, in a process of its own.
 - datatrove 0.10.1 (its own venv, $DATATROVE_PYTHON): JsonlReader -> MinhashDedupSignature (one task
   per file), MinhashDedupBuckets (one task per bucket), MinhashDedupCluster, MinhashDedupFilter (one
   task per file; reads the documents again, writes the kept ones and, through its exclusion writer,
@@ -147,7 +148,10 @@ def kiln_once(folder: str, work: str, method: str) -> None:
     from kiln.config import DedupConfig
     from kiln.data.dedup.signatures import Signer
     from kiln.data.dedup.stages import dedup_layout, run_stages
-    from kiln.manifest import write_atomic
+    import zstandard
+
+    from kiln.data.pipeline import OUTCOME_LEVEL
+    from kiln.manifest import write_atomic, writing_atomic
 
     cfg, work = DedupConfig(method=method), Path(work)
     shutil.rmtree(work, ignore_errors=True)
@@ -156,11 +160,13 @@ def kiln_once(folder: str, work: str, method: str) -> None:
     summaries, ids = [], []
     for t, path in enumerate(sorted(Path(folder).glob("*.jsonl"))):
         signer = Signer(cfg)
-        with open(path) as f:
-            for line in f:
+        with open(path) as f, writing_atomic(work / f"task-{t:05d}.jsonl.zst") as out, \
+                zstandard.ZstdCompressor(level=OUTCOME_LEVEL).stream_writer(out, closefd=False) as outcome:
+            for line in f:  # the task's outcome as a data task writes it: the stages read candidates' text there
                 rec = json.loads(line)
                 signer.add(rec["id"], rec["text"])
                 ids.append(rec["id"])
+                outcome.write((json.dumps({"id": rec["id"], "text": rec["text"]}, ensure_ascii=False) + "\n").encode())
         for suffix, blob in signer.files().items():
             write_atomic(work / f"task-{t:05d}.{suffix}", blob)
         summaries.append({"index": t, "kept": len(signer.ids)})

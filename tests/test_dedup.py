@@ -303,6 +303,8 @@ def staged(tmp_path, docs: list[tuple[str, str]], cfg: DedupConfig, tasks: int =
             signer.add(doc_id, text)
         for suffix, blob in signer.files().items():
             write_atomic(work / f"task-{t:05d}.{suffix}", blob)
+        write_atomic(work / f"task-{t:05d}.jsonl.zst", zstandard.compress(  # the outcome, which shingles are read from
+            "".join(json.dumps({"id": i, "text": x}) + "\n" for i, x in mine).encode()))
         summaries.append({"index": t, "kept": len(mine)})
     return run_stages(dedup_layout(work, summaries, cfg), workers)
 
@@ -320,8 +322,9 @@ def test_partitioned_stages_give_the_in_memory_ledger_for_any_split(tmp_path, co
                for b, t, w in ((10**6, 1, 1), (97, 3, 1), (40, 5, 2))]  # 1 and 5 key ranges, 1 and 2 workers
     for got in results:
         assert list(got.ledger()) == want and got.stats()["exact_removed"] == 0
-    bands = 20 if method == "minhash" else 4
-    assert results[1].tasks == -(-len(docs) // 97) * (bands + 1) + 1  # (bands + exact) x key ranges, verdicts
+    # (bands + exact) x key ranges, the verdicts; MinHash: the bands twice (find, confirm), a shingle task per task
+    ranges, stages = -(-len(docs) // 97), (1 + 2 * 20, 3) if method == "minhash" else (1 + 4, 0)
+    assert results[1].tasks == ranges * stages[0] + stages[1] + 1
 
 
 def test_exact_stage_finds_what_the_streaming_exact_dedup_finds(tmp_path):
@@ -360,13 +363,14 @@ def test_the_signer_hashes_what_text_key_and_shingle_hashes_give(text, mode):
     from kiln.data.dedup.shingles import tokens
     from kiln.data.dedup.signatures import Signer
 
-    signer = Signer(DedupConfig(method="minhash", tokens=mode))
+    signer = Signer(DedupConfig(method="minhash", tokens=mode, index="kept-for-an-index"))
     signer.add("d", text)
     assert signer.keys == [text_key(text)]
     files = signer.files()
     shingles = np.load(io.BytesIO(files["shingles.npy"]))
     assert np.load(io.BytesIO(files["spans.npy"])).tolist() == [0, len(shingles)]
     assert np.array_equal(shingles, shingle_hashes(text, 5, mode))
+    assert "shingles.npy" not in Signer(DedupConfig(method="minhash")).files()  # no index: derived again when needed
     toks = tokens(text, mode)
     if len(toks) == 1:  # one token: its xxh3-64 is the one shingle
         assert shingles.tolist() == [xxhash.xxh3_64_intdigest(toks[0].encode("utf-8", "surrogatepass"))]
@@ -426,10 +430,15 @@ def test_a_rerun_of_the_stages_redoes_only_missing_results(tmp_path, corpus, mon
     cfg = DedupConfig(bucket_docs=60)
     first = staged(tmp_path, docs, cfg, tasks=2)
     work = tmp_path / "work-60-1-2"
-    results = sorted((work / "dedup" / "ranges-00004").glob("*-*.npy"))
-    assert len(results) == first.tasks - 1 == 4 * 21  # and the verdicts task
+    folder = work / "dedup" / "ranges-00004"
+    results = sorted(folder.glob("band-*.npy"))
+    # per key range the exact and 20 band tasks, the 20 that confirm their candidates; a shingle task per 60 docs
+    assert len(results) == 4 * 20 and len(list(folder.glob("*-*.npy"))) == 4 * 41 + 2 * 3
+    assert first.tasks == 4 * 41 + 2 + 1  # and the verdicts task
     results[7].unlink()  # as if the run was killed before this result was written
-    (work / "dedup" / "ranges-00004" / "exact-00002.npy").unlink()
+    (folder / "exact-00002.npy").unlink()
+    (folder / "cand-003-00001.npy").unlink()
+    (folder / "spans-00001.npy").unlink()
     results[9].write_bytes(results[9].read_bytes()[:-8])  # cut: its results.jsonl line no longer vouches for it
     changed = bytearray(results[11].read_bytes())
     changed[-1] ^= 1  # the same size, one bit changed
@@ -439,9 +448,9 @@ def test_a_rerun_of_the_stages_redoes_only_missing_results(tmp_path, corpus, mon
 
     monkeypatch.setattr(executor, "run_tasks", lambda fn, jobs, *a: ran.extend(jobs) or [fn(j) for j in jobs])
     again = stages.run_stages(stages.Layout.load(work), 1)
-    stage_jobs = [j for j in ran if isinstance(j, tuple)]  # and the verdicts task, since results were redone
-    redone = [tuple(int(x) for x in results[k].stem.split("-")[1:]) + (4,) for k in (7, 9, 11)]
-    assert sorted(j[1:] for j in stage_jobs) == sorted([(2, 4)] + redone)
+    stage_jobs = [(j[0], *j[2:]) for j in ran if isinstance(j, tuple)]  # and the verdicts task (results were redone)
+    redone = [("confirm", *(int(x) for x in results[k].stem.split("-")[1:]), 4) for k in (7, 9, 11)]
+    assert sorted(stage_jobs) == sorted([("exact", 2, 4), ("cand", 3, 1, 4), ("shingles", 1, 4)] + redone)
     assert list(again.ledger()) == list(first.ledger()) and list(again.rejections()) == list(first.rejections())
 
 
@@ -466,3 +475,29 @@ def test_the_verdicts_hold_about_a_hundred_bytes_per_removed_document(tmp_path):
     tracemalloc.stop()
     assert list(held.ledger()) == list(first.ledger())
     assert size / gone < 150 and peak / gone < 800, (size / gone, peak / gone)  # 1acf9c5: 579 and 2,283
+
+
+def test_a_task_leaves_a_fifth_of_the_bytes_it_left_with_every_shingle_set(tmp_path, sample_warc):
+    # issue 44.3: 80% of the work folder was MinHash shingle sets (8 bytes a shingle, every kept document's, 37.7 KB
+    # a document of the sample); only data.dedup.index, which stores them for later runs, keeps them now
+    from kiln.config import DataConfig
+    from kiln.data.pipeline import Task, _run_task_once
+
+    sizes = {}
+    for name, dedup in (("now", {}), ("every set", {"index": str(tmp_path / "index")})):
+        (tmp_path / name).mkdir()
+        summary = _run_task_once(Task(0, str(sample_warc)), DataConfig(dedup=dedup), tmp_path / name)
+        sizes[name] = {suffix: rec["size"] for suffix, rec in summary["files"].items()}
+    before = sum(sizes["every set"].values())
+    assert "shingles.npy" not in sizes["now"] and sizes["every set"]["shingles.npy"] > 0.75 * before
+    assert sum(sizes["now"].values()) <= 0.2 * before
+
+
+def test_the_stages_derive_shingle_sets_for_the_candidates_alone(tmp_path, corpus):
+    # the band tasks keep the buckets of two or more; the shingle tasks read those documents' text again
+    docs = corpus[0]
+    got = staged(tmp_path, docs, DedupConfig(bucket_docs=150), tasks=3)
+    folder = tmp_path / "work-150-1-3" / "dedup" / f"ranges-{-(-len(docs) // 150):05d}"
+    derived = np.concatenate([np.load(p) for p in sorted(folder.glob("qs-*.npy"))])
+    assert len(derived) == len(np.unique(derived)) and len(got.removed()) <= len(derived) < len(docs) / 2
+    assert not list(tmp_path.glob("work-*/task-*.shingles.npy"))

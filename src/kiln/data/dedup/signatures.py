@@ -3,9 +3,12 @@
 band's rows; SimHash: a block of the fingerprint) and what confirmation needs. Written beside the task's
 outcome (`task-NNNNN.<kind>.npy`, see `KINDS`), each array sorted so a key range is one slice:
 `exact` 3 x n uint64 (key high, key low, local index), sorted by key; `bands` bands x 2 x n uint64 (per band:
-the sorted keys, their local indices); `shingles` + `spans` (MinHash: the shingle sets and where each starts)
-or `prints` (SimHash); `ids.json`. Memory: one task's keys and signatures (under 1 KB a document); the shingle
-sets wait in a spill file.
+the sorted keys, their local indices); `prints` (SimHash); `ids.json`. MinHash's shingle sets (`shingles` +
+`spans`: the sets end to end and where each starts, 8 bytes a shingle, four times the rest together) are kept
+only for data.dedup.index, which holds them for later runs (`keeps_shingles`); otherwise the dedup stages
+derive them again from the task's outcome for the candidate documents alone (`outcome_shingles`, the same
+function of the same text), so the work folder holds signatures, not shingle sets. Memory: one task's keys and
+signatures (under 1 KB a document); kept shingle sets wait in a spill file.
 
 `Part` says where one task's signatures are: this run's work folder, or a run folder of data.dedup.index.
 The stages (stages.py) and the index (index.py) both read them.
@@ -28,8 +31,42 @@ from kiln.data.dedup.minhash import MinHasher
 from kiln.data.dedup.shingles import hashed_shingles, lowered_tokens
 from kiln.data.dedup.simhash import block_keys, simhash
 from kiln.data.vouch import Recording, record
+from kiln.errors import IntegrityError
 
 KINDS = ("exact", "bands", "shingles", "spans", "prints")
+
+
+def keeps_shingles(cfg: DedupConfig) -> bool:
+    """Whether a task keeps its documents' MinHash shingle sets: only for data.dedup.index, which stores them."""
+    return cfg.method == "minhash" and bool(cfg.index)
+
+
+def shingles_of(low: str, split: list[str], cfg: DedupConfig) -> np.ndarray:
+    """A document's shingle set, from its lower-cased text and that text's whitespace split."""
+    return hashed_shingles(lowered_tokens(low, cfg.tokens, split), cfg.ngram)
+
+
+def outcome_shingles(path: Path, wanted: list[int], cfg: DedupConfig) -> Iterator[np.ndarray]:
+    """The shingle sets of the kept documents numbered `wanted` (ascending, by place among the task's kept
+    documents) of a task's outcome file, in that order: what `Signer` hashed, derived again from the same text.
+    Memory: one record."""
+    from kiln.data.docs import read_part
+
+    if not wanted:
+        return
+    want, local = iter(wanted), 0
+    nxt = next(want)
+    for rec in read_part(path):
+        if "reason" in rec:  # a rejection
+            continue
+        if local == nxt:
+            low = (rec.get("text") or "").lower()
+            yield shingles_of(low, low.split(), cfg)
+            if (nxt := next(want, None)) is None:
+                return
+        local += 1
+    raise IntegrityError(f"{path}: {len(wanted)} kept documents wanted, the outcome has {local}; the work folder "
+                         "changed after its task wrote it: run the same command again")
 
 
 def npy_bytes(array: np.ndarray) -> bytes:
@@ -38,10 +75,21 @@ def npy_bytes(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+def spilled_npy(spill: Any, count: int) -> Iterator[bytes]:
+    """A .npy file of `count` uint64 (as np.save writes them) from a spill file holding their bytes, in blocks."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": np.dtype(np.uint64).str, "fortran_order": False,
+                                                  "shape": (count,)})
+    yield header.getvalue()
+    spill.seek(0)
+    while block := spill.read(1 << 20):
+        yield block
+
+
 class Signer:
     """Collects one task's kept documents and returns the files `KINDS` describes (`files`), or writes them
     (`write`). Memory: per document its keys, signature or fingerprint and id (under 1 KB); the MinHash
-    shingle sets, the bulk, wait in a spill file and are copied into `shingles.npy` by `write`."""
+    shingle sets, when kept (`keeps_shingles`), wait in a spill file and are copied into `shingles.npy` by `write`."""
 
     def __init__(self, cfg: DedupConfig) -> None:
         self.cfg = cfg
@@ -50,7 +98,7 @@ class Signer:
         self.keys: list[bytes] = []
         self.near: list[Any] = []  # MinHash signatures or SimHash fingerprints
         self.sizes: list[int] = []  # each document's shingles (MinHash), spilled to `_spill` in order
-        self._spill = tempfile.TemporaryFile() if self.hasher is not None else None
+        self._spill = tempfile.TemporaryFile() if keeps_shingles(cfg) else None
 
     def add(self, doc_id: str, text: str) -> None:
         self.ids.append(doc_id)
@@ -59,11 +107,12 @@ class Signer:
         self.keys.append(words_key(split))
         if self.cfg.method == "none":
             return
-        shingles = hashed_shingles(lowered_tokens(low, self.cfg.tokens, split), self.cfg.ngram)
+        shingles = shingles_of(low, split, self.cfg)
         if self.hasher is not None:
             self.near.append(self.hasher.signature(shingles))
-            self._spill.write(shingles.tobytes())
-            self.sizes.append(len(shingles))
+            if self._spill is not None:
+                self._spill.write(shingles.tobytes())
+                self.sizes.append(len(shingles))
         else:
             self.near.append(simhash(shingles))
 
@@ -92,13 +141,7 @@ class Signer:
 
     def _shingles_npy(self) -> Iterator[bytes]:
         """shingles.npy (as np.save writes the shingle sets end to end), from the spill file, in blocks."""
-        header = io.BytesIO()
-        np.lib.format.write_array_header_1_0(header, {"descr": np.dtype(np.uint64).str, "fortran_order": False,
-                                                      "shape": (sum(self.sizes),)})
-        yield header.getvalue()
-        self._spill.seek(0)
-        while block := self._spill.read(1 << 20):
-            yield block
+        return spilled_npy(self._spill, sum(self.sizes))
 
     def _files(self) -> dict[str, bytes]:
         """Every file but shingles.npy."""
@@ -113,8 +156,9 @@ class Signer:
         if self.hasher is not None:
             sigs = np.stack(self.near) if n else np.empty((0, self.cfg.bands * self.cfg.rows), dtype=np.uint32)
             keys = self.hasher.band_keys(sigs)
-            sizes = np.array(self.sizes, dtype=np.int64)
-            out["spans.npy"] = npy_bytes(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+            if self._spill is not None:
+                sizes = np.array(self.sizes, dtype=np.int64)
+                out["spans.npy"] = npy_bytes(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
         else:
             prints = np.array(self.near, dtype=np.uint64)
             keys = block_keys(prints, self.cfg.hamming)

@@ -12,6 +12,13 @@ duplicates, never by the corpus.
    key form a bucket; its candidate pairs are confirmed (exact Jaccard of the shingle sets, or the
    Hamming distance) with a union-find of the task's own, and the confirmed pairs are emitted. Exact
    duplicates are left out. Memory: one range of one band and its confirmed pairs.
+   MinHash without data.dedup.index keeps no shingle sets in the work folder (`signatures.keeps_shingles`), so
+   this stage is three: the band tasks write each bucket of two or more (`cand-BBB-RRRRR.npy`, the candidates:
+   a few in a hundred documents of a crawl); one task per group of consecutive data tasks (about bucket_docs
+   documents, `Layout.groups`) reads their outcomes and derives the shingle sets of its candidates again
+   (`shingles-GGGGG.npy`, `spans-`, `qs-`); then one task per (band, range) confirms the buckets as above
+   (`confirm_partition`). The same buckets, the same shingles, the same pairs; the work folder holds the
+   candidates' shingle sets, not every document's. Memory: one range's candidates, one document's shingles.
 4. Clusters (`verdicts`, in the one verdicts task on a worker): a walk of the confirmed pairs only
    (`clusters.Clusters`); the survivor is the cluster's earliest document; links and similarities for the ledger.
    Memory: arrays of ~100 bytes per removed document (`Verdicts`), while building 48 bytes per unique confirmed
@@ -43,7 +50,7 @@ import numpy as np
 from kiln.config import DedupConfig
 from kiln.data.dedup.clusters import PAIR, Clusters, Pair, confirm_band, ledger_rows, name_rows, unique_pairs
 from kiln.data.dedup.shingles import jaccard
-from kiln.data.dedup.signatures import Part, npy_bytes
+from kiln.data.dedup.signatures import Part, keeps_shingles, npy_bytes, outcome_shingles, spilled_npy
 from kiln.data.dedup.simhash import hamming_confirm
 from kiln.data.vouch import Recording, matches, record
 
@@ -125,7 +132,8 @@ class Layout:
         data = json.loads((Path(work) / STAGE_DIR / "layout.json").read_text())
         return cls([Part(**p) for p in data["parts"]], DedupConfig(**data["cfg"]), Path(work))
 
-    def array(self, k: int, kind: str) -> Any:
+    def array(self, k: int | str, kind: str) -> Any:
+        """Part k's `kind` (k "results": the file `kind` among the stage results), memory-mapped (JSON: read)."""
         key = (k, kind)
         if key in self._open:
             self._open.move_to_end(key)
@@ -141,10 +149,12 @@ class Layout:
             if isinstance(gone, NpyFile):
                 gone.close()
 
-    def path(self, k: int, kind: str) -> Path:
+    def path(self, k: int | str, kind: str) -> Path:
+        if k == "results":
+            return self.results / kind
         return Path(self.parts[k].folder) / f"{self.parts[k].name}.{kind}"
 
-    def reader(self, k: int, kind: str) -> NpyFile:
+    def reader(self, k: int | str, kind: str) -> NpyFile:
         """An NpyFile of part k's `kind` (held open among the `OPEN` files)."""
         key = (k, f"{kind}@pread")
         if key not in self._open:
@@ -165,9 +175,45 @@ class Layout:
         return k, q - int(self.starts[k])
 
     def shingles(self, q: int) -> np.ndarray:
+        """Document q's shingle set: from its part (an index's, or a run keeping them), else from its group's
+        candidates (`shingle_task`; a document in no bucket of two has none)."""
         k, local = self.locate(q)
+        if self.parts[k].run is None and self.candidates:
+            g = int(np.searchsorted(self.group_starts(), q, side="right") - 1)
+            qs = self.array("results", f"qs-{g:05d}.npy")
+            local = int(np.searchsorted(qs, q))
+            if local == len(qs) or qs[local] != q:
+                raise KeyError(f"dedup: document {q} is no candidate; it has no shingle set")
+            a, b = self.reader("results", f"spans-{g:05d}.npy").read(local, local + 2).tolist()
+            return self.reader("results", f"shingles-{g:05d}.npy").read(a, b)
         a, b = self.reader(k, "spans.npy").read(local, local + 2).tolist()
         return self.reader(k, "shingles.npy").read(a, b)
+
+    @property
+    def candidates(self) -> bool:
+        """MinHash whose data tasks kept no shingle sets: the band stage finds the candidates, the shingle tasks
+        derive theirs again and the confirm stage confirms them."""
+        return self.cfg.method == "minhash" and not keeps_shingles(self.cfg)
+
+    def groups(self) -> list[tuple[int, int]]:
+        """This run's parts as runs of consecutive parts of about bucket_docs kept documents, (first, end): each
+        is one shingle task's."""
+        out, first, size = [], None, 0
+        for k, part in enumerate(self.parts):
+            if part.run is not None:
+                continue
+            first = k if first is None else first
+            size += part.count
+            if size >= self.cfg.bucket_docs:
+                out.append((first, k + 1))
+                first, size = None, 0
+        return out + ([(first, len(self.parts))] if first is not None else [])
+
+    def group_starts(self) -> np.ndarray:
+        """Each group's first document number."""
+        if not hasattr(self, "_group_starts"):
+            self._group_starts = self.starts[[first for first, _ in self.groups()]]
+        return self._group_starts
 
     def fingerprint(self, q: int) -> int:
         k, local = self.locate(q)
@@ -258,14 +304,37 @@ def exact_partition(job: tuple[str, int, int]) -> tuple[str, dict[str, Any]]:
 
 
 def band_partition(job: tuple[str, int, int, int]) -> tuple[str, dict[str, Any]]:
-    """Confirmed near-duplicate pairs of band `band`, key range r, as `band-BBB-RRRRR.npy`."""
+    """Confirmed near-duplicate pairs of band `band`, key range r, as `band-BBB-RRRRR.npy`; with `candidates`, the
+    buckets to confirm instead, as `cand-BBB-RRRRR.npy`."""
     work, band, r, ranges = job
     layout = Layout.load(work)
     pieces = list(layout.key_slices("bands", band, r, ranges))
     keys = np.concatenate([p[0][0] for p in pieces]) if pieces else np.empty(0, np.uint64)
     q = np.concatenate([p[1] for p in pieces]) if pieces else np.empty(0, np.uint64)
-    removed = layout.exact_removed()[0]
-    keep = ~np.isin(q, removed)
+    keep = ~np.isin(q, layout.exact_removed()[0])
+    if layout.candidates:
+        found = bucket_members(keys[keep], q[keep], layout.indexed)
+        return _written(layout, f"cand-{band:03d}-{r:05d}.npy", npy_bytes(found))
+    return _written(layout, f"band-{band:03d}-{r:05d}.npy", _confirmed(layout, keys[keep], q[keep]))
+
+
+def bucket_members(keys: np.ndarray, q: np.ndarray, indexed: int) -> np.ndarray:
+    """(2, m) uint64, sorted by document: the documents (row 0) and keys (row 1) of the buckets of two or more
+    holding one of this run's documents (number >= `indexed`): the only ones `confirm_band` compares."""
+    order = np.lexsort((q, keys))
+    keys, q = keys[order], q[order]
+    new = np.ones(len(q), dtype=bool)
+    new[1:] = keys[1:] != keys[:-1]
+    bucket = np.cumsum(new) - 1
+    ends = np.append(np.flatnonzero(new)[1:], len(q)) if len(q) else np.empty(0, np.int64)
+    size = ends - np.flatnonzero(new)
+    keep = (size[bucket] > 1) & (q[ends - 1][bucket] >= np.uint64(indexed)) if len(q) else new
+    mine = np.argsort(q[keep], kind="stable")
+    return np.stack([q[keep][mine], keys[keep][mine]]).astype(np.uint64)
+
+
+def _confirmed(layout: Layout, keys: np.ndarray, q: np.ndarray) -> bytes:
+    """The confirmed pairs of one band's documents `q` with keys `keys`, as a PAIR .npy."""
     confirm, _ = layout.confirm()
     indexed = layout.indexed
 
@@ -273,20 +342,86 @@ def band_partition(job: tuple[str, int, int, int]) -> tuple[str, dict[str, Any]]
         return None if i < indexed else confirm(j, i)
 
     pairs: list[Pair] = []
-    confirm_band(keys[keep], q[keep], confirm_new, pairs)
-    return _written(layout, f"band-{band:03d}-{r:05d}.npy", npy_bytes(np.array(pairs, dtype=PAIR)))
+    confirm_band(keys, q, confirm_new, pairs)
+    return npy_bytes(np.array(pairs, dtype=PAIR))
 
 
-def stage_jobs(layout: Layout) -> tuple[list[tuple], list[tuple]]:
-    """(exact jobs, band jobs) for this layout; the band jobs need the exact results first."""
+def shingle_task(job: tuple[str, int, int]) -> list[tuple[str, dict[str, Any]]]:
+    """The shingle sets of group g's candidates (every document of a `cand-*` file in its range), derived again
+    from its parts' outcomes: `qs-GGGGG.npy` (their numbers, ascending), `spans-GGGGG.npy` and
+    `shingles-GGGGG.npy` (as a part's spans and shingles). Memory: the group's candidates' numbers, one record."""
+    import tempfile
+
+    from kiln.manifest import writing_atomic
+
+    work, g, ranges = job
+    layout = Layout.load(work)
+    first, end = layout.groups()[g]
+    lo, hi = np.uint64(layout.starts[first]), np.uint64(layout.starts[end])
+    found = []
+    for band in range(band_count(layout.cfg)):
+        for r in range(ranges):
+            qs = layout.array("results", f"cand-{band:03d}-{r:05d}.npy")[0]
+            found.append(np.array(qs[np.searchsorted(qs, lo):np.searchsorted(qs, hi)]))
+            layout.forget("results")
+    qs = np.unique(np.concatenate(found)) if found else np.empty(0, np.uint64)
+    sizes = []
+    with tempfile.TemporaryFile() as spill:
+        for k in range(first, end):
+            start = int(layout.starts[k])
+            mine = qs[(qs >= np.uint64(start)) & (qs < np.uint64(layout.starts[k + 1]))] - np.uint64(start)
+            path = Path(layout.parts[k].folder) / f"{layout.parts[k].name}.jsonl.zst"
+            for shingles in outcome_shingles(path, mine.tolist(), layout.cfg):
+                spill.write(shingles.tobytes())
+                sizes.append(len(shingles))
+        spill.flush()
+        out = [_written(layout, f"qs-{g:05d}.npy", npy_bytes(qs)),
+               _written(layout, f"spans-{g:05d}.npy", npy_bytes(np.concatenate([[0], np.cumsum(sizes,
+                                                                                             dtype=np.int64)])))]
+        with writing_atomic(layout.results / f"shingles-{g:05d}.npy") as f:
+            rec = Recording(f)
+            for block in spilled_npy(spill, sum(sizes)):
+                rec.write(block)
+        return out + [(f"shingles-{g:05d}.npy", rec.record())]
+
+
+def confirm_partition(job: tuple[str, int, int, int]) -> tuple[str, dict[str, Any]]:
+    """The confirmed pairs of one band task's buckets (`cand-BBB-RRRRR.npy`), as `band-BBB-RRRRR.npy`."""
+    work, band, r, ranges = job
+    layout = Layout.load(work)
+    found = np.load(layout.results / f"cand-{band:03d}-{r:05d}.npy")
+    return _written(layout, f"band-{band:03d}-{r:05d}.npy", _confirmed(layout, found[1], found[0]))
+
+
+STAGES = {"exact": exact_partition, "band": band_partition, "cand": band_partition, "shingles": shingle_task,
+          "confirm": confirm_partition}
+
+
+def stage_task(job: tuple) -> list[tuple[str, dict[str, Any]]]:
+    """Run one stage job (its first item names the stage); returns its results' (name, record)."""
+    out = STAGES[job[0]](job[1:])
+    return out if isinstance(out, list) else [out]
+
+
+def stage_jobs(layout: Layout) -> list[list[tuple]]:
+    """The stages' jobs, stage by stage (each stage needs the results of those before it): exact, band, and with
+    `candidates` the shingle and confirm stages."""
     work, ranges = str(layout.work), layout.ranges()
-    exact = [(work, r, ranges) for r in range(ranges)]
-    bands = [(work, b, r, ranges) for b in range(band_count(layout.cfg)) for r in range(ranges)]
-    return exact, bands
+    exact = [("exact", work, r, ranges) for r in range(ranges)]
+    bands = [("band", work, b, r, ranges) for b in range(band_count(layout.cfg)) for r in range(ranges)]
+    if not layout.candidates:
+        return [exact, bands]
+    groups = [("shingles", work, g, ranges) for g in range(len(layout.groups()))]
+    return [exact, [("cand", *job[1:]) for job in bands], groups, [("confirm", *job[1:]) for job in bands]]
 
 
-def result_name(job: tuple) -> str:
-    return f"exact-{job[1]:05d}.npy" if len(job) == 3 else f"band-{job[1]:03d}-{job[2]:05d}.npy"
+def result_names(job: tuple) -> list[str]:
+    kind, *rest = job
+    if kind == "exact":
+        return [f"exact-{rest[1]:05d}.npy"]
+    if kind == "shingles":
+        return [f"{what}-{rest[1]:05d}.npy" for what in ("qs", "spans", "shingles")]
+    return [f"{'cand' if kind == 'cand' else 'band'}-{rest[1]:03d}-{rest[2]:05d}.npy"]
 
 
 class Results:
@@ -528,12 +663,13 @@ def run_stages(layout: Layout, workers: int, executor: str = "local", ray_addres
     t0 = time.perf_counter()
     results = Results(layout)
     done = results.keep_vouched()
-    exact, bands = stage_jobs(layout)
+    stages = stage_jobs(layout)
     redone = False
-    for fn, jobs in ((exact_partition, exact), (band_partition, bands)):
-        todo = [job for job in jobs if result_name(job) not in done]
-        for name, rec in run_tasks(fn, todo, workers, executor, ray_address):
-            results.vouch(name, rec)
+    for jobs in stages:
+        todo = [job for job in jobs if not set(result_names(job)) <= done]
+        for found in run_tasks(stage_task, todo, workers, executor, ray_address):
+            for name, rec in found:
+                results.vouch(name, rec)
             redone = True
     out = VerdictFiles(layout)
     if redone or not out.vouched(done):
@@ -542,5 +678,5 @@ def run_stages(layout: Layout, workers: int, executor: str = "local", ray_addres
                 results.vouch(name, rec)
             results.add(VERDICT_STATS, json.dumps(found["stats"]).encode())
     out.load()
-    out.seconds, out.tasks = time.perf_counter() - t0, len(exact) + len(bands) + 1
+    out.seconds, out.tasks = time.perf_counter() - t0, sum(map(len, stages)) + 1
     return out
