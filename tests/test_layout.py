@@ -1,4 +1,4 @@
-"""The package's layout rules (DESIGN.md, "rules of the house"), checked on the source.
+"""The package's layout rules (docs/architecture.md, "Floors"), checked on the source.
 
 What the import tests count: every `import kiln...` / `from kiln... import ...` statement of every module under
 src/kiln (relative ones resolved too), read with `ast`, as an edge to the kiln module it loads: `from kiln.a
@@ -10,6 +10,12 @@ Two graphs:
 - every import: deferred ones inside functions and those under `if TYPE_CHECKING:` too. A deferred import does
   not fail at import time, but a module that needs another that needs it back is one tangled unit.
 Neither graph may hold a cycle (a strongly connected component of more than one module).
+The floors, on the graph of every import: each top-level module or package of src/kiln stands on exactly one
+floor of FLOORS (below; a new one must be placed there), and a module imports only from its own floor and the
+floors below it, not even inside a function (`upward_imports`). Packages at every level: the graph collapsed
+to the children of each package (kiln.data, kiln.train, ... under kiln; kiln.data.gates, kiln.data.dedup,
+kiln.data.pipeline, ... under kiln.data) holds no cycle among siblings (`package_cycles`); an import between a
+package and its own ancestor is not a sibling edge (the package rule below covers those).
 The package rule, on the graph of every import: a module M inside a subpackage P (a package below a top-level
 package: kiln.data.gates, kiln.data.dedup, kiln.train.checkpoint, kiln.train.parallel, ...) may import a module
 X outside P whose own package encloses P (X in kiln.data, above kiln.data.gates; X in kiln.train, above
@@ -34,6 +40,34 @@ from pathlib import Path
 from conftest import ROOT
 
 SRC = ROOT / "src"
+
+# The floors, bottom up: a top-level module or package of src/kiln (a package with all its submodules) may import
+# from its own floor and those below, never from one above (docs/architecture.md, "Floors"). Names listed here
+# that do not exist (yet) are allowed; a top-level module or package that is on no floor fails the test.
+FLOORS: list[list[str]] = [
+    # 0 ground: the package face, errors, the console, optional installs, the hardware probe, the model itself
+    ["kiln", "kiln.errors", "kiln.terminal", "kiln.install", "kiln.hardware", "kiln.model"],
+    # 1 house-wide: names, locks, manifests, the config and its doc, env, storage, summary, the task engine, a run's
+    # folders, the shared report pages
+    ["kiln.names", "kiln.lock", "kiln.manifest", "kiln.config", "kiln.config_doc", "kiln.env", "kiln.storage",
+     "kiln.summary", "kiln.tasks", "kiln.run_layout", "kiln.pages"],
+    # 2 the tokenizer
+    ["kiln.tokenizer"],
+    # 3 what reads a checkpoint and what scores a model (below both data's gates and train's validator)
+    ["kiln.checkpoint", "kiln.scoring"],
+    # 4 the data stage: crawls to documents
+    ["kiln.data"],
+    # 5 documents to packed token shards
+    ["kiln.shards"],
+    # 6 training, and evaluating a checkpoint
+    ["kiln.train", "kiln.eval"],
+    # 7 what runs and inspects the stages: ops, the end-to-end flow, the list of stages
+    ["kiln.ops", "kiln.flow", "kiln.stages"],
+    # 8 experiments made of whole runs
+    ["kiln.ablate", "kiln.mix"],
+    # 9 the command line
+    ["kiln.commands", "kiln.cli", "kiln.__main__"],
+]
 
 
 def module_files() -> dict[str, Path]:
@@ -178,6 +212,69 @@ def upward_imports_that_come_back(graph: dict[str, set[str]]) -> list[str]:
     return found
 
 
+def top_level(module: str) -> str:
+    """The top-level module or package a module belongs to: kiln.data.gates.c4 -> kiln.data; kiln -> kiln."""
+    return ".".join(module.split(".")[:2])
+
+
+def off_the_floors(modules, floors: list[list[str]] = FLOORS) -> list[str]:
+    """Each top-level module or package of `modules` that is not on exactly one floor, in words."""
+    found = []
+    for name in sorted({top_level(m) for m in modules}):
+        on = [i for i, floor in enumerate(floors) if name in floor]
+        if not on:
+            found.append(f"put {name} on a floor in tests/test_layout.py FLOORS")
+        elif len(on) > 1:
+            found.append(f"{name} is on floors {', '.join(map(str, on))}: keep it on one in tests/test_layout.py "
+                         "FLOORS")
+    return found
+
+
+def upward_imports(graph: dict[str, set[str]], floors: list[list[str]] = FLOORS) -> list[str]:
+    """The floor rule's breaches: "kiln.a.b -> kiln.c.d (floor 4 imports floor 6)". Modules on no floor are
+    `off_the_floors`'s to report."""
+    floor = {name: i for i, names in enumerate(floors) for name in names}
+    found = []
+    for module in sorted(graph):
+        here = floor.get(top_level(module))
+        for target in sorted(graph[module]):
+            there = floor.get(top_level(target))
+            if here is not None and there is not None and there > here:
+                found.append(f"{module} -> {target} (floor {here} imports floor {there})")
+    return found
+
+
+def package_cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Cycles among sibling packages/modules at every level: each edge M -> T counts as an edge between the two
+    children of M's and T's deepest common package that hold them (kiln.data.gates.c4 -> kiln.train.trainer is
+    kiln.data -> kiln.train under kiln; kiln.data.gates.c4 -> kiln.data.dedup.index is kiln.data.gates ->
+    kiln.data.dedup under kiln.data); an edge between a module and its own ancestor is none. Each cycle in words:
+    its members, then one module edge for each sibling edge inside it."""
+    by_parent: dict[str, dict[str, set[str]]] = {}
+    example: dict[tuple[str, str], str] = {}
+    for module in sorted(graph):
+        for target in sorted(graph[module]):
+            if inside(module, target) or inside(target, module):
+                continue
+            a, b = module.split("."), target.split(".")
+            common = 0
+            while a[common] == b[common]:
+                common += 1
+            parent = ".".join(a[:common])
+            child_a, child_b = ".".join(a[: common + 1]), ".".join(b[: common + 1])
+            siblings = by_parent.setdefault(parent, {})
+            siblings.setdefault(child_a, set()).add(child_b)
+            siblings.setdefault(child_b, set())
+            example.setdefault((child_a, child_b), f"{module} -> {target}")
+    found = []
+    for parent in sorted(by_parent):
+        siblings = by_parent[parent]
+        for component in strongly_connected(siblings):
+            edges = [example[(a, b)] for a in component for b in sorted(siblings[a]) if b in component]
+            found.append(f"cycle among {', '.join(component)} (under {parent}): {'; '.join(edges)}")
+    return found
+
+
 def test_the_graph_reader_sees_every_kind_of_import_and_finds_cycles():
     graph = import_graph(module_level_only=False)
     assert len(MODULES) > 80 and "kiln.data.gates.c4" in MODULES
@@ -211,6 +308,84 @@ def test_no_import_cycle_counting_deferred_imports():
 def test_no_module_imports_from_a_package_above_its_own_that_imports_it_back():
     breaches = upward_imports_that_come_back(import_graph(module_level_only=False))
     assert breaches == [], breaches
+
+
+def test_every_top_level_module_and_package_is_on_exactly_one_floor():
+    breaches = off_the_floors(MODULES)
+    assert breaches == [], breaches
+
+
+def test_no_module_imports_from_a_floor_above_its_own_counting_deferred_imports():
+    breaches = upward_imports(import_graph(module_level_only=False))
+    assert breaches == [], "\n".join(breaches)
+
+
+def test_no_cycle_among_sibling_packages_at_any_level_counting_deferred_imports():
+    breaches = package_cycles(import_graph(module_level_only=False))
+    assert breaches == [], "\n".join(breaches)
+
+
+def _planted(edges: list[tuple[str, str]]) -> dict[str, set[str]]:
+    """A copy of the real graph (every import) with `edges` added."""
+    graph = {m: set(t) for m, t in import_graph(module_level_only=False).items()}
+    for module, target in edges:
+        graph.setdefault(module, set()).add(target)
+        graph.setdefault(target, set())
+    return graph
+
+
+def test_the_floor_check_reports_a_planted_upward_import():
+    graph = _planted([("kiln.data.gates.perplexity", "kiln.train.checkpoint.checkpointer")])
+    assert ("kiln.data.gates.perplexity -> kiln.train.checkpoint.checkpointer (floor 4 imports floor 6)"
+            in upward_imports(graph))
+    # the same import downward is allowed
+    graph = _planted([("kiln.train.checkpoint.checkpointer", "kiln.data.gates.perplexity")])
+    assert not [b for b in upward_imports(graph) if b.startswith("kiln.train.checkpoint.checkpointer ->")]
+
+
+def _cycle_between(breaches: list[str], a: str, b: str, parent: str) -> list[str]:
+    """The breaches that name the cycle a <-> b under parent with one module edge each way."""
+    prefix = f"cycle among {a}, {b} (under {parent}): "
+    found = []
+    for breach in breaches:
+        if breach.startswith(prefix):
+            edges = [edge.split(" -> ") for edge in breach[len(prefix):].split("; ")]
+            if sorted((top_of(m, a, b), top_of(t, a, b)) for m, t in edges) == [(a, b), (b, a)]:
+                found.append(breach)
+    return found
+
+
+def top_of(module: str, *packages: str) -> str | None:
+    return next((p for p in packages if inside(module, p)), None)
+
+
+def test_the_cycle_check_reports_planted_cycles_among_siblings_at_depth_1_and_2():
+    real = package_cycles(import_graph(module_level_only=False))
+    # depth 2, inside kiln.data: gates <-> dedup (one floor, so only the cycle check sees it)
+    assert not _cycle_between(real, "kiln.data.dedup", "kiln.data.gates", "kiln.data")
+    depth_2 = package_cycles(_planted([("kiln.data.gates.c4", "kiln.data.dedup.minhash"),
+                                       ("kiln.data.dedup.stages", "kiln.data.gates.basic")]))
+    assert _cycle_between(depth_2, "kiln.data.dedup", "kiln.data.gates", "kiln.data"), depth_2
+    # depth 1: train <-> eval, both on floor 6, through modules deep inside them
+    assert not _cycle_between(real, "kiln.eval", "kiln.train", "kiln")
+    depth_1 = package_cycles(_planted([("kiln.train.parts.validator", "kiln.eval.loss"),
+                                       ("kiln.eval.mc", "kiln.train.trainer")]))
+    assert _cycle_between(depth_1, "kiln.eval", "kiln.train", "kiln"), depth_1
+    # a submodule importing its own package's face, and the face importing it, is no sibling cycle
+    assert package_cycles({"kiln.data": {"kiln.data.gates.c4"}, "kiln.data.gates.c4": {"kiln.data"}}) == []
+    # three siblings in a ring: one edge each
+    assert package_cycles({"kiln.a.x": {"kiln.b.y"}, "kiln.b.y": {"kiln.c"}, "kiln.c": {"kiln.a"}, "kiln.a": set()}
+                          ) == ["cycle among kiln.a, kiln.b, kiln.c (under kiln): kiln.a.x -> kiln.b.y; "
+                                "kiln.b.y -> kiln.c; kiln.c -> kiln.a"]
+
+
+def test_the_floor_list_reports_a_planted_module_on_no_floor_or_two():
+    assert off_the_floors([*MODULES, "kiln.newroom", "kiln.newroom.thing"]) == [
+        "put kiln.newroom on a floor in tests/test_layout.py FLOORS"]
+    twice = [list(floor) for floor in FLOORS]
+    twice[3].append("kiln.errors")
+    assert off_the_floors(MODULES, twice) == ["kiln.errors is on floors 0, 3: keep it on one in "
+                                              "tests/test_layout.py FLOORS"]
 
 
 def test_model_imports_nothing_of_kiln_outside_model():
