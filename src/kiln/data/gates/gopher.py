@@ -21,13 +21,12 @@ Choices where the paper is English-only:
 from __future__ import annotations
 
 import bisect
-import itertools
 import re
 from itertools import repeat
 
 import numpy as np
 
-from kiln.data.gates.text import _CJK, LETTER, TextView, as_view, code_paragraph, duplicates, ratio
+from kiln.data.gates.text import _CJK, CJK, LETTER, TextView, as_view, code_paragraph, duplicates, ratio
 from kiln.data.gates.types import Gate, Verdict, drop
 
 STOP_WORDS_BY_LANG = {lang: frozenset(ws.split()) for lang, ws in {
@@ -43,13 +42,6 @@ STOP_WORDS_BY_LANG = {lang: frozenset(ws.split()) for lang, ws in {
 }.items()}
 STOP_WORDS = frozenset().union(*STOP_WORDS_BY_LANG.values())
 _SPACED_WORD = re.compile(f"[^\\s{_CJK}]+")
-_LETTER = re.compile(r"[^\W\d_]")
-
-
-def _words_with_letters(ws: list[str]) -> int:
-    """Words with at least one letter: all-letter words are counted in C, only the others searched."""
-    mixed = list(itertools.filterfalse(str.isalpha, ws))
-    return len(ws) - len(mixed) + sum(1 for w in mixed if _LETTER.search(w))
 
 
 BULLETS = ("-", "*", "\u2022", "\u2023", "\u25e6", "\u2043", "\u2219", "\u25aa", "\u25cf")
@@ -68,17 +60,17 @@ def gopher_quality(cfg) -> Gate:
         if n > cfg.max_words:
             return drop("gopher_long_doc", s, max_words=cfg.max_words)
         cjk = view.spaceless
-        # without Han/kana the words are the whitespace tokens, and numpy counts those with a letter
-        s["alpha_words_frac"] = ratio(_words_with_letters(view.words) if view.has_cjk else view.tokens_with(LETTER), n)
+        s["alpha_words_frac"] = ratio(view.words_with(LETTER), n)  # numpy counts the words with a letter
         s["bullet_lines_frac"] = ratio(sum(map(str.startswith, ls, repeat(BULLETS))), len(ls))
         s["ellipsis_lines_frac"] = ratio(sum(map(str.endswith, ls, repeat(ELLIPSES))), len(ls))
         s["symbol_word_ratio"] = ratio(text.count("#") + text.count("...") + text.count("\u2026"), n)
         stop_words = STOP_WORDS_BY_LANG.get(view.lang) if view.lang else STOP_WORDS
         if not cjk:
             has_cjk = view.has_cjk  # without Han/kana the words are the spaced words
-            if has_cjk:
-                spaced = _SPACED_WORD.findall(text)
-                s["mean_word_len"] = ratio(sum(map(len, spaced)), len(spaced))
+            if has_cjk:  # the spaced words: those that are not a Han/kana character
+                starts, ends = view.word_bounds
+                spaced = (view.char_flags[starts] & CJK) == 0
+                s["mean_word_len"] = ratio(int((ends - starts)[spaced].sum()), int(spaced.sum()))
             else:  # the tokens' characters are the visible ones
                 s["mean_word_len"] = ratio(view.visible_chars, view.token_count)
             if stop_words:
@@ -160,15 +152,14 @@ class _Grams:
 
     @classmethod
     def of_view(cls, view: TextView) -> "_Grams":
-        """The words the repetition rules read, `view.prose_words or view.words`: without Han/kana those are the
-        whitespace tokens (of the prose lines, when there are code lines and prose), whose ids and lengths
-        numpy finds in the view's characters (`TextView.token_ids`) with no str per word."""
-        if view.has_cjk:  # a Han/kana character is a word of its own
-            return cls.of_words(view.prose_words or view.words)
-        starts, ends = view.token_bounds
-        ids, lengths = view.token_ids, ends - starts
+        """The words the repetition rules read, `view.prose_words or view.words`: the words of the prose lines,
+        when there are code lines and prose, whose ids and lengths numpy finds in the view's characters
+        (`TextView.word_ids`: the whitespace tokens, each Han/kana character a word of its own) with no str per
+        word."""
+        starts, ends = view.word_bounds
+        ids, lengths = view.word_ids, ends - starts
         if any(view.code):
-            prose = ~np.array(view.code, dtype=bool)[view.token_lines]
+            prose = ~np.array(view.code, dtype=bool)[view.word_lines]
             if prose.any():
                 ids, lengths = ids[prose], lengths[prose]
         return cls(ids, lengths)

@@ -150,7 +150,8 @@ class TextView:
     """
 
     __slots__ = ("text", "lang", "_raw_lines", "_stripped", "_lines", "_words", "_paragraphs", "_spaceless",
-                 "_visible", "_code", "_prose_lines", "_prose_words", "_has_cjk", "_flags", "_tokens", "_codes")
+                 "_visible", "_code", "_prose_lines", "_prose_words", "_has_cjk", "_flags", "_tokens", "_codes",
+                 "_line_of", "_word_bounds")
 
     def __init__(self, text: str, lang: str | None = None, raw_lines: list[str] | None = None,
                  code: list[bool] | None = None, stripped: list[str] | None = None) -> None:
@@ -160,7 +161,7 @@ class TextView:
         self._raw_lines, self._code, self._stripped = raw_lines, code, stripped
         self._lines = self._words = self._paragraphs = None
         self._spaceless = self._visible = self._prose_lines = self._prose_words = self._has_cjk = None
-        self._flags = self._tokens = self._codes = None
+        self._flags = self._tokens = self._codes = self._line_of = self._word_bounds = None
 
     @property
     def raw_lines(self) -> list[str]:
@@ -255,10 +256,37 @@ class TextView:
         return self._tokens
 
     @property
+    def line_of(self) -> np.ndarray:
+        """For each character but a newline: the raw line it is on (the newlines up to it)."""
+        if self._line_of is None:
+            self._line_of = np.cumsum((self.char_flags & NEWLINE) != 0)
+        return self._line_of
+
+    @property
     def token_lines(self) -> np.ndarray:
         """For each whitespace token: the raw line it is on."""
-        starts, _ = self.token_bounds
-        return np.cumsum((self.char_flags & NEWLINE) != 0)[starts]  # newlines before it: a token starts on none
+        return self.line_of[self.token_bounds[0]]
+
+    @property
+    def word_bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """(starts, ends): character offsets of `words` (the whitespace tokens, each Han/kana character cut out of
+        them as a word of its own), in order, found in numpy: no str per word."""
+        if not self.has_cjk:
+            return self.token_bounds
+        if self._word_bounds is None:
+            flags = self.char_flags
+            solid = np.concatenate([[0], (flags & (SPACE | CJK)) == 0, [0]]).astype(np.int8)
+            edges = np.flatnonzero(np.diff(solid))  # the runs of characters that are neither space nor Han/kana
+            cjk = np.flatnonzero(flags & CJK)
+            starts = np.concatenate([edges[0::2], cjk])
+            order = np.argsort(starts, kind="stable")
+            self._word_bounds = starts[order], np.concatenate([edges[1::2], cjk + 1])[order]
+        return self._word_bounds
+
+    @property
+    def word_lines(self) -> np.ndarray:
+        """For each word (`word_bounds`): the raw line it is on."""
+        return self.line_of[self.word_bounds[0]]
 
     @property
     def line_token_counts(self) -> np.ndarray:
@@ -271,7 +299,16 @@ class TextView:
         with probability ~2^-64, as their str hashes: the sum over its characters of a mix (splitmix64's, keyed
         per process as Python keys str hashes) of (code point, place in the token), in numpy instead of a str
         per token. Ids are compared within the document, never kept."""
-        starts, ends = self.token_bounds
+        return self._ids(*self.token_bounds)
+
+    @property
+    def word_ids(self) -> np.ndarray:
+        """For each word (`word_bounds`): its id, as `token_ids` makes them."""
+        return self._ids(*self.word_bounds)
+
+    def _ids(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Ids of the spans (starts, ends) that cover the visible characters, each once, in order (the tokens, or
+        the words)."""
         if not len(starts):
             return np.empty(0, dtype=np.uint64)
         lengths = ends - starts
@@ -295,8 +332,7 @@ class TextView:
         tokens = self.line_token_counts
         if not self.has_cjk:
             return tokens
-        flags, lines = self.char_flags, len(self.raw_lines)
-        line_of = np.cumsum((flags & NEWLINE) != 0)  # each character's raw line
+        flags, lines, line_of = self.char_flags, len(self.raw_lines), self.line_of
         cjk = np.bincount(line_of[(flags & CJK) != 0], minlength=lines)
         solid = np.concatenate([[0], (flags & (SPACE | CJK)) == 0, [0]]).astype(np.int8)  # words between them
         edges = np.flatnonzero(np.diff(solid))
@@ -313,7 +349,7 @@ class TextView:
     @property
     def word_count(self) -> int:
         """len(words): the tokens, unless Han/kana make each such character a word."""
-        return len(self.words) if self.has_cjk else self.token_count
+        return len(self.word_bounds[0]) if self.has_cjk else self.token_count
 
     def count(self, bit: int) -> int:
         """Characters with that bit of `char_flags` (ALPHA: str.isalpha letters)."""
@@ -323,13 +359,19 @@ class TextView:
         """Whitespace tokens holding at least one character with that bit (LETTER: Gopher's words with a letter)."""
         return int(np.count_nonzero(self._chars_in_tokens(bit)))
 
+    def words_with(self, bit: int) -> int:
+        """Words (`word_bounds`) holding at least one character with that bit."""
+        return int(np.count_nonzero(self._chars_in(bit, *self.word_bounds)))
+
     def tokens_all(self, bit: int) -> np.ndarray:
         """For each whitespace token: are all its characters ones with that bit?"""
         starts, ends = self.token_bounds
         return self._chars_in_tokens(bit) == ends - starts
 
     def _chars_in_tokens(self, bit: int) -> np.ndarray:
-        starts, ends = self.token_bounds
+        return self._chars_in(bit, *self.token_bounds)
+
+    def _chars_in(self, bit: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         within = np.concatenate([[0], np.cumsum((self.char_flags & bit) != 0)])
         return within[ends] - within[starts]
 
