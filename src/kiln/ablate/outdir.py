@@ -20,6 +20,7 @@ from kiln.ablate.spec import PAGE, PLAN_FILE, RESULTS, AblationSpec
 from kiln.config import explain_error
 from kiln.errors import KilnError
 from kiln.manifest import check_replaceable
+from kiln.pages import check_replaceable_page
 
 PAGE_MARKER = "<!-- written by kiln ablate -->\n"  # ablation.html's first line: what lets a later run replace it
 WRITTEN_BY = "kiln ablate"  # plan.json's `written_by`: what makes out_dir an ablation's
@@ -69,8 +70,7 @@ def check_out_dir(out: Path, file: Path) -> None:
 def check_outputs(out: Path, file: Path) -> None:
     """ablation.json and ablation.html, where they exist, are kiln ablate's for `file`: else one line."""
     page = out / PAGE
-    if page.exists() and not (page.is_file() and page.read_bytes().startswith(PAGE_MARKER.encode())):
-        raise KilnError(f"{page} exists and is not a page kiln ablate wrote; move it away")
+    check_replaceable_page(page, PAGE_MARKER, "kiln ablate")
     results = out / RESULTS
     if results.exists():
         try:

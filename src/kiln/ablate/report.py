@@ -1,4 +1,4 @@
-"""ablation.html: one self-contained page, in `kiln report`'s style (kiln.ops.report: its CSS, tables and
+"""ablation.html: one self-contained page, in `kiln report`'s style (kiln.pages: its CSS, tables and
 base64 PNG figures; no script, font or stylesheet from anywhere).
 
 In order: the verdict table (every arm against the baseline on every metric, Holm-corrected), each metric with
@@ -18,9 +18,9 @@ import numpy as np
 
 from kiln.ablate.outdir import PAGE_MARKER
 from kiln.ablate.plan import Plan
-from kiln.errors import KilnError
-from kiln.manifest import write_atomic
-from kiln.ops.report import CSS, STAGE_ORDER, _figure, _figure_html, _table, fmt, read_records, smooth
+from kiln.ops.report import STAGE_ORDER
+from kiln import pages
+from kiln.pages import figure, figure_html, fmt, page, read_records, smooth, table
 
 VERDICT_STYLE = ".better{color:#070;font-weight:600}.worse{color:#b00;font-weight:600}"
 
@@ -44,7 +44,7 @@ def plot_metric(metric: dict, comparisons: list[dict], baseline: str):
     rows = [c for c in comparisons if c["metric"] == metric["name"] and c["diff"] is not None]
     if not rows:
         return None
-    fig, ax = _figure()
+    fig, ax = figure()
     fig.set_figheight(max(1.8, 0.45 * len(rows) + 1.2))
     y = np.arange(len(rows))[::-1]
     colors = ["tab:green" if c["verdict"] == "better" else "tab:red" if c["verdict"] == "worse" else "tab:gray"
@@ -68,7 +68,7 @@ def _curve(run_folder: Path) -> tuple[list[int], list[float]] | None:
 
 
 def plot_loss_bands(data: dict):
-    fig, ax = _figure()
+    fig, ax = figure()
     drawn = False
     for arm in data["arms"]:
         curves = [c for r in arm["runs"] if (c := _curve(Path(r["folder"]))) is not None]
@@ -103,7 +103,7 @@ def plot_funnels(data: dict):
     arms = [a for a in data["arms"] if a["data_shared_with"] is None and (a["data"]["documents"] or {}).get("read")]
     if not arms:
         return None
-    fig, ax = _figure()
+    fig, ax = figure()
     names = [name for name, _ in funnel(arms[0]["data"])]
     fig.set_figheight(max(2.5, 0.25 * len(names) * len(arms) + 1))
     height = 0.8 / len(arms)
@@ -144,30 +144,26 @@ def render(plan: Plan, data: dict[str, Any]) -> str:
     parts.append("<h2>Verdicts</h2>" + _verdicts(data["comparisons"]))
     parts.append("<h2>Metrics</h2>")
     means = [{"arm": a["name"], **a["mean"]} for a in data["arms"]]
-    parts.append(_table(means, ["arm"] + [m["name"] for m in data["metrics"]]))
+    parts.append(table(means, ["arm"] + [m["name"] for m in data["metrics"]]))
     for metric in data["metrics"]:
         if (fig := plot_metric(metric, data["comparisons"], data["baseline"])) is not None:
-            parts.append(_figure_html(f"{metric['name']} against {data['baseline']}", fig))
+            parts.append(figure_html(f"{metric['name']} against {data['baseline']}", fig))
     parts.append("<h2>Training</h2>")
     if (fig := plot_loss_bands(data)) is not None:
-        parts.append(_figure_html("Training loss per arm: mean over seeds, band from the lowest to the highest", fig))
-    parts.append("<h2>Data</h2>" + _table(_data_rows(data), ["arm", "read", "kept", "train tokens", "epochs",
+        parts.append(figure_html("Training loss per arm: mean over seeds, band from the lowest to the highest", fig))
+    parts.append("<h2>Data</h2>" + table(_data_rows(data), ["arm", "read", "kept", "train tokens", "epochs",
                                                               "top rejections", "languages"]))
     if (fig := plot_funnels(data)) is not None:
-        parts.append(_figure_html("Funnel: documents left after each stage, per arm", fig))
-    parts.append("<h2>Eval sets</h2>" + _table(_eval_rows(data), ["set", "kind", "path", "units", "kept",
+        parts.append(figure_html("Funnel: documents left after each stage, per arm", fig))
+    parts.append("<h2>Eval sets</h2>" + table(_eval_rows(data), ["set", "kind", "path", "units", "kept",
                                                                    "dropped (in an arm's data)"]))
     parts.append(f"<h2>Settings</h2><pre>{html.escape(json.dumps(data['statistics'], indent=1))}</pre>")
-    return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>Kiln ablation</title>"
-            f"<style>{CSS}{VERDICT_STYLE}</style></head><body>{''.join(parts)}</body></html>\n")
+    return page("Kiln ablation", parts, VERDICT_STYLE)
 
 
 def write_page(plan: Plan, data: dict[str, Any], out: Path) -> Path:
     """Write ablation.html, replacing only a page an ablation wrote (its first-line marker)."""
-    if out.exists() and not (out.is_file() and out.read_bytes().startswith(PAGE_MARKER.encode())):
-        raise KilnError(f"{out} exists and is not a page kiln ablate wrote; move it away")
-    write_atomic(out, PAGE_MARKER + render(plan, data))
-    return out
+    return pages.write_page(out, PAGE_MARKER, render(plan, data), "kiln ablate")
 
 
 def print_verdicts(data: dict[str, Any], console) -> None:

@@ -25,7 +25,7 @@ from kiln.config import Config, build_config
 from kiln.errors import KilnError
 from kiln.manifest import read_manifest, staging_dir, write_atomic, write_manifest
 from kiln.ops.check import Check, guarded, print_checks
-from kiln.ops.report import read_records
+from kiln.pages import read_records
 from kiln.shards.format import IDX_ENTRY, ShardHeader, read_header, write_shard
 from kiln.shards.reader import ShardSet
 

@@ -8,9 +8,7 @@ record is left out rather than drawn empty, so older runs and CPU runs still get
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import json
 import math
 from datetime import datetime, timezone
@@ -18,44 +16,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kiln.errors import KilnError
-from kiln.manifest import write_atomic
+from kiln.pages import (DPI, SMOOTHING, Records, check_replaceable_page, figure, figure_html, fmt, read_records, smooth,
+                        table, page, write_page)
 
-Records = list[dict[str, Any]]
-DPI = 110  # 880 px wide figures: sharp at the page's width, text readable without zooming
-
-
-def read_records(path: Path) -> tuple[Records, int]:
-    """metrics.jsonl as records, and how many lines were unreadable (a crash can cut the last one)."""
-    records, bad = [], 0
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            bad += 1
-            continue
-        if isinstance(rec, dict):
-            records.append(rec)
-    return records, bad
 
 
 def _series(records: Records, event: str, key: str) -> tuple[list[float], list[float]]:
     pts = [(r["step"], r[key]) for r in records if r.get("event") == event and isinstance(r.get(key), (int, float))]
     return [p[0] for p in pts], [p[1] for p in pts]
-
-
-def _figure():
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(8, 3.4), dpi=DPI, layout="constrained")
-    return fig, fig.add_subplot()
-
-
-def _png(fig) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return base64.b64encode(buf.getvalue()).decode()
 
 
 # --- training curves: each returns a figure, or None when the run recorded nothing for it ----------
@@ -65,7 +33,7 @@ def plot_loss(records: Records):
     vsteps, vloss = _series(records, "eval", "val_loss")
     if not steps and not vsteps:
         return None
-    fig, ax = _figure()
+    fig, ax = figure()
     ax.plot(steps, loss, lw=0.8, alpha=0.35, color="tab:blue", label="train loss")
     if len(loss) > 2:
         ax.plot(steps, smooth(loss), lw=1.8, color="tab:blue", label=f"train loss, smoothed (EMA {SMOOTHING})")
@@ -81,18 +49,6 @@ def plot_loss(records: Records):
     ax.set(xlabel="step", ylabel="loss")
     ax.legend(fontsize=8)
     return fig
-
-
-SMOOTHING = 0.9  # EMA weight of the past: about the last 10 steps
-
-
-def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
-    """Exponential moving average, debiased at the start (as TensorBoard's smoothing)."""
-    out, avg = [], 0.0
-    for i, v in enumerate(values, 1):
-        avg = weight * avg + (1 - weight) * v
-        out.append(avg / (1 - weight ** i))
-    return out
 
 
 def plot_loss_by_tokens_and_time(records: Records):
@@ -121,7 +77,7 @@ def plot_tasks(records: Records):
     tasks = sorted({r["task"] for r in records if r.get("event") == "task" and "task" in r})
     if not tasks:
         return None
-    fig, ax = _figure()
+    fig, ax = figure()
     for name in tasks:
         rows = [r for r in records if r.get("event") == "task" and r.get("task") == name]
         steps = [r["step"] for r in rows]
@@ -139,7 +95,7 @@ def _lines(records: Records, keys: list[str], ylabel: str, log: bool = False):
     drawn = [d for d in drawn if d[1]]
     if not drawn:
         return None
-    fig, ax = _figure()
+    fig, ax = figure()
     for key, x, y in drawn:
         ax.plot(x, y, lw=1, label=key)
     if log and all(v > 0 for _, _, y in drawn for v in y):
@@ -159,7 +115,7 @@ def plot_throughput(records: Records):
     msteps, mfu = _series(records, "step", "mfu")
     if not steps:
         return None
-    fig, ax = _figure()
+    fig, ax = figure()
     ax.plot(steps, tps, lw=1, label="tokens/s")
     ax.set(xlabel="step", ylabel="tokens/s")
     if msteps:
@@ -177,7 +133,7 @@ def plot_step_time(records: Records):
     series = [s for s in series if s[1]]
     if not series:
         return None
-    fig, ax = _figure()
+    fig, ax = figure()
     steps = series[0][1]
     ax.stackplot(steps, *[s[2] if len(s[2]) == len(steps) else [0] * len(steps) for s in series],
                  labels=[s[0].removeprefix("time_").removesuffix("_s") for s in series])
@@ -216,7 +172,7 @@ def _bars(counts: dict[str, float], xlabel: str, top: int = 25):
     if not counts:
         return None
     items = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
-    fig, ax = _figure()
+    fig, ax = figure()
     fig.set_figheight(max(2.0, 0.28 * len(items) + 1))
     ax.barh([k for k, _ in items][::-1], [v for _, v in items][::-1], color="tab:blue")
     ax.set_xlabel(xlabel)
@@ -238,7 +194,7 @@ def plot_sources(stats: dict):
     if not by_source:
         return None
     items = list(by_source.items())[:25]
-    fig, ax = _figure()
+    fig, ax = figure()
     fig.set_figheight(max(2.0, 0.35 * len(items) + 1))
     names = [Path(s).name or s for s, _ in items]
     kept = [c.get("kept", 0) for _, c in items]
@@ -276,7 +232,7 @@ def plot_funnel(stats: dict):
         left -= by_stage.get(stage, 0)
         names.append(f"after {stage}")
         counts.append(left)
-    fig, ax = _figure()
+    fig, ax = figure()
     fig.set_figheight(2.8)
     bars = ax.barh(names[::-1], counts[::-1], color="tab:blue")
     ax.bar_label(bars, labels=[f"{c:,} ({c / read:.0%})" for c in counts[::-1]], fontsize=9, padding=3)
@@ -296,7 +252,7 @@ def plot_rejections_by_language(stats: dict, top_langs: int = 12, top_reasons: i
         for reason, n in by_lang[lang].items():
             totals[reason] = totals.get(reason, 0) + n
     reasons = sorted(totals, key=lambda r: -totals[r])[:top_reasons]
-    fig, ax = _figure()
+    fig, ax = figure()
     fig.set_figheight(max(2.2, 0.38 * len(langs) + 1.4))
     left = [0] * len(langs)
     for reason in reasons + ["other"]:
@@ -318,7 +274,7 @@ def plot_lengths(stats: dict):
         return None
     import numpy as np
 
-    fig, ax = _figure()
+    fig, ax = figure()
     x = np.arange(len(bins))
     for i, (name, color) in enumerate([("kept", "tab:blue"), ("rejected", "tab:orange")]):
         counts = [hist.get(name, {}).get(str(b), 0) for b in bins]
@@ -345,40 +301,6 @@ DATA_PLOTS: list[tuple[str, Callable[[dict], Any]]] = [
 
 
 # --- the page ------------------------------------------------------------------------------------
-
-CSS = """body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:62em;color:#222}
-h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;margin-top:2em}figure{margin:1em 0}
-figcaption{font-weight:600;margin-bottom:.3em}img{max-width:100%}
-table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:2px 8px;text-align:left}
-pre{background:#f6f6f6;padding:1em;overflow-x:auto;font-size:12px}.bad{color:#b00}"""
-
-
-def _figure_html(title: str, fig) -> str:
-    return (f'<figure><figcaption>{html.escape(title)}</figcaption>'
-            f'<img alt="{html.escape(title)}" src="data:image/png;base64,{_png(fig)}"></figure>')
-
-
-def fmt(value: Any) -> str:
-    """A number as a person reads it: 7.0558 not 7.055826187133789, 1,234,567 not 1234567."""
-    if value is None:
-        return ""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return str(value)
-    if isinstance(value, int):
-        return f"{value:,}"
-    if value != value or value in (float("inf"), float("-inf")):
-        return str(value)
-    if abs(value) >= 1000:
-        return f"{value:,.0f}"
-    return f"{value:.4g}" if abs(value) < 0.01 and value else f"{value:.4f}"
-
-
-def _table(rows: list[dict], columns: list[str]) -> str:
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(fmt(r.get(c)))}</td>" for c in columns) + "</tr>"
-                   for r in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
-
 
 def with_tables(stats: dict, docs_dir: Path, inputs: int = 25, sources: int = 20) -> dict:
     """stats.json with the rows the data section shows taken from its per-source tables (kiln.data.tables): the
@@ -415,7 +337,7 @@ def composition_table(stats: dict, top: int = 20) -> str:
         if rows:
             columns = [label, "documents", "chars", "doc share", "char share"]
             columns += ["weight"] if axis == "by_source" else []
-            out.append(f"<h3>Corpus by {label}</h3>" + _table(rows, columns))
+            out.append(f"<h3>Corpus by {label}</h3>" + table(rows, columns))
     return "".join(out)
 
 
@@ -498,7 +420,7 @@ def plot_bits_per_byte(records: Records, bytes_per_token: float | None):
     vsteps, vloss = _series(records, "eval", "val_loss")
     if not vsteps or not bytes_per_token:
         return None
-    fig, ax = _figure()
+    fig, ax = figure()
     ax.plot(vsteps, [v / math.log(2) / bytes_per_token for v in vloss], "o-", ms=4, color="tab:green")
     ax.set(xlabel="step", ylabel="bits per byte")
     return fig
@@ -531,7 +453,7 @@ def _checkpoints(run_dir: Path) -> str:
     for r in rows:
         r["path"] = Path(r["path"]).name
         r["valid"] = "yes" if r["valid"] else "NO"
-    return _table(rows, ["path", "step", "valid", "tokens_seen", "val_loss", "problem"])
+    return table(rows, ["path", "step", "valid", "tokens_seen", "val_loss", "problem"])
 
 
 def run_folder(path: Path) -> Path:
@@ -551,11 +473,11 @@ def hardware_section(records: Records) -> str:
              ("PCIe throughput (MB/s)", ["pcie_tx_mb_s", "pcie_rx_mb_s"], "MB/s", False),
              ("Compute time per step across ranks (s): median rank and slowest",
               ["rank_compute_median_s", "rank_compute_max_s"], "seconds", False)]
-    parts = [_figure_html(title, fig) for title, keys, ylabel, log in plots
+    parts = [figure_html(title, fig) for title, keys, ylabel, log in plots
              if (fig := _lines(records, keys, ylabel, log)) is not None]
     alerts = [r for r in records if r.get("event") == "alert"]
     if alerts:
-        parts.append(f"<p>{len(alerts)} alert(s):</p>" + _table(alerts, ["step", "kind", "rank", "host", "message"]))
+        parts.append(f"<p>{len(alerts)} alert(s):</p>" + table(alerts, ["step", "kind", "rank", "host", "message"]))
     return "<h2>Hardware</h2>" + "".join(parts) if parts else ""
 
 
@@ -569,18 +491,18 @@ def render(run_dir: Path) -> str:
              f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}</p>"]
     if bad:
         parts.append(f'<p class="bad">{bad} unreadable line(s) in metrics.jsonl were left out.</p>')
-    parts.append("<h2>Summary</h2>" + _table(_summary(records), ["what", "value"]))
+    parts.append("<h2>Summary</h2>" + table(_summary(records), ["what", "value"]))
     parts.append("<h2>Training</h2>")
     for title, plot in TRAINING_PLOTS:
         if (fig := plot(records)) is not None:
-            parts.append(_figure_html(title, fig))
+            parts.append(figure_html(title, fig))
     config_file = run_dir / "config.yaml"
     config = _read_yaml(config_file)
     shards = _read_json(run_dir.parent / "shards" / "manifest.json") or {}
     val = (shards.get("splits") or {}).get("val") or {}
     val_bytes = (shards.get("text_bytes") or {}).get("val")
     if (fig := plot_bits_per_byte(records, val_bytes / val["tokens"] if val_bytes and val.get("tokens") else None)):
-        parts.append(_figure_html("Validation bits per byte (validation loss / ln 2 / the split's bytes per token)",
+        parts.append(figure_html("Validation bits per byte (validation loss / ln 2 / the split's bytes per token)",
                                   fig))
     if not any(isinstance(r.get("mfu"), (int, float)) for r in records if r.get("event") == "step"):
         parts.append("<p>MFU is not plotted: the run's device has no peak FLOP/s in Kiln's table (a CPU, or an "
@@ -598,13 +520,13 @@ def render(run_dir: Path) -> str:
         parts.append(composition_table(stats))
         for title, plot in DATA_PLOTS:
             if (fig := plot(stats)) is not None:
-                parts.append(_figure_html(title, fig))
+                parts.append(figure_html(title, fig))
     else:
         parts.append(f"<p>No data-stage statistics at {html.escape(str(stats_file))}.</p>")
     if rows := tokenizer_rows(run_dir.parent, config):
-        parts.append("<h3>Tokenizer and packing</h3>" + _table(rows, ["what", "value"]))
+        parts.append("<h3>Tokenizer and packing</h3>" + table(rows, ["what", "value"]))
     if (fig := _bars(shards.get("tokens_by_lang") or {}, "tokens")) is not None:
-        parts.append(_figure_html("Tokens per language (both splits)", fig))
+        parts.append(figure_html("Tokens per language (both splits)", fig))
     parts.append("<h2>Checkpoints</h2>" + _checkpoints(run_dir))
     if config is None:
         parts.append("<h2>Config</h2><p>No config.yaml in the run folder.</p>")
@@ -612,11 +534,10 @@ def render(run_dir: Path) -> str:
         changes = config_changes(config)
         parts.append("<h2>Config</h2><p>Keys that differ from Kiln's defaults "
                      f"(<code>kiln config show {html.escape(str(config_file))}</code> explains every key):</p>"
-                     + (_table(changes, ["key", "value", "default"]) if changes else "<p>none</p>")
+                     + (table(changes, ["key", "value", "default"]) if changes else "<p>none</p>")
                      + f"<details><summary>the whole config.yaml</summary><pre>{html.escape(config_file.read_text())}"
                      "</pre></details>")
-    return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>Kiln report</title>"
-            f"<style>{CSS}</style></head><body>{''.join(parts)}</body></html>\n")
+    return page("Kiln report", parts)
 
 
 REPORT_MARKER = "<!-- written by kiln report -->\n"  # what lets a later `kiln report` replace this file
@@ -624,18 +545,9 @@ REPORT_MARKER = "<!-- written by kiln report -->\n"  # what lets a later `kiln r
 
 def check_replaceable_report(out: Path) -> None:
     """`out` is free or a report Kiln wrote (its marker, or the title reports had before it); else refuse."""
-    if not out.exists():
-        return
-    head = out.read_bytes()[:512] if out.is_file() else b""
-    if not (head.startswith(REPORT_MARKER.encode()) or b"<title>Kiln report</title>" in head):
-        raise KilnError(f"{out} exists and is not a Kiln report; kiln report replaces only a report it wrote: "
-                        f"choose another --out or move {out} away")
+    check_replaceable_page(out, REPORT_MARKER, "kiln report", legacy_title="Kiln report")
 
 
 def write_report(run_dir: Path, out: Path | None = None) -> Path:
     out = Path(out) if out is not None else run_folder(run_dir) / "report.html"
-    check_replaceable_report(out)
-    page = REPORT_MARKER + render(run_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, page)
-    return out
+    return write_page(out, REPORT_MARKER, render(run_dir), "kiln report", legacy_title="Kiln report")
