@@ -1,0 +1,47 @@
+"""The data stage's faster paths (issue 44, "faster, not only smaller") compute what the plain ones did."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from kiln.data.gates.distribution import _lowered_counts, _numbered
+from kiln.data.gates.text import TextView, words
+
+TEXTS = [
+    "",
+    "plain English words, no Han at all\n  second line\tand a tab",
+    "日本語の文章です。apt-get install foo を実行します\n\nソフトウェアー（ソフトウェア）",
+    "中文文本 mixed with English 和数字 123 和 ａｂｃ full-width\n>>> print('你好')",
+    "  leading and trailing  日本  \n\n\n末尾",
+    "ΟΔΟΣ ΟΔΟΣ. İstanbul ΣΑΣ日本ΑΣ ÉCOLE straße",
+    "ΟΔΟΣ ΟΔΟΣ. ΣΑΣ'Β Σ\u0301 ΑΣ\u200bΒ İstanbul ÉCOLE",  # final sigma and İ without Han: the lowered text's split
+    "emoji 😀 beyond the BMP 😀日本 and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+]
+
+
+def test_word_bounds_are_the_words():
+    for text in TEXTS:
+        view = TextView(text)
+        starts, ends = view.word_bounds
+        assert [text[a:b] for a, b in zip(starts.tolist(), ends.tolist())] == words(text)
+        assert view.word_count == len(words(text))
+        assert view.word_lines.tolist() == [text.count("\n", 0, a) for a in starts.tolist()]
+        ids = view.word_ids.tolist()
+        ws = words(text)
+        assert len(ids) == len(ws)
+        assert all((ids[i] == ids[j]) == (ws[i] == ws[j]) for i in range(len(ws)) for j in range(len(ws)))
+
+
+def test_lowered_counts_and_numbers_are_the_plain_ones():
+    vocab_fast: dict[str, int] = {}
+    vocab_plain: dict[str, int] = {}
+    for text in TEXTS * 2:
+        counts = _lowered_counts(text)
+        plain = Counter(map(str.lower, words(text)))
+        assert list(counts.items()) == list(plain.items())
+        ids = _numbered(vocab_fast, counts)
+        want = np.fromiter((vocab_plain.setdefault(t, len(vocab_plain)) for t in plain), np.int64, len(plain))
+        assert ids.tolist() == want.tolist()
+    assert list(vocab_fast.items()) == list(vocab_plain.items())
