@@ -1,42 +1,50 @@
-"""The whole filter stage against reading and extraction alone, on the same records, one worker.
+"""The whole `kiln data` stage against reading and extraction alone, on the same pages, per CPU second, one worker.
 
-    python -m benchmarks filter_stage
+    python -m benchmarks filter_stage          (RUNS=3 rounds, COPIES=10 copies of the sample, EXTRAS=1)
 
-Three inputs, measured side by side in one run: the bundled sample (120 Debian Reference pages, 8
-languages); a crawl built here from Debian's documentation packages (the Python 3.11 docs, the Debian FAQ in
-10 languages, the New Maintainers' Guide in 4, the Debian Reference in 8); and a crawl of long pages from
-packages no gate was tuned on (the Debian Administrator's Handbook's chapters in 26 languages, git's manual
-pages, R's manuals, the GNU coding standards). benchmarks/debian_docs.py builds the crawls; an input whose
-packages are not installed is skipped. `REPEATS` rounds, each measuring every input in turn, in one process:
+Issue 44's measure, taken from outside: each side runs as a process of its own, and its CPU seconds are user +
+sys of that process and of every process under it (`getrusage(RUSAGE_CHILDREN)` around it), Python's start and
+imports included on both sides:
+- read + extract: FastWARC's ArchiveIterator over the files, each response's payload decoded (the HTTP charset,
+  else resiliparse's detection) and its main-content text extracted by resiliparse with Kiln's settings
+  (`extract.NAVIGATION` skipped, no alt texts); no Kiln import. What the stage cannot go faster than.
+- kiln data: `kiln data FILES --out DIR --workers 1` with the default settings: read, extract, language, every
+  default gate, the dedup signatures, the dedup stages, the distribution profiles, the merge and the commit.
+The ratio is docs per CPU second of kiln data over docs per CPU second of read + extract (CPU of read + extract
+over CPU of kiln data), the median of RUNS rounds; in each round the two sides run back to back, the first one
+alternating, so both meet the same load (the load average is printed). Target: >= 0.5.
 
-- read + extract: FastWARC records -> resiliparse main-content text (what the stage cannot go faster than);
-- filter stage: read -> extract -> language -> every default gate (`pipeline.process_task`);
-- task: what a data task does with one worker (`pipeline._run_task_once`): the filter stage, then the kept
-  documents' dedup signatures and the zstd JSONL of every outcome; the bytes of the files it leaves in the
-  work folder are printed per document (docs/scale.md sizes a crawl's work folder from them).
+Inputs: the bundled sample (120 Debian Reference pages in 8 languages) copied COPIES times (COPIES files; the
+copies are exact duplicates, which dedup removes); the Debian documentation crawl and the long pages no gate was
+tuned on (held out), both built here by benchmarks/debian_docs.py from installed Debian packages (an input whose
+packages are missing is skipped: `apt-get install` the packages that module names).
 
-The ratios are docs/s of the filter stage (or the task) over docs/s of read + extract (medians), both in CPU
-seconds of this process (`time.process_time`: one worker, and on a shared machine what other processes take
-does not count); the wall-clock ratio is printed too, and "steps": the same ratio from the filter stage's own
-per-step CPU seconds (read + extract over the four steps, median of the rounds), which times every step on the
-same documents at the same moments: on a loaded machine the separate runs meet different loads. The per-step
-seconds come from the stage's own StepTimer, run on this process's CPU clock (the task's on the wall clock,
-as the stage runs it).
+Shares: one more run of the same stage per input, in a process that times each step on its own CPU clock
+(`StepTimer(time.process_time)`; the Signer's calls): startup (interpreter and imports), read, extract,
+language, gates, signatures (dedup signatures of the kept documents), outcome (the task's JSON lines, zstd and
+atomic writes, what the loop does besides), dedup (the dedup stages), profiles (the distribution profiles), merge
+(docs parts, stats, tables, manifest, commit); each as a share of that run's CPU, and "after extract": the CPU
+of everything but read and extract over that of read + extract (under 1 is the target's other face).
 
-Language ID accuracy on the labelled pages (the language in the page's URL or folder, `debian_docs.url_lang`):
-how many it names correctly with a score >= data.lang_threshold, reading the sample `language.language_sample`
-takes (what the stage runs) and the first 2,000 characters (what it read before), and on how many pages the
-two readings disagree (language, or which side of the threshold).
-
-Then the learned gates' cost, ms/doc of CPU over every extracted page of the sample: a floret classifier
-(`kiln data classifier train`, 60 sample pages as positives against their words shuffled), and the
-semantic gate (skipgram vectors trained on the sample as `kiln data` trains them, five keywords).
+EXTRAS=1 (the default) then measures, in this process: the bytes a data task leaves in the work folder per
+document (`pipeline._run_task_once` into a temporary folder; docs/scale.md sizes a crawl's work folder from
+them); language ID accuracy on the labelled pages (the language in the page's URL or folder,
+`debian_docs.url_lang`): how many it names correctly with a score >= data.lang_threshold reading the sample
+`language.language_sample` takes (what the stage runs) and the first 2,000 characters, and on how many the two
+disagree; the learned gates' CPU ms per document on the sample: a floret classifier (60 sample pages against
+their words shuffled), the semantic gate (skipgram vectors trained on the sample, five keywords) and the
+perplexity gate (a dim-64, 2-layer Kiln model trained 20 steps on the sample).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import resource
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,63 +53,168 @@ from benchmarks.debian_docs import CORPORA, LONG_CORPORA, crawl, url_lang
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "examples" / "data" / "sample.warc.gz"
-REPEATS = int(os.environ.get("REPEATS", "3"))
+RUNS = int(os.environ.get("RUNS", os.environ.get("REPEATS", "3")))
+REPEATS = RUNS  # the learned gates' rounds
+COPIES = int(os.environ.get("COPIES", "10"))
+EXTRAS = os.environ.get("EXTRAS", "1") != "0"
 FIRST_CHARS = 2000  # what language ID read before it sampled: the text's first 2,000 characters
 
+READ_EXTRACT = r"""
+import json, re, sys
+from fastwarc.warc import ArchiveIterator, WarcRecordType
+from resiliparse.extract.html2text import extract_plain_text
+from resiliparse.parse.encoding import bytes_to_str, detect_encoding
+from resiliparse.parse.html import HTMLTree
 
-def inputs(folder: Path) -> dict[str, Path | None]:
-    return {"sample": SAMPLE, "debian-docs": crawl(CORPORA, folder / "debian-docs.warc.gz"),
-            "long-pages": crawl(LONG_CORPORA, folder / "long-pages.warc.gz")}
+skip = json.loads(sys.argv[1])
+charset = re.compile(r"charset=[\"']?([\w.:-]+)", re.I)
+docs = chars = 0
+for path in sys.argv[2:]:
+    with open(path, "rb") as f:
+        for rec in ArchiveIterator(f, record_types=WarcRecordType.response, parse_http=True):
+            body = rec.reader.read()
+            m = charset.search(rec.http_headers.get("Content-Type") or "")
+            html = bytes_to_str(body, m.group(1) if m else detect_encoding(body, from_html_meta=True), errors="replace")
+            text = extract_plain_text(HTMLTree.parse(html), main_content=True, alt_texts=False, skip_elements=skip)
+            docs, chars = docs + 1, chars + len(text)
+print(json.dumps({"docs": docs, "chars": chars}))
+"""
+
+SHARES = r"""
+import time
+started = time.process_time()
+import functools, json, resource, sys
+from pathlib import Path
+from kiln.config import DataConfig
+from kiln.data import pipeline
+from kiln.data.dedup.signatures import Signer
+from kiln.data.steps import StepTimer
 
 
-def _timed(run) -> tuple[float, float, object]:
-    t0, w0 = time.process_time(), time.perf_counter()
-    out = run()
-    return time.process_time() - t0, time.perf_counter() - w0, out
+def cpu():
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def measure_once(path: Path) -> dict:
-    """One round on one input: read + extract, the filter stage, a whole task (CPU and wall seconds)."""
+signing = [0.0]
+
+
+def timed(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        t0 = time.process_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            signing[0] += time.process_time() - t0
+    return run
+
+
+Signer.add, Signer.write = timed(Signer.add), timed(Signer.write)
+pipeline.StepTimer = functools.partial(StepTimer, time.process_time)  # the task's steps on the CPU clock
+startup = cpu()
+stats = pipeline.run_data(sys.argv[2:], Path(sys.argv[1]), DataConfig(workers=1))
+total = cpu()
+steps, phases = stats["timings_s"]["steps"], stats["timings_s"]["cpu"]
+parts = {"startup": startup, **{k: steps[k] for k in ("read", "extract", "language", "gates")},
+         "signatures": signing[0]}
+parts["outcome"] = phases["process"] - sum(v for k, v in parts.items() if k != "startup")
+parts |= {"dedup": phases["dedup_stages"], "profiles": phases["profiles"],
+          "merge": phases["merge"] + total - startup - sum(phases.values())}
+print(json.dumps({"docs": stats["documents"]["read"], "kept": stats["documents"]["kept"], "cpu": total,
+                  "parts": parts}))
+"""
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+
+
+def _measured(cmd: list[str]) -> tuple[float, float, str]:
+    """(CPU seconds of `cmd` and every process under it, wall seconds, stdout)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({done.returncode}): {done.stderr[-2000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, wall, done.stdout
+
+
+def read_extract(files: list[str]) -> dict:
+    from kiln.data.extract import NAVIGATION
+
+    cpu, wall, out = _measured([sys.executable, "-c", READ_EXTRACT, json.dumps(NAVIGATION), *files])
+    return {"cpu": cpu, "wall": wall, "docs": json.loads(out.strip().splitlines()[-1])["docs"]}
+
+
+def kiln_data(files: list[str], out: Path) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    cpu, wall, stdout = _measured([sys.executable, "-m", "kiln", "data", *files, "--out", str(out), "--workers", "1"])
+    stats = json.loads(stdout)
+    shutil.rmtree(out, ignore_errors=True)
+    return {"cpu": cpu, "wall": wall, "docs": stats["documents"]["read"], "kept": stats["documents"]["kept"]}
+
+
+def shares(files: list[str], out: Path) -> dict:
+    """One run of the stage with each step timed on its CPU clock (the module docstring's "Shares")."""
+    shutil.rmtree(out, ignore_errors=True)
+    _, _, stdout = _measured([sys.executable, "-c", SHARES, str(out), *files])
+    shutil.rmtree(out, ignore_errors=True)
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def inputs(folder: Path) -> dict[str, list[str]]:
+    """name -> its WARC files."""
+    sample = folder / "sample"
+    sample.mkdir(parents=True, exist_ok=True)
+    for i in range(COPIES):
+        shutil.copy(SAMPLE, sample / f"sample-{i}.warc.gz")
+    out = {f"sample x{COPIES}": [str(p) for p in sorted(sample.glob("*.warc.gz"))]}
+    for name, corpora in (("debian-docs", CORPORA), ("long-pages", LONG_CORPORA)):
+        path = crawl(corpora, folder / f"{name}.warc.gz")
+        if path is not None:
+            out[name] = [str(path)]
+    return out
+
+
+def compare(files: list[str], out: Path) -> dict:
+    """RUNS rounds of both sides (the first side alternating) and one shares run: the ratio and each step's share."""
+    rounds = []
+    for k in range(RUNS):
+        load = os.getloadavg()[0]
+        if k % 2:
+            data = kiln_data(files, out)
+            base = read_extract(files)
+        else:
+            base = read_extract(files)
+            data = kiln_data(files, out)
+        if base["docs"] != data["docs"]:
+            raise RuntimeError(f"read + extract saw {base['docs']} documents, kiln data {data['docs']}")
+        rounds.append({"base": base, "data": data, "ratio": base["cpu"] / data["cpu"], "load": round(load, 1)})
+    parts = shares(files, out)
+    base_cpu = statistics.median(r["base"]["cpu"] for r in rounds)
+    after = sum(v for k, v in parts["parts"].items() if k not in ("read", "extract"))
+    return {"docs": rounds[0]["data"]["docs"], "kept": rounds[0]["data"]["kept"], "base_cpu": base_cpu,
+            "data_cpu": statistics.median(r["data"]["cpu"] for r in rounds),
+            "ratio": statistics.median(r["ratio"] for r in rounds), "runs": [round(r["ratio"], 3) for r in rounds],
+            "wall_ratio": statistics.median(r["base"]["wall"] / r["data"]["wall"] for r in rounds),
+            "loads": [r["load"] for r in rounds], "parts": parts["parts"], "parts_cpu": parts["cpu"],
+            "after_extract": after / (parts["parts"]["read"] + parts["parts"]["extract"])}
+
+
+def work_bytes(path: Path) -> dict:
+    """A data task on one file into a temporary work folder: the bytes of each file it leaves there, per
+    document, and the input's."""
     from kiln.config import DataConfig
-    from kiln.data.document import ReadReport
-    from kiln.data.extract import extract
-    from kiln.data.pipeline import Task, _run_task_once, process_task, read_task
-    from kiln.data.steps import StepTimer
+    from kiln.data.pipeline import Task, _run_task_once
 
-    cfg, task, timer = DataConfig(), Task(0, str(path)), StepTimer(time.process_time)
-    base = _timed(lambda: sum(1 for _ in extract(read_task(task, cfg, ReadReport()), cfg.max_page_bytes,
-                                                 cfg.extractor)))
-    full = _timed(lambda: sum(1 for _ in process_task(task, cfg, ReadReport(), timer)))
-    with tempfile.TemporaryDirectory() as work:  # the task writes its outcome and signatures here, as on a worker
-        whole = _timed(lambda: _run_task_once(task, cfg, Path(work)))
-    summary = whole[2]
-    files = {suffix: rec["size"] for suffix, rec in summary["files"].items()}
-    assert base[2] == full[2] == summary["documents"]
-    return {"docs": base[2], "base": base[:2], "full": full[:2], "task": whole[:2], "steps": timer.own(),
-            "task_steps": summary["steps_s"], "input_bytes": Path(path).stat().st_size,
-            "work_bytes": files}
-
-
-def summarise(rounds: list[dict]) -> dict:
-    med = lambda key, i: statistics.median(r[key][i] for r in rounds)  # noqa: E731
-    n, b, f, t = rounds[0]["docs"], med("base", 0), med("full", 0), med("task", 0)
-    steps = {k: statistics.median(r["steps"][k] for r in rounds) for k in rounds[0]["steps"]}
-    task_steps = {k: statistics.median(r["task_steps"][k] for r in rounds) for k in rounds[0]["task_steps"]}
-    return {"docs": n, "read_extract_docs_s": n / b, "filter_docs_s": n / f, "ratio": b / f,
-            "wall_ratio": med("base", 1) / med("full", 1), "task_ratio": b / t, "steps_s": steps,
-            "gates_ms_per_doc": 1000 * steps["gates"] / n, "language_ms_per_doc": 1000 * steps["language"] / n,
-            "signatures_share": task_steps["signatures"] / sum(task_steps.values()),
-            # the same ratio from one run's steps (read and extract over all four): every step timed on the same
-            # documents at the same moments, so a change of the machine's load between runs does not enter it
-            "steps_ratio": statistics.median((r["steps"]["read"] + r["steps"]["extract"]) / sum(r["steps"].values())
-                                             for r in rounds),
-            "runs": [round(r["base"][0] / r["full"][0], 3) for r in rounds],
-            "task_docs_s": n / t, "input_kb_per_doc": rounds[0]["input_bytes"] / n / 1e3,
-            "work_kb_per_doc": {k: v / n / 1e3 for k, v in rounds[0]["work_bytes"].items()}}
-
-
-def measure(path: Path) -> dict:
-    return summarise([measure_once(path) for _ in range(REPEATS)])
+    with tempfile.TemporaryDirectory() as work:
+        summary = _run_task_once(Task(0, str(path)), DataConfig(), Path(work))
+    n = summary["documents"]
+    return {"input_kb_per_doc": path.stat().st_size / n / 1e3,
+            "work_kb_per_doc": {suffix: rec["size"] / n / 1e3 for suffix, rec in summary["files"].items()}}
 
 
 def language_accuracy(path: Path) -> dict[str, int]:
@@ -190,7 +303,7 @@ def perplexity_cost(path: Path, folder: Path) -> dict[str, float] | None:
     except ImportError:
         return None
     from kiln.flow import run_data_stage, run_pack_stage, run_tokenizer_stage
-    from kiln.train.checkpoint import list_checkpoints
+    from kiln.checkpoint import list_checkpoints
     from kiln.train.trainer import Trainer
 
     quiet = lambda *_: None  # noqa: E731
@@ -217,32 +330,33 @@ def perplexity_cost(path: Path, folder: Path) -> dict[str, float] | None:
 
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-bench-filter-") as tmp:
-        paths = {name: path for name, path in inputs(Path(tmp)).items() if path is not None}
-        rounds: dict[str, list[dict]] = {name: [] for name in paths}
-        for _ in range(REPEATS):  # every input in each round: a change of the machine's load meets them all
-            for name, path in paths.items():
-                rounds[name].append(measure_once(path))
-        print(f"{'input':<12} {'docs':>5} {'read+extract/s':>15} {'filter/s':>9} {'ratio':>6} {'wall':>5} "
-              f"{'steps':>5} {'task':>5} {'lang ms':>7} {'gates ms':>8}  ratio per round; steps (CPU s)")
-        for name, r in ((name, summarise(rs)) for name, rs in rounds.items()):
-            print(f"{name:<12} {r['docs']:>5} {r['read_extract_docs_s']:>15.1f} {r['filter_docs_s']:>9.1f} "
-                  f"{r['ratio']:>6.2f} {r['wall_ratio']:>5.2f} {r['steps_ratio']:>5.2f} {r['task_ratio']:>5.2f} "
-                  f"{r['language_ms_per_doc']:>7.2f} {r['gates_ms_per_doc']:>8.2f}  {r['runs']}; "
-                  + " ".join(f"{k}={v:.2f}" for k, v in r["steps_s"].items())
-                  + f"; signatures {100 * r['signatures_share']:.0f}% of the task")
-        print("\na task's files in the work folder, KB per document (its WARC.gz input, KB per document; task docs/s "
-              "per CPU second):")
-        for name, rs in rounds.items():
-            r = summarise(rs)
-            print(f"{name:<12} input {r['input_kb_per_doc']:.1f}; task {r['task_docs_s']:.1f} docs/s; "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in r["work_kb_per_doc"].items())
-                  + f"; all {sum(r['work_kb_per_doc'].values()):.2f}")
-        missing = [name for name in ("debian-docs", "long-pages") if name not in paths]
+        found = inputs(Path(tmp))
+        sample = next(iter(found))  # the sample's copies
+        print(f"{'input':<12} {'docs':>5} {'kept':>5} {'read+extract CPU s':>18} {'kiln data CPU s':>15} "
+              f"{'ratio':>6} {'wall':>5}  ratio per round (load); shares of the stage's CPU (shares run CPU s)")
+        results = {}
+        for name, files in found.items():
+            r = results[name] = compare(files, Path(tmp) / "docs")
+            total = sum(r["parts"].values())
+            print(f"{name:<12} {r['docs']:>5} {r['kept']:>5} {r['base_cpu']:>18.2f} {r['data_cpu']:>15.2f} "
+                  f"{r['ratio']:>6.2f} {r['wall_ratio']:>5.2f}  {r['runs']} ({r['loads']}); "
+                  + " ".join(f"{k} {100 * v / total:.0f}%" for k, v in r["parts"].items())
+                  + f" ({r['parts_cpu']:.2f}); after extract {r['after_extract']:.2f}x read+extract", flush=True)
+        missing = [name for name in ("debian-docs", "long-pages") if name not in found]
         if missing:
             print(f"skipped {', '.join(missing)}: install the packages in benchmarks/debian_docs.py")
+        if not EXTRAS:
+            return
+        single = {"sample": SAMPLE, **{name: Path(files[0]) for name, files in found.items() if name != sample}}
+        print("\na task's files in the work folder, KB per document (its WARC.gz input, KB per document):")
+        for name, path in single.items():
+            w = work_bytes(path)
+            print(f"{name:<12} input {w['input_kb_per_doc']:.1f}; "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in w["work_kb_per_doc"].items())
+                  + f"; all {sum(w['work_kb_per_doc'].values()):.2f}")
         print(f"\nlanguage ID, labelled pages named right (score >= threshold): the sample it reads / the first "
               f"{FIRST_CHARS:,} characters (pages where the two disagree; pages kept, any language)")
-        for name, path in paths.items():
+        for name, path in single.items():
             a = language_accuracy(path)
             print(f"{name:<12} {a['labelled']:>5} pages: {a['sampled']} / {a['first']} ({a['differ']} differ; "
                   f"kept {a['sampled_kept']} / {a['first_kept']})")
