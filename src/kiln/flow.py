@@ -14,9 +14,9 @@ from kiln.data.pipeline import expand_inputs, fingerprint as data_fingerprint, r
 from kiln.data.rejections import few_documents_message
 from kiln.data.tables import down_weighted
 from kiln.errors import ConfigError, KilnError
+from kiln.terminal import stage_progress, stderr_is_terminal
 from kiln.manifest import MANIFEST, is_complete, read_manifest, sha256_file
 from kiln.shards.pack import pack
-from kiln.train.console import stage_progress, stderr_is_terminal
 from kiln.tokenizer import tokenizer_sha256, train_tokenizer, use_tokenizer
 
 

@@ -18,6 +18,9 @@ a table is printed as wide as its cells need, never cut to 80 columns with `…`
 from __future__ import annotations
 
 import functools
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from rich.console import Console
@@ -49,3 +52,25 @@ def console(stderr: bool = True, **kwargs: Any) -> Console:
 def stderr_console() -> Console:
     """The one stderr Console every stage's logs, progress bars and live lines share."""
     return console(stderr=True, soft_wrap=True)
+
+
+def stderr_is_terminal() -> bool:
+    return sys.stderr.isatty()
+
+
+@contextmanager
+def stage_progress(label: str, show: bool | None = None) -> Iterator[None]:
+    """A spinner with elapsed time for a stage that reports no counts of its own (tokenizer training);
+    it ends as a check mark, not a frozen glyph. Nothing when stderr is not a terminal."""
+    if not (stderr_is_terminal() if show is None else show):
+        with nullcontext():
+            yield
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    bar = Progress(SpinnerColumn(finished_text="✓"), TextColumn(label, markup=False), TimeElapsedColumn(),
+                   console=stderr_console(), transient=False)
+    task = bar.add_task(label, total=1)
+    with bar:
+        yield
+        bar.update(task, completed=1)

@@ -11,11 +11,11 @@ Nothing here grows with the run: the console keeps one moving average and the la
 from __future__ import annotations
 
 import math
-import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
 from typing import Any
+
+from kiln.terminal import stderr_is_terminal
 
 # Weight of a new step in the smoothed loss: about the last 20 steps count.
 SMOOTHING = 0.1
@@ -30,10 +30,6 @@ def _clock(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     h, rest = divmod(seconds, 3600)
     return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
-
-
-def stderr_is_terminal() -> bool:
-    return sys.stderr.isatty()
 
 
 class TrainConsole:
@@ -112,26 +108,6 @@ def run_warnings(max_steps: int, warmup_steps: int, tokens_per_step: int, train_
         out.append(f"the tokenizer reached a vocabulary of {vocab_reached:,} of the {vocab_asked:,} asked "
                    "(tokenizer.vocab_size): the corpus has too little text for more merges; add data or lower it")
     return out
-
-
-@contextmanager
-def stage_progress(label: str, show: bool | None = None) -> Iterator[None]:
-    """A spinner with elapsed time for a stage that reports no counts of its own (tokenizer training);
-    it ends as a check mark, not a frozen glyph. Nothing when stderr is not a terminal."""
-    if not (stderr_is_terminal() if show is None else show):
-        with nullcontext():
-            yield
-        return
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    from kiln.terminal import stderr_console
-
-    bar = Progress(SpinnerColumn(finished_text="✓"), TextColumn(label, markup=False), TimeElapsedColumn(),
-                   console=stderr_console(), transient=False)
-    task = bar.add_task(label, total=1)
-    with bar:
-        yield
-        bar.update(task, completed=1)
 
 
 def warnings_for(cfg, train_samples: int) -> list[str]:
