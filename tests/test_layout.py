@@ -458,3 +458,35 @@ def test_no_function_in_src_kiln_is_longer_than_80_lines():
 def test_the_cli_parses_and_dispatches_only():
     lines = (SRC / "kiln" / "cli.py").read_text().count("\n")
     assert lines <= MAX_CLI_LINES, f"cli.py has {lines} lines"
+
+
+# --- the run folder's names (issue #38): spelled in kiln/run_layout.py only ---------------------------------------
+
+NAMES = "docs|tokenizer|shards|run|checkpoints|cache"
+RUN_FOLDER_NAMES = re.compile(  # path / "docs", "run" / x, f"{url}/shards" ({out_dir}/run in a message is prose)
+    rf"""/ ["']({NAMES})["']|["']({NAMES})["'] /|\{{(?!\{{?out_dir\}}|dir\}})[\w.]+\}}/({NAMES})\b""")
+
+
+def spelled_run_folders(files: dict[Path, str]) -> list[str]:
+    return [f"{path.relative_to(ROOT)}:{i}" for path, text in sorted(files.items())
+            for i, line in enumerate(text.splitlines(), 1) if RUN_FOLDER_NAMES.search(line)]
+
+
+def test_run_folder_names_are_spelled_only_in_the_run_layout():
+    files = {p: p.read_text() for p in sorted((SRC / "kiln").rglob("*.py")) if p.name != "run_layout.py"}
+    assert spelled_run_folders(files) == []
+    planted = {ROOT / "src/kiln/x.py": 'docs = cfg.out / "docs"\nurl = f"{out}/shards"\n'}
+    assert spelled_run_folders(planted) == ["src/kiln/x.py:1", "src/kiln/x.py:2"]
+
+
+def test_a_run_layout_names_local_folders_and_urls_alike():
+    from kiln.run_layout import RunLayout, checkpoints_of
+
+    local = RunLayout(Path("/data/out"))
+    assert (local.docs, local.tokenizer, local.shards, local.run, local.checkpoints, local.shard_cache) == (
+        Path("/data/out/docs"), Path("/data/out/tokenizer"), Path("/data/out/shards"), Path("/data/out/run"),
+        Path("/data/out/run/checkpoints"), Path("/data/out/cache/shards"))
+    url = RunLayout("s3://bucket/out/")
+    assert (url.tokenizer, url.checkpoints) == ("s3://bucket/out/tokenizer", "s3://bucket/out/run/checkpoints")
+    assert RunLayout.of_run(local.run) == local and RunLayout.of_run("s3://bucket/out/run").shards == "s3://bucket/out/shards"
+    assert checkpoints_of(local.run) == local.checkpoints

@@ -21,6 +21,7 @@ from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_v
 from kiln.errors import ConfigError
 # The model's section is the model's own config (kiln.model.config); Section is every section's strict base.
 from kiln.model.config import ModelConfig, MoEConfig, RopeScalingConfig, Section  # noqa: F401
+from kiln.run_layout import RunLayout
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -237,6 +238,9 @@ class DedupConfig(Section):
     hamming: int = Field(3, ge=0, le=15, description="SimHash: largest Hamming distance of a duplicate (SEEDS: 3)")
     bucket_docs: int = Field(2_000_000, ge=1, description="keys per dedup bucket task (a key range of one band): "
                                                           "bounds each task's memory (~50 MB per million)")
+    verdict_pairs: int = Field(2_000_000, ge=1, description="confirmed pairs the verdicts step holds at a time: its "
+                                                            "clusters are walked in partitions of about this many "
+                                                            "(~100 MB per million), whatever the duplicates")
     index: str | None = Field(None, description="a folder of earlier runs' signatures: this run is deduplicated "
                                                 "against them, then added (e.g. the next dump against the last)")
 
@@ -702,7 +706,7 @@ class PlanConfig(Section):
 
 class TaskConfig(Section):
     name: str = Field(description="the task's name in metrics.jsonl and the report")
-    path: str = Field(description='a JSONL of {"context", "choices", "answer"} rows (kiln.eval.mc)')
+    path: str = Field(description='a JSONL of {"context", "choices", "answer"} rows (kiln.scoring.mc)')
 
 
 class EvalConfig(Section):
@@ -739,6 +743,11 @@ class Config(Section):
                               "shards/ there; kiln.train.remote_run); run the data stages with a local out_dir "
                               "(out_dir=DIR) and copy DIR/tokenizer and DIR/shards up beside it")
         return Path(self.out_dir)
+
+    @property
+    def layout(self) -> RunLayout:
+        """Where this config's docs, tokenizer, shards, run and checkpoints are (kiln.run_layout)."""
+        return RunLayout(self.out)
 
     def section_hash(self, *names: str) -> str:
         """Fingerprint of the named sections (plus the seed): what a stage's output depends on."""

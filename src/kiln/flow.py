@@ -62,7 +62,7 @@ def run_data_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
         raise KilnError(
             "data.inputs is empty; list WARC files or globs in the config (e.g. examples/data/sample.warc.gz)"
         )
-    return make_docs(cfg.data.inputs, cfg.out / "docs", cfg.data, log)
+    return make_docs(cfg.data.inputs, cfg.layout.docs, cfg.data, log)
 
 
 def _docs_fingerprint(docs: Path, out: Path, *parts: str) -> tuple[str, bool]:
@@ -78,7 +78,7 @@ def _docs_fingerprint(docs: Path, out: Path, *parts: str) -> tuple[str, bool]:
 
 
 def run_tokenizer_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
-    docs, out = cfg.out / "docs", cfg.out / "tokenizer"
+    docs, out = cfg.layout.docs, cfg.layout.tokenizer
     # The user's own tokenizer needs no documents: an out_dir with no docs/ (an ablation's run) gets it too.
     if (not cfg.tokenizer.path or (docs / "stats.json").is_file()) and \
             (few := few_documents_message(json.loads((docs / "stats.json").read_text()), docs)):
@@ -102,7 +102,7 @@ def run_tokenizer_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, An
 
 
 def run_pack_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
-    docs, tok, out = cfg.out / "docs", cfg.out / "tokenizer", cfg.out / "shards"
+    docs, tok, out = cfg.layout.docs, cfg.layout.tokenizer, cfg.layout.shards
     fp, current = _docs_fingerprint(docs, out, tokenizer_sha256(tok), cfg.section_hash("pack"))
     if current:
         _skip(log, f"pack: skipping, {out} is complete and up to date")
@@ -116,11 +116,11 @@ def run_train_stage(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
     from kiln.checkpoint import latest_valid, step_of
     from kiln.train.trainer import Trainer
 
-    latest = latest_valid(cfg.out / "run" / "checkpoints", log=log)
+    latest = latest_valid(cfg.layout.checkpoints, log=log)
     if latest is not None and step_of(latest) >= cfg.train.max_steps:
         _skip(log, f"train: skipping, {latest} already reached train.max_steps={cfg.train.max_steps}")
     else:
-        log(f"train: {cfg.train.max_steps} steps -> {cfg.out / 'run'}")
+        log(f"train: {cfg.train.max_steps} steps -> {cfg.layout.run}")
     return Trainer(cfg, log=log).run()
 
 

@@ -70,6 +70,6 @@ def report_finished(out_dir: str | Path, log: Callable[[str], None]) -> dict[str
         raise KilnError(f"arm {missing[0]!r} has not been prepared yet (no {OVERLAP}); run `kiln ablate "
                         f"{saved['file']} --until tokenizer` first")
     dedup = plan.baseline.cfg.data.dedup
-    keep = kept_units(sets, {a.name: find_overlap(a.data / "docs", sets, dedup, a.data / OVERLAP, log)
+    keep = kept_units(sets, {a.name: find_overlap(a.layout.docs, sets, dedup, a.data / OVERLAP, log)
                              for a in plan.data_arms()})
     return write_results(plan, sets, keep, {})

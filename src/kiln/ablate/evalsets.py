@@ -47,7 +47,7 @@ class EvalSet:
     path: str
     ids: list[str]
     texts: list[str]  # text sets: the documents; tasks: each question's context + " " + right answer
-    questions: list | None = None  # tasks: kiln.eval.mc.Question rows
+    questions: list | None = None  # tasks: kiln.scoring.mc.Question rows
 
     def digest(self, keep: list[int] | None = None) -> str:
         """sha256 of the (id, text) rows, or of those at `keep`: what a measurement of them depends on."""

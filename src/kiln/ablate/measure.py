@@ -5,7 +5,7 @@
   is predicted once; bits per byte of a set is the sum over its documents of bits over the sum of their UTF-8
   bytes (tokenizer-independent; every arm shares the tokenizer anyway).
 - Tasks: for every question, whether lm-eval's `acc`, `acc_norm` and `acc_bytes` pick the right choice
-  (kiln.eval.mc).
+  (kiln.scoring.mc).
 - The final validation loss, as the training loop measured it at its last step (the checkpoint's history).
 
 Everything runs on the CPU in fp32 (or the first GPU when there is one), windows in batches of 16. Memory: the
@@ -50,7 +50,7 @@ def document_bits(model, tok, eos: int, texts: list[str], seq_len: int, device: 
 
 def task_hits(model, tok, questions: list, seq_len: int, device: torch.device, eos_token: str) -> dict[str, list]:
     """Per question, 1.0 when the metric picks the right choice: {"acc": [...], "acc_norm": [...], ...}
-    (kiln.eval.mc.question_results, lm-eval's definitions)."""
+    (kiln.scoring.mc.question_results, lm-eval's definitions)."""
     from kiln.scoring.mc import METRICS, question_results
 
     results = question_results(model, tok, questions, seq_len, device, eos_token=eos_token)

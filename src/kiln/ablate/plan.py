@@ -29,6 +29,8 @@ from typing import Any
 from kiln.ablate.spec import PROXIES, TOKENS_PER_PARAM, AblationSpec, arm_overrides
 from kiln.config import Config, build_config, merge
 from kiln.errors import ConfigError
+from kiln.run_layout import RunLayout
+from kiln.tokenizer import TOKENIZER_FILE
 
 EVAL = "eval.json"  # in a run's folder: its measurement (kiln.ablate.runner writes it, results reads it)
 CONFIG = "config.yaml"  # in a run's folder: its resolved config, so `kiln train ARM/seed-N/config.yaml` trains it
@@ -56,6 +58,11 @@ class ArmPlan:
     @property
     def data(self) -> Path:
         return self.cfg.out
+
+    @property
+    def layout(self) -> RunLayout:
+        """The arm's data folder's docs/, tokenizer/ and shards/."""
+        return self.cfg.layout
 
 
 @dataclass
@@ -136,7 +143,7 @@ def make_plan(spec: AblationSpec, base: dict[str, Any], file: Path) -> Plan:
     proxy = proxy_settings(spec, base)
     base = merge(base, proxy["set"]) if proxy else base
     own = (base.get("tokenizer") or {}).get("path")
-    tokenizer = Path(own) if own else out / "tokenizer" / "tokenizer.json"
+    tokenizer = Path(own) if own else RunLayout(out).tokenizer / TOKENIZER_FILE
     arms: list[ArmPlan] = []
     for arm_spec in spec.arms:
         tree = arm_overrides(arm_spec, file.resolve().parent)
@@ -180,5 +187,5 @@ def _plan_runs(plan: Plan) -> None:
         for seed in arm.seeds:
             folder = plan.out / arm.name / f"seed-{seed}"
             cfg = build_config(merge(arm.cfg.model_dump(mode="json"), {
-                "seed": seed, "out_dir": str(folder), "loader": {"sources": [{"path": str(arm.data / "shards")}]}}))
+                "seed": seed, "out_dir": str(folder), "loader": {"sources": [{"path": str(arm.layout.shards)}]}}))
             arm.runs.append(RunPlan(arm.name, seed, folder, cfg, arm.name))

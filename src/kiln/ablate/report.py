@@ -21,6 +21,7 @@ from kiln.ablate.plan import Plan
 from kiln.ops.report import STAGE_ORDER
 from kiln import pages
 from kiln.pages import figure, figure_html, fmt, page, read_records, smooth, table
+from kiln.run_layout import RunLayout
 
 VERDICT_STYLE = ".better{color:#070;font-weight:600}.worse{color:#b00;font-weight:600}"
 
@@ -60,7 +61,7 @@ def plot_metric(metric: dict, comparisons: list[dict], baseline: str):
 
 
 def _curve(run_folder: Path) -> tuple[list[int], list[float]] | None:
-    path = run_folder / "run" / "metrics.jsonl"
+    path = RunLayout(run_folder).run / "metrics.jsonl"
     if not path.is_file():
         return None
     steps = [r for r in read_records(path)[0] if r.get("event") == "step" and isinstance(r.get("loss"), (int, float))]

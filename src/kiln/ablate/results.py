@@ -28,6 +28,7 @@ from kiln.ablate.spec import PAGE, RESULTS
 from kiln.scoring.mc import METRICS as TASK_METRICS
 from kiln.lock import OutputLock
 from kiln.manifest import MANIFEST, read_manifest, sha256_file, write_atomic
+from kiln.run_layout import RunLayout
 
 PER_ARM = {"val_loss"}  # measured on each arm's own text: reported per arm, not compared
 
@@ -63,7 +64,7 @@ def read_measurement(run_folder: Path, sets: list[EvalSet], keep: dict[str, list
     path = run_folder / EVAL
     try:
         measured = json.loads(path.read_text())
-        checkpoint = run_folder / "run" / "checkpoints" / measured["checkpoint"]
+        checkpoint = RunLayout(run_folder).checkpoints / measured["checkpoint"]
         same = sha256_file(checkpoint / MANIFEST) == measured["checkpoint_sha256"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -75,7 +76,7 @@ def read_measurement(run_folder: Path, sets: list[EvalSet], keep: dict[str, list
 
 def data_facts(arm: ArmPlan) -> dict[str, Any]:
     """The arm's data side: documents read, kept and rejected (by reason), languages, tokens and epochs."""
-    stats_file, shards = arm.data / "docs" / "stats.json", arm.data / "shards"
+    stats_file, shards = arm.layout.docs / "stats.json", arm.layout.shards
     docs = json.loads(stats_file.read_text()) if stats_file.is_file() else {}
     splits = read_manifest(shards).get("splits", {}) if (shards / MANIFEST).is_file() else {}
     t = arm.cfg.train

@@ -78,12 +78,12 @@ def shared_tokenizer(plan: Plan, log: Callable[[str], None]) -> None:
         return
     arms = plan.data_arms()
     for arm in arms:
-        docs = arm.data / "docs"
+        docs = arm.layout.docs
         if few := few_documents_message(json.loads((docs / "stats.json").read_text()), docs):
             raise KilnError(f"arm {arm.name!r}: {few}")
     cfg = plan.baseline.cfg
     settings = cfg.tokenizer.model_copy(update={"path": None})
-    fp = _hash([sha256_file(a.data / "docs" / MANIFEST) for a in arms], settings.model_dump(mode="json"), cfg.seed)
+    fp = _hash([sha256_file(a.layout.docs / MANIFEST) for a in arms], settings.model_dump(mode="json"), cfg.seed)
     out = plan.tokenizer.parent
     if is_complete(out, fp):
         log(f"tokenizer: skipping, {out} is complete and up to date")
@@ -91,13 +91,13 @@ def shared_tokenizer(plan: Plan, log: Callable[[str], None]) -> None:
     share = max(1, settings.max_docs // len(arms))
     log(f"tokenizer: training byte-level BPE (vocab {settings.vocab_size}) on up to {share:,} documents of each of "
         f"{len(arms)} arm(s) -> {out}")
-    sample = itertools.chain.from_iterable(sample_documents(read_docs(a.data / "docs"), share, cfg.seed) for a in arms)
+    sample = itertools.chain.from_iterable(sample_documents(read_docs(a.layout.docs), share, cfg.seed) for a in arms)
     train_tokenizer(sample, out, settings, cfg.seed, fingerprint=fp)
 
 
 def check_tasks(plan: Plan, sets: list[EvalSet]) -> None:
     """Every task's choices fit the model's window under the shared tokenizer: a one-line error now, not after
-    the first run has trained (kiln.eval.mc.choice_tokens raises it)."""
+    the first run has trained (kiln.scoring.mc.choice_tokens raises it)."""
     from kiln.scoring.mc import choice_tokens
     from kiln.tokenizer import eos_id, load_tokenizer
 
@@ -120,12 +120,12 @@ def finished_checkpoint(run: RunPlan) -> Path | None:
     from kiln.train.checkpoint import config_hash
     from kiln.train.checkpoint.resume import check_resume_data
 
-    latest = latest_valid(run.cfg.out / "run" / "checkpoints", log=lambda *_: None)
+    latest = latest_valid(run.cfg.layout.checkpoints, log=lambda *_: None)
     if latest is None or step_of(latest) < run.cfg.train.max_steps:
         return None
     manifest = json.loads((latest / MANIFEST).read_text())
     shards = Path(run.cfg.loader.sources[0].path) / MANIFEST  # one local source: its manifest's hash, as the trainer
-    check_resume_data(manifest, latest, sha256_file(shards), sha256_file(run.cfg.out / "tokenizer" / "tokenizer.json"),
+    check_resume_data(manifest, latest, sha256_file(shards), sha256_file(run.cfg.layout.tokenizer / "tokenizer.json"),
                       False, lambda *_: None)
     if manifest.get("config_hash") != config_hash(run.cfg):
         raise KilnError(f"{latest} was trained with other model, pack or tokenizer settings; move {run.folder} away "
@@ -206,7 +206,7 @@ def prepare(plan: Plan, sets: list[EvalSet], log: Callable[[str], None], timer: 
     check_tasks(plan, sets)
     with timer("overlap"):
         dedup = plan.baseline.cfg.data.dedup  # one test for every arm, whatever dedup an arm ablates
-        overlaps = {a.name: find_overlap(a.data / "docs", sets, dedup, a.data / OVERLAP, log) for a in plan.data_arms()}
+        overlaps = {a.name: find_overlap(a.layout.docs, sets, dedup, a.data / OVERLAP, log) for a in plan.data_arms()}
         keep = kept_units(sets, overlaps)
     if until == "tokenizer":
         return None

@@ -33,6 +33,7 @@ from kiln.errors import IntegrityError, KilnError
 from kiln.lock import unpinned
 from kiln.manifest import MANIFEST, read_manifest, remove_folder, set_aside, verify_folder, write_atomic
 from kiln.names import listed_name
+from kiln.run_layout import candidate_checkpoint_roots, is_checkpoints_folder
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 SIGNATURE = "manifest.sig"
@@ -160,7 +161,7 @@ def checkpoint_root(path: Path) -> tuple[Path, Path | None]:
                         "or a run folder ({out_dir}/run)")
     if (path / "state.json").is_file() and (path / MANIFEST).is_file():
         return path.parent, path
-    for root in (path, path / "checkpoints", path / "run" / "checkpoints"):
+    for root in candidate_checkpoint_roots(path):
         if list_checkpoints(root):
             return root, None
     if (path / "config.json").is_file() and list(path.glob("*.safetensors")):
@@ -217,7 +218,7 @@ def half_deleted(folder: Path) -> bool:
     a removal killed part-way left before removals went aside first. Never committed, so never read: retention
     removes it; anything else in it (a user's file) keeps it."""
     folder = Path(folder)
-    if (not STEP_DIR.match(folder.name) or folder.parent.name != "checkpoints" or folder.is_symlink()
+    if (not STEP_DIR.match(folder.name) or not is_checkpoints_folder(folder.parent) or folder.is_symlink()
             or not folder.is_dir() or (folder / MANIFEST).exists()):
         return False
     return all(p.is_file() and not p.is_symlink() and CHECKPOINT_FILE.match(p.name) for p in folder.iterdir())

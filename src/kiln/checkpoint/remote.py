@@ -36,6 +36,7 @@ from kiln.names import check_name
 from kiln.checkpoint.folder import (CHECKPOINT_FILE, SIGNATURE, STEP_DIR, kept_steps, list_checkpoints,
                                           remove_checkpoint, step_dir, step_of)
 from kiln.checkpoint.read import verify_checkpoint
+from kiln.run_layout import RunLayout
 
 MARKER = "COMMITTED"
 RUN_FILES = ("metrics.jsonl", "config.yaml", "env.json")  # uploaded beside {out_dir}/run/checkpoints
@@ -115,8 +116,8 @@ class RemoteCheckpoints:
 
     def run_url(self) -> str | None:
         """`{out_dir}/run` when the checkpoints are `{out_dir}/run/checkpoints` (an out_dir URL's), else None."""
-        parent, _, name = self.url.rpartition("/")
-        return parent if name == "checkpoints" and parent.endswith("/run") else None
+        layout = RunLayout(self.url.rstrip("/").rsplit("/", 2)[0])  # the out_dir, when self.url is its run/checkpoints
+        return layout.run if layout.checkpoints == self.url.rstrip("/") else None
 
     def upload_run_files(self, run_dir: Path) -> None:
         """The run's small files beside the checkpoints (metrics.jsonl up to its last whole line)."""

@@ -27,7 +27,7 @@ def cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)  # validated before any process group forms
     cfg = localize(cfg)  # out_dir: s3://...: the local run folder, its tokenizer downloaded (remote_run.py)
-    d = init_distributed(cfg.parallel.startup_timeout_s, cfg.out / "run")
+    d = init_distributed(cfg.parallel.startup_timeout_s, cfg.layout.run)
     try:
         summary = Trainer(cfg, d, log=console().print if d.is_main else (lambda *_: None)).run()
         if d.is_main:
@@ -111,11 +111,12 @@ def cmd_ckpt_verify(args) -> int:
 
 def cmd_ckpt_list(args) -> int:
     from kiln.checkpoint import checkpoint_table
+    from kiln.run_layout import checkpoints_of
     from kiln.storage import is_url
     from kiln.checkpoint.remote import url_table
 
     run = Path(args.run_dir)
-    root = run / "checkpoints" if (run / "checkpoints").is_dir() else run
+    root = checkpoints_of(run) if checkpoints_of(run).is_dir() else run
     rows = url_table(args.run_dir, args.public_key) if is_url(args.run_dir) else checkpoint_table(root, args.public_key)
     root = args.run_dir if is_url(args.run_dir) else root
     if not rows:

@@ -36,7 +36,7 @@ def evaluate_checkpoint(folder: Path, text_file: Path | None = None, max_samples
         ids = [eos_id(tok, cfg.tokenizer.eos_token)] + tok.encode(text, add_special_tokens=False).ids
         total, count = summed_loss(model, text_windows(ids, cfg.pack.seq_len + 1), device)
         return loss_report(total, count, len(text.encode("utf-8")))
-    shards = cfg.out / "shards"
+    shards = cfg.layout.shards
     samples = ShardSet(shards, "val", tokenizer_sha256=tokenizer_sha256(folder))
     if len(samples) == 0:
         raise KilnError(f"{shards}: the validation split has no samples; raise pack.val_fraction")

@@ -21,10 +21,11 @@ from kiln.config import Config, DoctorConfig
 from kiln.env import compare, fingerprint
 from kiln.errors import KilnError
 from kiln.ops.check import Check, guarded, print_checks, skip
+from kiln.run_layout import RunLayout
 
 def recorded_env(run_dir: Path) -> dict:
     """run/env.json of a run; RUN_DIR may be the run folder or the out_dir above it."""
-    for path in (Path(run_dir) / "env.json", Path(run_dir) / "run" / "env.json"):
+    for path in (Path(run_dir) / "env.json", RunLayout(Path(run_dir)).run / "env.json"):
         if path.is_file():
             try:
                 return json.loads(path.read_text())
@@ -176,7 +177,7 @@ def check_loader(cfg: Config, device_tflops: float, d: DoctorConfig) -> Check:
     from kiln.ops.probes import loader_tokens_per_s
     from kiln.model.build import build_model
 
-    shards = cfg.out / "shards"
+    shards = cfg.layout.shards
     if not (shards / "manifest.json").is_file():
         return skip("loader", f"no shards at {shards} yet (run `kiln pack` first)")
     vocab = int(read_manifest(shards)["vocab_size"])

@@ -566,7 +566,7 @@ def import_hf(hf_dir: Path, cfg: Config) -> Path:
                             "tokenizer.json and model.safetensors (or shards listed in model.safetensors.index.json)")
     weight_files = safetensors_files(hf_dir)
     hf = _read_hf_config(hf_dir)
-    run_tok = cfg.out / "tokenizer" / "tokenizer.json"  # both folders' tokenizer.json read through their manifests
+    run_tok = cfg.layout.tokenizer / "tokenizer.json"  # both folders' tokenizer.json read through their manifests
     if not run_tok.is_file() or not same_tokenizer(tokenizer_file(run_tok.parent), tokenizer_file(hf_dir),
                                                    cfg.tokenizer.eos_token):
         raise KilnError(
@@ -579,8 +579,8 @@ def import_hf(hf_dir: Path, cfg: Config) -> Path:
     if mismatches:
         raise KilnError(f"{hf_dir / 'config.json'} does not match the config's model section: {'; '.join(mismatches)}; "
                         "set the model.* keys to the folder's sizes")
-    ckpt_dir = cfg.out / "run" / "checkpoints"
-    with OutputLock(cfg.out / "run", "`kiln import --hf`"):  # the lock `kiln train` takes: no run writes meanwhile
+    ckpt_dir = cfg.layout.checkpoints
+    with OutputLock(cfg.layout.run, "`kiln import --hf`"):  # the lock `kiln train` takes: no run writes meanwhile
         if list_checkpoints(ckpt_dir):
             raise KilnError(f"{ckpt_dir} already holds checkpoints; import into a new run (another out_dir)")
         with HFWeights(weight_files, hf_dir) as weights:
@@ -607,8 +607,8 @@ def write_step_zero(cfg: Config, weights: HFWeights, source: Path) -> Path:
     from kiln.model.build import build_model
 
     resume_checks.require_prepared(cfg)
-    tokenizer = cfg.out / "tokenizer" / "tokenizer.json"
-    tok_sha = tokenizer_sha256(cfg.out / "tokenizer")
+    tokenizer = cfg.layout.tokenizer / "tokenizer.json"
+    tok_sha = tokenizer_sha256(cfg.layout.tokenizer)
     train_set, _ = open_splits(cfg, tok_sha)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)  # as the Trainer does before building its model (on meta: nothing drawn)
@@ -620,13 +620,13 @@ def write_step_zero(cfg: Config, weights: HFWeights, source: Path) -> Path:
     _check_fits(weights, names, tied, source)
     d = Dist()
     inputs = RunInputs(resume_checks.data_fingerprint(train_set), tok_sha, tokenizer,
-                       cfg.out / "shards" / "manifest.json", layout(d, cfg.train.deterministic), env.fingerprint)
+                       cfg.layout.shards / "manifest.json", layout(d, cfg.train.deterministic), env.fingerprint)
     state = TrainState((), d.world, config_hash(cfg))  # no parts: each starts fresh on resume
     optimizer = build_optimizer(model, cfg.train, d.device)  # AdamW's state is empty until its first step
     dtypes = dict((k, dt) for k, dt, _ in names)
     streamed = StreamedWeights(names, lambda k: weights.get(tied.get(k, k)).to(dtypes[k]))
     fields = inputs.manifest_fields(state.config_hash)
-    return FullCheckpoint().write(cfg.out / "run" / "checkpoints", 0, (streamed, optimizer.state_dict()), rngs,
+    return FullCheckpoint().write(cfg.layout.checkpoints, 0, (streamed, optimizer.state_dict()), rngs,
                                   state.state_dict(), cfg.to_yaml(), tokenizer, fields, cfg.checkpoint.signing_key)
 
 

@@ -18,7 +18,7 @@ from kiln.manifest import read_manifest
 
 
 def _vocab(cfg: Config) -> int:
-    shards = cfg.out / "shards"
+    shards = cfg.layout.shards
     return (
         int(read_manifest(shards)["vocab_size"]) if (shards / "manifest.json").is_file() else cfg.tokenizer.vocab_size
     )

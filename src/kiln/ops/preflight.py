@@ -28,6 +28,7 @@ from kiln.ops.check import Check, guarded, print_checks
 from kiln.pages import read_records
 from kiln.shards.format import IDX_ENTRY, ShardHeader, read_header, write_shard
 from kiln.shards.reader import ShardSet
+from kiln.run_layout import RunLayout
 
 
 def write_slice(shards: Path, out: Path, counts: dict[str, int]) -> None:
@@ -180,22 +181,22 @@ def preflight(cfg: Config) -> tuple[dict, list[Check]]:
     from kiln.checkpoint import list_checkpoints
     from kiln.train.trainer import Trainer
 
-    shards = cfg.out / "shards"
-    if not (shards / "manifest.json").is_file() or not (cfg.out / "tokenizer" / "tokenizer.json").is_file():
+    shards = cfg.layout.shards
+    if not (shards / "manifest.json").is_file() or not (cfg.layout.tokenizer / "tokenizer.json").is_file():
         raise KilnError(f"{cfg.out}: no shards or tokenizer yet; run `kiln run CONFIG --until pack` first")
     p = cfg.preflight
     work = cfg.out / f".preflight-{uuid.uuid4().hex[:8]}"  # on the run's own disk, so checkpoint writes are real
     try:
-        shutil.copytree(cfg.out / "tokenizer", work / "tokenizer")
+        shutil.copytree(cfg.layout.tokenizer, RunLayout(work).tokenizer)
         n_train = int(read_manifest(shards)["splits"]["train"]["samples"])
         need = p.steps * cfg.train.batch_size
-        write_slice(shards, work / "shards", {"train": max(need, math.ceil(p.data_fraction * n_train)),
+        write_slice(shards, RunLayout(work).shards, {"train": max(need, math.ceil(p.data_fraction * n_train)),
                                               "val": cfg.train.eval_batches * cfg.train.batch_size})
         trainer = Trainer(smoke_config(cfg, work), log=lambda *_: None)
         trainer.run()
-        steps = [r for r in read_records(work / "run" / "metrics.jsonl")[0] if r.get("event") == "step"]
+        steps = [r for r in read_records(RunLayout(work).run / "metrics.jsonl")[0] if r.get("event") == "step"]
         loader_tps = loader_tokens_per_s(shards, cfg.train.batch_size, cfg.seed, cfg.doctor.probe_seconds)
-        ckpts = list_checkpoints(work / "run" / "checkpoints")
+        ckpts = list_checkpoints(RunLayout(work).checkpoints)
         model_state = {k: v.detach() for k, v in trainer.model.state_dict().items()}
         checks = guarded("signals", lambda: judge(cfg, steps, loader_tps, model_state, ckpts[-1] if ckpts else None))
     finally:

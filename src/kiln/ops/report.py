@@ -18,6 +18,7 @@ from typing import Any, Callable
 from kiln.errors import KilnError
 from kiln.pages import (DPI, SMOOTHING, Records, check_replaceable_page, figure, figure_html, fmt, read_records, smooth,
                         table, page, write_page)
+from kiln.run_layout import RunLayout, checkpoints_of
 
 
 
@@ -394,14 +395,14 @@ def _read_json(path: Path) -> dict | None:
 def tokenizer_rows(out_dir: Path, config: dict | None) -> list[dict]:
     """Vocabulary asked and reached, bytes per token, packing efficiency and tokens per split (when recorded)."""
     rows: list[dict] = []
-    tok = _read_json(out_dir / "tokenizer" / "manifest.json")
+    tok = _read_json(RunLayout(out_dir).tokenizer / "manifest.json")
     asked = ((config or {}).get("tokenizer") or {}).get("vocab_size")
     if tok:
         reached = tok.get("vocab_size")
         own = ((config or {}).get("tokenizer") or {}).get("path")
         rows.append({"what": "vocabulary", "value": f"{fmt(reached)} (your own: {own})" if own else
                      f"{fmt(reached)} reached of {fmt(asked)} asked" if asked else fmt(reached)})
-    shards = _read_json(out_dir / "shards" / "manifest.json")
+    shards = _read_json(RunLayout(out_dir).shards / "manifest.json")
     if shards:
         text_bytes = shards.get("text_bytes") or {}
         for split, info in (shards.get("splits") or {}).items():
@@ -447,7 +448,7 @@ def config_changes(config: dict) -> list[dict]:
 def _checkpoints(run_dir: Path) -> str:
     from kiln.checkpoint import checkpoint_table
 
-    rows = checkpoint_table(run_dir / "checkpoints")
+    rows = checkpoint_table(checkpoints_of(run_dir))
     if not rows:
         return "<p>No checkpoints.</p>"
     for r in rows:
@@ -459,8 +460,8 @@ def _checkpoints(run_dir: Path) -> str:
 def run_folder(path: Path) -> Path:
     """The run folder itself, or an out_dir's run/."""
     path = Path(path)
-    if not (path / "metrics.jsonl").is_file() and (path / "run" / "metrics.jsonl").is_file():
-        return path / "run"
+    if not (path / "metrics.jsonl").is_file() and (RunLayout(path).run / "metrics.jsonl").is_file():
+        return RunLayout(path).run
     return path
 def hardware_section(records: Records) -> str:
     """Telemetry (kiln.train.telemetry): the GPU's figures, the allocator's memory, the ranks' spread, and the
@@ -498,7 +499,7 @@ def render(run_dir: Path) -> str:
             parts.append(figure_html(title, fig))
     config_file = run_dir / "config.yaml"
     config = _read_yaml(config_file)
-    shards = _read_json(run_dir.parent / "shards" / "manifest.json") or {}
+    shards = _read_json(RunLayout.of_run(run_dir).shards / "manifest.json") or {}
     val = (shards.get("splits") or {}).get("val") or {}
     val_bytes = (shards.get("text_bytes") or {}).get("val")
     if (fig := plot_bits_per_byte(records, val_bytes / val["tokens"] if val_bytes and val.get("tokens") else None)):
@@ -508,7 +509,7 @@ def render(run_dir: Path) -> str:
         parts.append("<p>MFU is not plotted: the run's device has no peak FLOP/s in Kiln's table (a CPU, or an "
                      "unlisted GPU); set <code>train.peak_tflops</code> to report it.</p>")
     parts.append(hardware_section(records))
-    stats_file = run_dir.parent / "docs" / "stats.json"
+    stats_file = RunLayout.of_run(run_dir).docs / "stats.json"
     parts.append("<h2>Data</h2>")
     if stats_file.is_file():
         stats = with_tables(json.loads(stats_file.read_text()), stats_file.parent)

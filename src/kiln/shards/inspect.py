@@ -15,6 +15,7 @@ from kiln.shards.format import read_index
 from kiln.shards.reader import ShardSet
 from kiln.shards.provenance import read_rows, side_file
 from kiln.tokenizer import load_tokenizer, tokenizer_sha256
+from kiln.run_layout import RunLayout
 
 
 def sample_provenance(folder: Path, split: str, index: int) -> dict[str, Any]:
@@ -77,7 +78,7 @@ def inspect_sample(folder: Path, split: str, index: int, tokenizer: Path | None 
     `tokenizer` defaults to the `tokenizer/` folder beside `folder` ({out_dir}/tokenizer).
     """
     info = sample_provenance(folder, split, index)
-    tok_path = Path(tokenizer) if tokenizer else Path(folder).parent / "tokenizer"
+    tok_path = Path(tokenizer) if tokenizer else RunLayout(Path(folder).parent).tokenizer
     expected = info["tokenizer_sha256"]
     if not tok_path.exists():
         where = "" if tokenizer else " (the default: tokenizer/ beside the shards folder)"

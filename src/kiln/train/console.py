@@ -115,7 +115,7 @@ def warnings_for(cfg, train_samples: int) -> list[str]:
     from kiln.manifest import read_manifest
 
     asked = reached = None
-    tok_dir = cfg.out / "tokenizer"
+    tok_dir = cfg.layout.tokenizer
     if cfg.tokenizer.path is None and (tok_dir / "manifest.json").is_file():
         m = read_manifest(tok_dir)
         asked = cfg.tokenizer.vocab_size

@@ -93,13 +93,13 @@ class Mixture:
 
 
 def sources(cfg: Config) -> list[SourceConfig]:
-    return cfg.loader.sources or [SourceConfig(path=str(cfg.out / "shards"))]
+    return cfg.loader.sources or [SourceConfig(path=str(cfg.layout.shards))]
 
 
 def open_splits(cfg: Config, tokenizer_sha256: str) -> tuple[Mixture, Mixture]:
     """(train, val) over `loader.sources` (default: {out_dir}/shards): train mixed by weight, val one source
     after another."""
-    cache = ShardCache(Path(cfg.loader.cache_dir) if cfg.loader.cache_dir else cfg.out / "cache" / "shards",
+    cache = ShardCache(Path(cfg.loader.cache_dir) if cfg.loader.cache_dir else cfg.layout.shard_cache,
                        int(cfg.loader.cache_max_gb * 2**30))
     chosen = sources(cfg)
     train = [ShardSet(s.path, "train", tokenizer_sha256, cache) for s in chosen]

@@ -28,7 +28,7 @@ def attention_kernel_line(cfg: Config, model: torch.nn.Module, device: torch.dev
     if not cfg.model.document_masking:
         return None
     if model.eos_id is None:
-        raise KilnError(f"{cfg.out / 'shards'}: the manifest names no eos_id, which model.document_masking "
+        raise KilnError(f"{cfg.layout.shards}: the manifest names no eos_id, which model.document_masking "
                         "reads documents by; re-run `kiln pack`")
     kernel = model.attention_kernel(device)
     if kernel == "flex" and device.type == "cpu":

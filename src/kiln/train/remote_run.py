@@ -7,10 +7,10 @@ trainer runs, so the loop knows nothing of URLs:
     unset): its run/ holds the lock, metrics.jsonl, config.yaml, env.json and the newest checkpoint's copy;
   - tokenizer/: downloaded into it, every file checked against the URL's manifest.json (through the shard cache),
     kept while the URL's manifest is the same one;
-  - loader.sources (unless set): `{url}/shards`, read through the remote shard cache (shards/remote.py) with the
+  - loader.sources (unless set): `URL/shards`, read through the remote shard cache (shards/remote.py) with the
     environment's credentials (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...);
-  - checkpoint.dir (unless set): `{url}/run/checkpoints`, uploaded and resumed from as any checkpoint.dir
-    (train/checkpoint/remote.py), which also uploads run/'s small files beside them at each save and brings
+  - checkpoint.dir (unless set): `URL/run/checkpoints`, uploaded and resumed from as any checkpoint.dir
+    (checkpoint/remote.py), which also uploads run/'s small files beside them at each save and brings
     metrics.jsonl back to a machine that has none.
 checkpoint.storage_options serve the tokenizer's download too.
 """
@@ -31,6 +31,7 @@ from kiln.names import check_name
 from kiln.shards.remote import ShardCache
 from kiln.storage import is_url
 from kiln.checkpoint.remote import RemoteCheckpoints
+from kiln.run_layout import RunLayout
 
 
 def local_folder(url: str) -> Path:
@@ -46,12 +47,12 @@ def localize(cfg: Config) -> Config:
     url = cfg.out_dir.rstrip("/")
     data = cfg.model_dump(mode="json")
     data["out_dir"] = str(local_folder(url))
-    data["checkpoint"]["dir"] = data["checkpoint"]["dir"] or f"{url}/run/checkpoints"
-    data["loader"]["sources"] = data["loader"]["sources"] or [{"path": f"{url}/shards"}]
+    data["checkpoint"]["dir"] = data["checkpoint"]["dir"] or RunLayout(url).checkpoints
+    data["loader"]["sources"] = data["loader"]["sources"] or [{"path": RunLayout(url).shards}]
     local = Config.model_validate(data)
-    cache = ShardCache(Path(local.loader.cache_dir) if local.loader.cache_dir else local.out / "cache" / "shards",
+    cache = ShardCache(Path(local.loader.cache_dir) if local.loader.cache_dir else local.layout.shard_cache,
                        int(local.loader.cache_max_gb * 2**30))
-    fetch_folder(f"{url}/tokenizer", local.out / "tokenizer", cfg.checkpoint.storage_options, cache)
+    fetch_folder(RunLayout(url).tokenizer, local.layout.tokenizer, cfg.checkpoint.storage_options, cache)
     return local
 
 

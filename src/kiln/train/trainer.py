@@ -66,7 +66,7 @@ class Trainer:
         self.cfg, self.log = cfg, log
         t = cfg.train
         set_deterministic(t.deterministic)  # before the first matmul: cuBLAS reads its setting once
-        self.run_dir = cfg.out / "run"
+        self.run_dir = cfg.layout.run
         self.d = d or init_distributed(cfg.parallel.startup_timeout_s, self.run_dir)
         self.metrics: MetricsLog | None = None
         self.membership = Membership(self.d, self.run_dir, self.event, log)
@@ -102,20 +102,20 @@ class Trainer:
         self.parts = self._parts()
         self.state = TrainState(self.parts, self.d.world, config_hash(cfg))
         inputs = RunInputs(self.data_fingerprint, self.tokenizer_sha, self.tokenizer_file,
-                           cfg.out / "shards" / "manifest.json", layout(self.d, t.deterministic), env.fingerprint)
+                           cfg.layout.shards / "manifest.json", layout(self.d, t.deterministic), env.fingerprint)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.state, self.engine, self.d, inputs,
                                          cfg.to_yaml(), self.validator.best_step, self.event, log, self.watchdog,
                                          clock=self.save_clock)
 
     def _open_data(self) -> None:
         cfg, t = self.cfg, self.cfg.train
-        tok_dir = cfg.out / "tokenizer"
+        tok_dir = cfg.layout.tokenizer
         self.tokenizer_file = tok_dir / "tokenizer.json"
         resume_checks.require_prepared(cfg)
         self.tokenizer_sha = tokenizer_sha256(tok_dir)
         self.train_set, self.val_set = open_splits(cfg, self.tokenizer_sha)
         if self.train_set.sample_len != cfg.pack.seq_len + 1:
-            raise KilnError(f"{cfg.out / 'shards'}: samples of {self.train_set.sample_len} tokens, "
+            raise KilnError(f"{cfg.layout.shards}: samples of {self.train_set.sample_len} tokens, "
                             f"config says pack.seq_len={cfg.pack.seq_len}; re-run `kiln pack`")
         self.pad_id = self.train_set.manifest.get("pad_id")
         self.data_fingerprint = resume_checks.data_fingerprint(self.train_set)
@@ -139,7 +139,7 @@ class Trainer:
         tasks = DownstreamTasks(cfg.eval.tasks, cfg.eval.tasks_every, self.tokenizer_file, cfg.tokenizer.eos_token,
                                 cfg.pack.seq_len)
         self.validator = Validator(t, self.val_set, self.loader.micro_batch, self.engine.parallel, d, self.pad_id,
-                                   self.schedule, tasks, cfg.pack.seq_len, cfg.out / "shards", self.event, self.log,
+                                   self.schedule, tasks, cfg.pack.seq_len, cfg.layout.shards, self.event, self.log,
                                    self.watchdog.beat)
         self.data_resets = DataResets(self.loader, cfg.seed, self.event)
         self.warm_start = WarmStart(self.event)

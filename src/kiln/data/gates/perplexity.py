@@ -30,6 +30,7 @@ from typing import Any
 
 from kiln.data.document import Document
 from kiln.errors import ConfigError, IntegrityError, KilnError
+from kiln.run_layout import checkpoints_of
 
 FIELD = "perplexity_bpb"
 REASON = "perplexity_above_max"
@@ -43,7 +44,7 @@ def checkpoint_folder(path: str) -> Path:
     p = Path(path)
     if (p / "manifest.json").is_file():
         return p
-    for root in (p / "checkpoints", p):
+    for root in (checkpoints_of(p), p):
         found = latest_valid(root, log=lambda *_: None)
         if found is not None:
             return found

@@ -37,6 +37,7 @@ from kiln.train.determinism import layout_warning
 from kiln.train.parallel import Dist, all_gather_objects, broadcast_object
 from kiln.train.parallel.optimizer_state import settings_kept
 from kiln.train.parallel.parallelize import Parallelized
+from kiln.run_layout import checkpoints_of
 
 
 # The settings a checkpoint cannot be resumed under when they change (train.max_steps, say, may change).
@@ -136,7 +137,7 @@ class Checkpointer:
                  config_yaml: str, best_step: Callable[[], int | None], event: Callable[[dict], None],
                  log: Callable[[str], None], watchdog, fmt: FullCheckpoint | ShardedCheckpoint | None = None,
                  clock: SaveClock | None = None) -> None:
-        self.cfg, self.run_dir, self.ckpt_dir = cfg, run_dir, run_dir / "checkpoints"
+        self.cfg, self.run_dir, self.ckpt_dir = cfg, run_dir, checkpoints_of(run_dir)
         self.state, self.engine, self.d, self.inputs, self.config_yaml = state, engine, d, inputs, config_yaml
         self.best_step, self.event, self.log, self.watchdog = best_step, event, log, watchdog
         self.format = fmt or checkpoint_format(cfg, engine.parallel, d)

@@ -32,8 +32,8 @@ from kiln.checkpoint.folder import listed_file
 
 def require_prepared(cfg) -> None:
     """The tokenizer and (unless loader.sources names others) the shards must exist before training."""
-    tok = cfg.out / "tokenizer" / "tokenizer.json"
-    shards = cfg.out / "shards" / "manifest.json"
+    tok = cfg.layout.tokenizer / "tokenizer.json"
+    shards = cfg.layout.shards / "manifest.json"
     missing = [p for p in ([tok] + ([] if cfg.loader.sources else [shards])) if not p.is_file()]
     if missing:
         raise KilnError(f"{' and '.join(str(p) for p in missing)} missing: training needs the tokenizer and shards; "

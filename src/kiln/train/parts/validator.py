@@ -59,7 +59,7 @@ class Validator:
         return self.tasks.due(step, self.cfg.max_steps)
 
     def run_tasks(self, step: int) -> None:
-        """The downstream tasks of eval.tasks (kiln.eval.mc), one `task` event each."""
+        """The downstream tasks of eval.tasks (kiln.scoring.mc), one `task` event each."""
         reduce = functools.partial(all_reduce_sum, d=self.d)
         p = self.parallel
         for name, result in self.tasks.run(p.module, self.seq_len, self.d.device, p.autocast, self.d.rank,
