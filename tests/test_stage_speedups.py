@@ -45,3 +45,16 @@ def test_lowered_counts_and_numbers_are_the_plain_ones():
         want = np.fromiter((vocab_plain.setdefault(t, len(vocab_plain)) for t in plain), np.int64, len(plain))
         assert ids.tolist() == want.tolist()
     assert list(vocab_fast.items()) == list(vocab_plain.items())
+
+
+def test_code_sign_finds_what_the_plain_pattern_finds():
+    import re
+
+    from kiln.data.gates.text import _CODE_SIGN
+
+    plain = re.compile(r"=|\w\(|[{}\[\]<>]|--|::")
+    lines = ["(", "a(", " (", "é(", "_(", "1(", "((", "x (y)", "f(x)", "a - b", "a -- b", "a: b", "a::b", "<b>",
+             "日本(", "(a", "print 'x'", "a=b", "plain prose line", "", "—(", "))", "a\t("]
+    lines += [f"{a}{b}{c}" for a in " a(:-=" for b in " (:-<" for c in " a(:-"]
+    for line in lines:
+        assert (_CODE_SIGN.search(line) is None) == (plain.search(line) is None), line

@@ -42,7 +42,9 @@ SPACELESS_SCRIPTS = ("\u3000-\u303f\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900
 CODE_PAGE_SHARE = 0.05
 _PROMPTS = (">>>", "...", "$ ", "# ", "% ")
 _CODE_ENDS = tuple("{}()[];,:\\=")
-_CODE_SIGN = re.compile(r"=|\w\(|[{}\[\]<>]|--|::")
+# `=`, a call (`\w(`: found at its "(", then looked behind, so that every branch starts with a character re
+# skips to in C: 2x faster than `\w\(` first), a bracket, `--` or `::`; only whether a line holds one matters
+_CODE_SIGN = re.compile(r"=|\((?<=\w\()|[{}\[\]<>]|--|::")
 TERMINAL_PUNCT = (".", "!", "?", '"', "'", "\u201d", "\u3002", "\uff01", "\uff1f", "\u300d", "\u300f")
 
 
@@ -114,10 +116,10 @@ def char_flags(text: str, codes: np.ndarray | None = None) -> np.ndarray:
     characters beyond the BMP (emoji, rare scripts; never whitespace) are asked one by one. `codes`: its
     `code_points`, when known."""
     codes = code_points(text) if codes is None else codes
+    if not len(codes) or codes.max() <= 0xFFFF:
+        return _bmp_flags().take(codes)  # take: ~2x faster than indexing with the array
     beyond = np.flatnonzero(codes > 0xFFFF)
-    if not len(beyond):
-        return _bmp_flags()[codes]
-    flags = _bmp_flags()[np.minimum(codes, 0xFFFF)]
+    flags = _bmp_flags().take(np.minimum(codes, 0xFFFF))
     flags[beyond] = [_flags_of(chr(c)) for c in codes[beyond].tolist()]
     return flags
 
@@ -357,11 +359,18 @@ class TextView:
 
     def tokens_with(self, bit: int) -> int:
         """Whitespace tokens holding at least one character with that bit (LETTER: Gopher's words with a letter)."""
-        return int(np.count_nonzero(self._chars_in_tokens(bit)))
+        return self._spans_with(bit, self.token_bounds[0])
 
     def words_with(self, bit: int) -> int:
         """Words (`word_bounds`) holding at least one character with that bit."""
-        return int(np.count_nonzero(self._chars_in(bit, *self.word_bounds)))
+        return self._spans_with(bit, self.word_bounds[0])
+
+    def _spans_with(self, bit: int, starts: np.ndarray) -> int:
+        """How many of the spans starting at `starts` hold a character with `bit`, a bit no whitespace has (not
+        SPACE, NEWLINE): each span is read to the next one's start, past its end over whitespace only."""
+        if not len(starts):
+            return 0
+        return int(np.count_nonzero(np.logical_or.reduceat((self.char_flags & bit) != 0, starts)))
 
     def tokens_all(self, bit: int) -> np.ndarray:
         """For each whitespace token: are all its characters ones with that bit?"""
