@@ -83,7 +83,8 @@ def index_key(files: list[str], cfg: DataConfig) -> str:
     """The fingerprint without the index: the name of this run's entry in data.dedup.index."""
     # data.dedup.index is left out: the same run finds its own entry wherever the index folder has moved
     settings = cfg.model_dump(mode="json", exclude={**dict.fromkeys(EXECUTION_KEYS, True),
-                                                    "dedup": {"bucket_docs", "index"}, "docs_format": True})
+                                                    "dedup": {"bucket_docs", "verdict_pairs", "index"},
+                                                    "docs_format": True})
     ident = [input_identity(str(f), cfg.storage_options) for f in files]
     return hashlib.sha256(json.dumps([ident, settings], sort_keys=True).encode()).hexdigest()[:16]
 

@@ -19,10 +19,10 @@ duplicates, never by the corpus.
    (`shingles-GGGGG.npy`, `spans-`, `qs-`); then one task per (band, range) confirms the buckets as above
    (`confirm_partition`). The same buckets, the same shingles, the same pairs; the work folder holds the
    candidates' shingle sets, not every document's. Memory: one range's candidates, one document's shingles.
-4. Clusters (`verdicts`, in the one verdicts task on a worker): a walk of the confirmed pairs only
-   (`clusters.Clusters`); the survivor is the cluster's earliest document; links and similarities for the ledger.
-   Memory: arrays of ~100 bytes per removed document (`Verdicts`), while building 48 bytes per unique confirmed
-   pair.
+4. Clusters (`verdict_task`, one task on a worker): a walk of the confirmed pairs only (`clusters.Clusters`), in
+   partitions of about data.dedup.verdict_pairs pairs that hold whole clusters (`Components`); the survivor is
+   the cluster's earliest document; links and similarities for the ledger. Memory: one partition (and the
+   largest cluster, walked whole), then one data task's verdicts: not the removed documents of the run.
 
 Documents are numbered by their place among the kept documents of all tasks in canonical order (`Layout`):
 documents of a `data.dedup.index` come first (so they always survive and are never re-emitted), then this run's.
@@ -287,7 +287,8 @@ def _written(layout: Layout, name: str, blob: bytes) -> tuple[str, dict[str, Any
 
 
 def exact_partition(job: tuple[str, int, int]) -> tuple[str, dict[str, Any]]:
-    """Exact duplicates in key range r: (duplicate, first) document numbers, as `exact-RRRRR.npy`."""
+    """Exact duplicates in key range r: (duplicate, first) document numbers, sorted by the duplicate, as
+    `exact-RRRRR.npy`."""
     work, r, ranges = job
     layout = Layout.load(work)
     pieces = list(layout.key_slices("exact", None, r, ranges))
@@ -300,7 +301,8 @@ def exact_partition(job: tuple[str, int, int]) -> tuple[str, dict[str, Any]]:
     new_group[1:] = (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])
     first = q[np.flatnonzero(new_group)][np.cumsum(new_group) - 1]
     dup = ~new_group & (q >= np.uint64(layout.indexed))  # an index's documents are never removed
-    return _written(layout, f"exact-{r:05d}.npy", npy_bytes(np.stack([q[dup], first[dup]])))
+    found = np.stack([q[dup], first[dup]])
+    return _written(layout, f"exact-{r:05d}.npy", npy_bytes(found[:, np.argsort(found[0], kind="stable")]))
 
 
 def band_partition(job: tuple[str, int, int, int]) -> tuple[str, dict[str, Any]]:
@@ -469,36 +471,31 @@ class Results:
 
 @dataclass
 class Verdicts:
-    """Who goes, by document number, as arrays sorted by document number.
+    """Who goes among one data task's documents, by document number, as arrays sorted by document number (the
+    verdicts task makes one per data task from its partitions' files: `Components.task_verdicts`).
 
-    Memory: ~100 bytes per removed document (16 per exact duplicate; 48 per near duplicate; 16 and the id for
-    each document a verdict names), nothing per kept document. The ledger rows and the rejections are made
-    one at a time, in document order, from these arrays."""
+    Memory: ~100 bytes per removed document of the task (16 per exact duplicate; 48 per near duplicate; 16 and
+    the id for each document a verdict names), nothing per kept document. The ledger rows and the rejections are
+    made one at a time, in document order, from these arrays."""
     exact: np.ndarray  # (2, m) uint64: each exact duplicate and its first copy, sorted by the duplicate
     near: Clusters
     similarity: np.ndarray  # each near duplicate's similarity to its survivor, in member order
     ids: IdTable  # of every document the verdicts name
     layout: Layout
-    pairs_confirmed: int = 0
-    seconds: float = 0.0
-    tasks: int = 0
-
-    def removed(self) -> np.ndarray:
-        """Every removed document's number, sorted."""
-        return np.union1d(self.exact[0], self.near.member).astype(np.uint64)
+    dropped_before: int = 0  # the run's exact duplicates before these documents
 
     def _run(self, q: int) -> dict[str, str]:
         """{"duplicate_in": run} for a document of data.dedup.index (they come first), else nothing."""
         return {"duplicate_in": self.layout.run_of(q)} if q < self.layout.indexed else {}
 
     def ledger(self) -> Iterator[dict[str, Any]]:
-        """This run's near-duplicate ledger rows, in member order, documents named by id, each member's
-        `position` its place among this run's exact-dedup survivors."""
+        """The near-duplicate ledger rows, in member order, documents named by id, each member's `position` its
+        place among this run's exact-dedup survivors."""
         rows = name_rows(ledger_rows(self.near, self.similarity.tolist()), self.ids.__getitem__)
         dropped_before = self.exact[0]
         for out, survivor in zip(rows, self.near.survivor.tolist()):
             q = out["position"]
-            out["position"] = q - self.layout.indexed - int(np.searchsorted(dropped_before, q))
+            out["position"] = q - self.layout.indexed - self.dropped_before - int(np.searchsorted(dropped_before, q))
             if survivor < self.layout.indexed:
                 out["survivor_run"] = self.layout.run_of(survivor)
             yield out
@@ -519,55 +516,221 @@ class Verdicts:
                                             "cluster": cluster, **self._run(survivor)}
                 n = next(near, None)
 
-    def stats(self) -> dict[str, Any]:
-        sizes = Counter(np.bincount(self.near.cluster).tolist()) if len(self.near) else Counter()
-        return {"exact_removed": int(self.exact.shape[1]), "near_removed": len(self.near),
-                "pairs_confirmed": self.pairs_confirmed,
-                "cluster_sizes": {str(k + 1): v for k, v in sorted(sizes.items())},
-                "removed_against_index": int(np.sum(self.exact[1] < self.layout.indexed)
-                                             + np.sum(self.near.survivor < self.layout.indexed))}
-
 
 VERDICTS = "verdicts"  # in a plan's results folder: one file per data task, task-NNNNN.jsonl.zst
 VERDICT_STATS = "verdicts.json"  # beside it: the counts of stats.json `dedup`
+SCRATCH = "components"  # beside it, while the verdicts task runs: its partitions' files
+NEAR = np.dtype([("member", "<u8"), ("survivor", "<u8"), ("linked_to", "<u8"), ("link_similarity", "<f8"),
+                 ("similarity", "<f8"), ("cluster", "<i8")])  # a near duplicate's verdict, as a partition keeps it
+
+
+class Components:
+    """The clusters of the confirmed pairs, walked in partitions of about data.dedup.verdict_pairs pairs, so the
+    verdicts task's memory is bounded by that budget (and by the largest cluster, walked whole), never by the
+    duplicates. Every step keeps its arrays in files of the scratch folder (`SCRATCH`) and holds one partition:
+    1. `split`: each band result's pairs, as edges both ways, into P partitions by document range (and the pairs
+       by their earlier document);
+    2. `label`: every document in a pair gets its cluster's earliest document (its survivor) by rounds of
+       minimum-label propagation with pointer jumping over the partitions (a few rounds: each at least halves
+       the distance labels still have to travel), until a round changes nothing;
+    3. `gather`: each pair moves to the partition of its cluster's survivor, so a partition holds whole clusters;
+    4. `walk`: each partition's clusters walked as `Clusters.of` walks them (the same survivors, links and
+       similarities, since each walk sees one cluster), numbered in the order of their first removed member
+       among every partition's (`number`);
+    5. `task_verdicts`: one data task's `Verdicts` from the slices of the exact results and the partitions.
+    The result is the single walk's, for any number of partitions."""
+
+    def __init__(self, layout: Layout) -> None:
+        import shutil
+
+        self.layout, self.folder = layout, layout.results / SCRATCH
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder.mkdir(parents=True)
+        self.bands = sorted(layout.results.glob("band-*.npy"))
+        pairs = sum(np.load(path, mmap_mode="r").shape[0] for path in self.bands)
+        self.count = max(1, math.ceil(2 * pairs / layout.cfg.verdict_pairs))
+        self.bounds = (np.arange(self.count + 1, dtype=np.int64) * layout.total // self.count).astype(np.uint64)
+        self.exact = sorted(layout.results.glob("exact-*.npy"))
+        self.pairs_confirmed, self.sizes = 0, Counter()
+
+    def part_of(self, q: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.bounds[1:-1], q, side="right")
+
+    def _path(self, name: str, p: int) -> Path:
+        return self.folder / f"{name}-{p:05d}.bin"
+
+    def _read(self, name: str, p: int, dtype: Any) -> np.ndarray:
+        path = self._path(name, p)
+        return np.fromfile(path, dtype=dtype) if path.exists() else np.empty(0, dtype=dtype)
+
+    def _route(self, name: str, rows: np.ndarray, key: np.ndarray) -> None:
+        """Append `rows` to partition files `name`, each row to the partition of its `key`."""
+        parts = self.part_of(key)
+        order = np.argsort(parts, kind="stable")
+        rows, parts = rows[order], parts[order]
+        edges = np.searchsorted(parts, np.arange(self.count + 1))
+        for p in np.flatnonzero(np.diff(edges)).tolist():
+            with open(self._path(name, p), "ab") as f:
+                f.write(rows[edges[p]:edges[p + 1]].tobytes())
+
+    def split(self) -> None:
+        for path in self.bands:
+            pairs = np.load(path)
+            ends = np.stack([np.concatenate([pairs["j"], pairs["i"]]), np.concatenate([pairs["i"], pairs["j"]])], 1)
+            self._route("edges", ends, ends[:, 0])
+            self._route("pairs", pairs, pairs["j"])
+
+    def _labels(self, p: int) -> np.ndarray:
+        path = self.folder / f"labels-{p:05d}.npy"
+        return np.load(path) if path.exists() else np.empty((2, 0), np.uint64)
+
+    def _lookup(self, q: np.ndarray, p: int, own: np.ndarray) -> np.ndarray:
+        """The labels of documents `q` (each in some pair), partition p's from `own`, the others' from their files."""
+        out = np.empty(len(q), dtype=np.uint64)
+        parts = self.part_of(q)
+        for r in np.unique(parts).tolist():
+            sel = parts == r
+            nodes, labels = own if r == p else self._labels(r)
+            out[sel] = labels[np.searchsorted(nodes, q[sel])]
+        return out
+
+    def label(self) -> None:
+        for p in range(self.count):  # each partition's edges once each, sorted by their first end
+            ends = self._read("edges", p, np.uint64).reshape(-1, 2)
+            ends = ends[np.lexsort((ends[:, 1], ends[:, 0]))]
+            first = np.ones(len(ends), dtype=bool)
+            first[1:] = (ends[1:, 0] != ends[:-1, 0]) | (ends[1:, 1] != ends[:-1, 1])
+            ends = ends[first]
+            ends.tofile(self._path("edges", p))
+            nodes = np.unique(ends[:, 0])
+            np.save(self.folder / f"labels-{p:05d}.npy", np.stack([nodes, nodes]))
+        changed = True
+        while changed:
+            changed = False
+            for p in range(self.count):
+                ends = self._read("edges", p, np.uint64).reshape(-1, 2)
+                nodes, labels = self._labels(p)
+                if not len(nodes):
+                    continue
+                starts = np.flatnonzero(np.concatenate([[True], ends[1:, 0] != ends[:-1, 0]]))
+                new = np.minimum(labels, np.minimum.reduceat(self._lookup(ends[:, 1], p, (nodes, labels)), starts))
+                new = np.minimum(new, self._lookup(new, p, (nodes, new)))  # pointer jumping: a label's own label
+                if np.any(new != labels):
+                    changed = True
+                    np.save(self.folder / f"labels-{p:05d}.npy", np.stack([nodes, new]))
+
+    def gather(self) -> None:
+        for p in range(self.count):
+            pairs = self._read("pairs", p, PAIR)
+            nodes, labels = self._labels(p)
+            self._route("clusters", pairs, labels[np.searchsorted(nodes, pairs["j"])])
+
+    def walk(self) -> None:
+        _, similarity = self.layout.confirm()
+        for p in range(self.count):
+            pairs = unique_pairs(self._read("clusters", p, PAIR))
+            self.pairs_confirmed += len(pairs)
+            near = np.empty(0, dtype=NEAR)
+            if len(pairs):
+                found = Clusters.of(pairs)
+                near = np.empty(len(found), dtype=NEAR)
+                for field in ("member", "survivor", "linked_to", "link_similarity", "cluster"):
+                    near[field] = getattr(found, field)
+                near["similarity"] = [similarity(r, i) for r, i in zip(found.survivor.tolist(), found.member.tolist())]
+                self.sizes.update(np.bincount(found.cluster).tolist())
+            _, first = np.unique(near["cluster"], return_index=True)
+            np.save(self.folder / f"firsts-{p:05d}.npy", near["member"][first])  # each cluster's first member
+            np.save(self.folder / f"near-{p:05d}.npy", near)
+
+    def number(self) -> None:
+        """Each partition's clusters numbered among every partition's, by their first removed member."""
+        for p in range(self.count):
+            firsts = np.load(self.folder / f"firsts-{p:05d}.npy")
+            rank = np.zeros(len(firsts), dtype=np.int64)
+            for r in range(self.count):
+                rank += np.searchsorted(np.load(self.folder / f"firsts-{r:05d}.npy"), firsts)
+            near = np.load(self.folder / f"near-{p:05d}.npy")
+            near["cluster"] = rank[near["cluster"]]
+            np.save(self.folder / f"near-{p:05d}.npy", near)
+
+    def task_verdicts(self, k: int) -> Verdicts:
+        """Part k's verdicts: the slices of every exact result and partition in its document range."""
+        layout = self.layout
+        start, end = int(layout.starts[k]), int(layout.starts[k + 1])
+        exact, before = [], 0
+        for path in self.exact:
+            found = np.load(path, mmap_mode="r")
+            a, b = np.searchsorted(found[0], [start, end]).tolist()
+            exact.append(np.array(found[:, a:b]))
+            before += a
+        exact = np.concatenate(exact, axis=1) if exact else np.empty((2, 0), np.uint64)
+        exact = exact[:, np.argsort(exact[0], kind="stable")]
+        near = [np.empty(0, dtype=NEAR)]
+        for p in range(self.count):
+            found = np.load(self.folder / f"near-{p:05d}.npy", mmap_mode="r")
+            a, b = np.searchsorted(found["member"], [start, end]).tolist()
+            near.append(np.array(found[a:b]))
+        rows = np.concatenate(near)
+        rows = rows[np.argsort(rows["member"], kind="stable")]
+        clusters = Clusters(rows["member"], rows["survivor"], rows["linked_to"], rows["link_similarity"],
+                            rows["cluster"])
+        ids = layout.ids_of(np.concatenate([exact[1], rows["survivor"], rows["member"], rows["linked_to"]]))
+        return Verdicts(exact, clusters, rows["similarity"], ids, layout, before)
+
+    def stats(self) -> dict[str, Any]:
+        exact = against = near = 0
+        for path in self.exact:
+            found = np.load(path, mmap_mode="r")
+            exact += found.shape[1]
+            against += int(np.sum(found[1] < self.layout.indexed))
+        for p in range(self.count):
+            found = np.load(self.folder / f"near-{p:05d}.npy", mmap_mode="r")
+            near += len(found)
+            against += int(np.sum(found["survivor"] < self.layout.indexed))
+        return {"exact_removed": exact, "near_removed": near, "pairs_confirmed": self.pairs_confirmed,
+                "cluster_sizes": {str(k + 1): v for k, v in sorted(self.sizes.items())},
+                "removed_against_index": against}
 
 
 def verdict_task(work: str) -> dict[str, Any]:
-    """On a worker: the run's verdicts (`verdicts`: the exact results and the clusters walk), written one file per
+    """On a worker: the run's verdicts (the exact results and the clusters walk, `Components`), written one file per
     data task of this run, `verdicts/task-NNNNN.jsonl.zst`: a line per removed document, in document order,
     `{"n": its number among the task's kept documents, "reason", "signals"}` and, for a near duplicate, its
     ledger row (`"ledger"`). Returns the files' records and the counts. The driver then holds none of it: the
-    merge reads one task's file at a time (`VerdictFiles`). Memory here: `Verdicts`'s, ~100 bytes per removed
-    document, and the walk's while it is built (48 bytes per confirmed pair)."""
+    merge reads one task's file at a time (`VerdictFiles`). Memory here: one partition of about
+    data.dedup.verdict_pairs pairs (`Components`), then one data task's verdicts."""
+    import shutil
+
     import zstandard
 
     from kiln.manifest import writing_atomic
 
     layout = Layout.load(work)
-    held = verdicts(layout)
-    ledger, rejections = held.ledger(), held.rejections()
-    nxt = next(rejections, None)
+    parts = Components(layout)
+    for step in (parts.split, parts.label, parts.gather, parts.walk, parts.number):
+        step()
     files = {}
     (layout.results / VERDICTS).mkdir(exist_ok=True)
     for k, part in enumerate(layout.parts):
         if part.run is not None:
             continue
-        start, end = int(layout.starts[k]), int(layout.starts[k + 1])
+        held = parts.task_verdicts(k)
+        start = int(layout.starts[k])
+        ledger = held.ledger()
         name = f"{VERDICTS}/{part.name}.jsonl.zst"
         with writing_atomic(layout.results / name) as f:
             out = Recording(f)
             with zstandard.ZstdCompressor(level=3).stream_writer(out, closefd=False) as zw:
-                while nxt is not None and nxt[0] < end:
-                    q, reason, signals = nxt
-                    assert q >= start, f"dedup: a verdict for document {q}, which is not this run's"
+                for q, reason, signals in held.rejections():
                     row = {"n": q - start, "reason": reason, "signals": signals}
                     if reason == "near_duplicate":
                         row["ledger"] = next(ledger)
                     zw.write((json.dumps(row, ensure_ascii=False) + "\n").encode())
-                    nxt = next(rejections, None)
         files[name] = out.record()
-    assert nxt is None, f"dedup: a verdict for document {nxt[0]}, past the run's documents"
-    return {"files": files, "stats": held.stats()}
+        del held, ledger  # before the next task's are made: one task's verdicts at a time
+    stats = parts.stats()
+    shutil.rmtree(parts.folder, ignore_errors=True)
+    return {"files": files, "stats": stats}
 
 
 class VerdictFiles:
@@ -618,28 +781,6 @@ class VerdictFiles:
 
     def stats(self) -> dict[str, Any]:
         return self.counts
-
-
-def confirmed_pairs(folder: Path) -> np.ndarray:
-    """Every band task's confirmed pairs, each pair once. Memory: at most about twice the unique pairs (the
-    same pair found in several bands is folded in whenever what was read since outgrows what is held)."""
-    pairs, pending, size = np.empty(0, dtype=PAIR), [], 0
-    for path in sorted(folder.glob("band-*.npy")):
-        pending.append(np.load(path))
-        size += len(pending[-1])
-        if size > max(len(pairs), 4096):
-            pairs, pending, size = unique_pairs(np.concatenate([pairs, *pending])), [], 0
-    return unique_pairs(np.concatenate([pairs, *pending]))
-
-
-def verdicts(layout: Layout) -> Verdicts:
-    removed = layout.exact_removed()
-    pairs = confirmed_pairs(layout.results)
-    near = Clusters.of(pairs)
-    _, similarity = layout.confirm()
-    sims = np.array([similarity(r, i) for r, i in zip(near.survivor.tolist(), near.member.tolist())], dtype=np.float64)
-    ids = layout.ids_of(np.concatenate([removed[1], near.survivor, near.member, near.linked_to]))
-    return Verdicts(removed, near, sims, ids, layout, len(pairs))
 
 
 # --- the driver -----------------------------------------------------------------------------------
