@@ -62,7 +62,7 @@ def by_hand(path: Path, folder: Path) -> None:
     from kiln.config import build_config, merge
     from kiln.eval import evaluate_checkpoint
     from kiln.eval.mc import evaluate_mc_checkpoint
-    from kiln.flow import run_data_stage, run_pack_stage, run_tokenizer_stage, run_train_stage
+    from kiln.stages import run_data_stage, run_pack_stage, run_tokenizer_stage, run_train_stage
 
     def quiet(*_):
         return None

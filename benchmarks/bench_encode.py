@@ -51,7 +51,7 @@ if __name__ == "__main__":
 def prepare(tmp: Path) -> tuple[Path, Path]:
     from kiln.config import build_config
     from kiln.data.docs import read_docs
-    from kiln.flow import run_data_stage, run_tokenizer_stage
+    from kiln.stages import run_data_stage, run_tokenizer_stage
 
     cfg = build_config({"out_dir": str(tmp / "out"), "data": {"inputs": [str(ROOT / "examples/data/sample.warc.gz")],
                         "min_chars": 200}, "tokenizer": {"vocab_size": 4096}})

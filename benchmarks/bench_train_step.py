@@ -69,7 +69,7 @@ def bench_config(out_dir: Path, dtype: str = "fp32", compile: bool = False, **tr
 
 def prepare(root: Path) -> Path:
     """docs/, tokenizer/ and shards/ under root/data (each stage skips when already complete)."""
-    from kiln.flow import run_data_stage, run_pack_stage, run_tokenizer_stage
+    from kiln.stages import run_data_stage, run_pack_stage, run_tokenizer_stage
 
     cfg = bench_config(root / "data")
 

@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from kiln.config import load_config
-    from kiln.flow import run_data_stage, run_pack_stage, run_tokenizer_stage
+    from kiln.stages import run_data_stage, run_pack_stage, run_tokenizer_stage
 
     warmup = args.warmup or (3 if args.smoke else 10)
     steps = args.steps or (4 if args.smoke else 20)

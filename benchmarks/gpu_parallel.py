@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from kiln.config import load_config
-    from kiln.flow import run_data_stage, run_pack_stage, run_tokenizer_stage
+    from kiln.stages import run_data_stage, run_pack_stage, run_tokenizer_stage
 
     nproc = args.nproc or (2 if args.smoke else max(torch.cuda.device_count(), 1))
     layouts = args.layout or default_layouts(nproc)

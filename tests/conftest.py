@@ -87,7 +87,7 @@ def sample_warc() -> Path:
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory):
     """Config whose out_dir holds docs/, tokenizer/ and shards/ built from the sample (read-only for tests)."""
-    from kiln.flow import run_data_stage, run_pack_stage, run_tokenizer_stage
+    from kiln.stages import run_data_stage, run_pack_stage, run_tokenizer_stage
 
     cfg = tiny_config(tmp_path_factory.mktemp("prepared") / "out")
     quiet = lambda *_: None  # noqa: E731

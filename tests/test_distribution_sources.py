@@ -150,7 +150,7 @@ def test_report_shows_the_composition_with_weights():
 def drifting_corpus(tmp_path_factory):
     """Three English sites of 60 documents and one German site of 8 (4% of the documents, so its
     top tokens sit more than 3 sigma from the corpus), through the data, tokenizer and pack stages."""
-    from kiln.flow import run_data_stage, run_pack_stage, run_tokenizer_stage
+    from kiln.stages import run_data_stage, run_pack_stage, run_tokenizer_stage
 
     root = tmp_path_factory.mktemp("drift")
     recs = [{"id": f"{site}-{i}", "text": prose(1000 * k + i), "site": site}

@@ -126,7 +126,7 @@ def test_a_tokenizer_and_shards_an_older_kiln_fingerprinted_are_kept(prepared, t
     import hashlib
 
     from conftest import tiny_config
-    from kiln.flow import run_pack_stage, run_tokenizer_stage
+    from kiln.stages import run_pack_stage, run_tokenizer_stage
     from kiln.manifest import sha256_file
 
     out = tmp_path / "out"

@@ -46,7 +46,7 @@ def run_a(prepared, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def b_data(run_a, tmp_path_factory) -> Path:
     """Run B's prepared out_dir: other documents (JSONL), packed with A's tokenizer."""
-    from kiln.flow import run_data_stage, run_pack_stage, run_tokenizer_stage
+    from kiln.stages import run_data_stage, run_pack_stage, run_tokenizer_stage
 
     root = tmp_path_factory.mktemp("b")
     corpus = root / "corpus.jsonl"

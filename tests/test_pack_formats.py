@@ -9,6 +9,8 @@ megatron-core's IndexedDatasetBuilder's; the files are byte-identical on 1 and 2
 
 from __future__ import annotations
 
+import json
+
 import shutil
 import tempfile
 from pathlib import Path
@@ -218,4 +220,13 @@ def test_kiln_pack_format_flag(packed, tmp_path, capsys):
     overrides = [f"pack.{k}={v}" for k, v in CFG.model_dump().items() if k not in ("executor", "ray_address")]
     assert main(["pack", str(packed["folder"]), "--tokenizer", str(packed["tok"]), "--out", str(out),
                  "--format", "megatron", *overrides]) == 0
-    assert output_files(out) == output_files(packed["base"] / "megatron")
+    made, direct = output_files(out), output_files(packed["base"] / "megatron")
+    fingerprint = json.loads(made.pop("manifest.json")).pop("fingerprint")  # `kiln pack` records its inputs'
+    assert made == {k: v for k, v in direct.items() if k != "manifest.json"} and fingerprint
+    # The same command again finds the shards complete for the same docs, tokenizer and settings: nothing written.
+    before = {f: f.stat().st_mtime_ns for f in out.iterdir()}
+    capsys.readouterr()
+    assert main(["pack", str(packed["folder"]), "--tokenizer", str(packed["tok"]), "--out", str(out),
+                 "--format", "megatron", *overrides]) == 0
+    assert {f: f.stat().st_mtime_ns for f in out.iterdir()} == before
+    assert f"kiln pack: {out} is complete and up to date" in capsys.readouterr().err

@@ -776,10 +776,12 @@ def test_report_out_replaces_only_a_kiln_report(tmp_path, capsys):
     notes.write_text("<html><body>my notes</body></html>")
     assert kiln(["report", run, "--out", str(notes)]) == 2
     err = err_of(capsys)
-    assert f"{notes} exists and is not a page kiln report wrote; move it away" in err and len(err.strip().splitlines()) == 1
+    assert f"{notes} exists and is not a page kiln report wrote; move it away" in err
+    assert len(err.strip().splitlines()) == 1
     assert notes.read_text() == "<html><body>my notes</body></html>"
     (tmp_path / "folder").mkdir()
-    assert kiln(["report", run, "--out", str(tmp_path / "folder")]) == 2 and "not a page kiln report wrote" in err_of(capsys)
+    assert kiln(["report", run, "--out", str(tmp_path / "folder")]) == 2
+    assert "not a page kiln report wrote" in err_of(capsys)
     report = tmp_path / "report.html"
     assert kiln(["report", run, "--out", str(report)]) == 0
     first = report.read_text()

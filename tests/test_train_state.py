@@ -172,7 +172,7 @@ def test_a_tokenizer_of_another_vocabulary_size_is_refused_without_an_override_t
 @pytest.mark.slow  # ~10 s of CPU: a tokenizer trained and the shards repacked, as `kiln run` does
 def test_another_vocabulary_size_is_refused_without_suggesting_resume_on_new_data(prepared, workdir):
     from kiln.errors import KilnError
-    from kiln.flow import run_pack_stage, run_tokenizer_stage
+    from kiln.stages import run_pack_stage, run_tokenizer_stage
 
     shutil.copytree(prepared.out / "docs", workdir / "docs")
     Trainer(tiny_config(workdir, train={"max_steps": 2}, checkpoint={"every": 2}), log=quiet).run()

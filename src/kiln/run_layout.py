@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DOCS, TOKENIZER, SHARDS, RUN, CHECKPOINTS, CACHE = "docs", "tokenizer", "shards", "run", "checkpoints", "cache"
+# The folder each stage of a run commits, in the stages' order (kiln.stages runs them; `--until` names them).
+STAGE_FOLDERS = {"data": DOCS, "tokenizer": TOKENIZER, "pack": SHARDS, "train": RUN}
 
 
 @dataclass(frozen=True)

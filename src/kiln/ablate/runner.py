@@ -1,6 +1,6 @@
 """Running an ablation: Kiln's own stages for every arm and seed, in an order that keeps the arms fair.
 
-1. data: each arm's data stage (`kiln.flow.run_data_stage`) into ARM/docs;
+1. data: each arm's data stage (`kiln.stages.run_data_stage`) into ARM/docs;
 2. tokenizer: one tokenizer for every arm, trained (`kiln.tokenizer.train_tokenizer`) on a seeded sample drawn
    evenly from every arm's kept documents into out_dir/tokenizer (or the base config's own tokenizer.path);
 3. overlap: every task's choices checked to fit the model's window under that tokenizer, and every eval
@@ -33,13 +33,11 @@ from typing import Any, Callable, Iterator
 from kiln.ablate.evalsets import OVERLAP, EvalSet, find_overlap, kept_units
 from kiln.ablate.plan import CONFIG, EVAL, Plan, RunPlan
 from kiln.data.docs import read_docs
-from kiln.data.rejections import few_documents_message
 from kiln.errors import KilnError
-from kiln.flow import run_data_stage, run_pack_stage, run_tokenizer_stage, run_train_stage
+from kiln.stages import check_enough_documents, run_data_stage, run_pack_stage, run_tokenizer_stage, run_train_stage
 from kiln.manifest import MANIFEST, is_complete, read_manifest, sha256_file, write_atomic
 
 MEASURE_VERSION = 1  # in eval.json's fingerprint: a change in how runs are measured measures them again
-STEPS = ("data", "tokenizer", "pack", "train")
 
 
 class StoppedBySignal(Exception):
@@ -78,9 +76,7 @@ def shared_tokenizer(plan: Plan, log: Callable[[str], None]) -> None:
         return
     arms = plan.data_arms()
     for arm in arms:
-        docs = arm.layout.docs
-        if few := few_documents_message(json.loads((docs / "stats.json").read_text()), docs):
-            raise KilnError(f"arm {arm.name!r}: {few}")
+        check_enough_documents(arm.layout.docs, f"arm {arm.name!r}: ")
     cfg = plan.baseline.cfg
     settings = cfg.tokenizer.model_copy(update={"path": None})
     fp = _hash([sha256_file(a.layout.docs / MANIFEST) for a in arms], settings.model_dump(mode="json"), cfg.seed)

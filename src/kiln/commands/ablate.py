@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from kiln.run_layout import STAGE_FOLDERS
 from kiln.commands.args import console, example
 from kiln.errors import KilnError
 
@@ -32,7 +33,7 @@ def add_ablate(sub) -> None:
     s.add_argument("file", nargs="+", metavar="ABLATION.yaml", help="the ablation file (or: report DIR)")
     s.add_argument("--only", metavar="ARM[,ARM]", help="pack, train and measure only these arms (one job per arm); "
                    "every arm's data and the shared tokenizer come first")
-    s.add_argument("--until", choices=["data", "tokenizer", "pack", "train"], default="train",
+    s.add_argument("--until", choices=list(STAGE_FOLDERS), default="train",
                    help="stop after this step (tokenizer: also the eval-overlap check; pack: every run ready for "
                         "`kiln train ARM/seed-N/config.yaml`)")
     s.add_argument("--plan", action="store_true", help="print what each proxy scale would cost, here (measured) "

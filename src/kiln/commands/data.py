@@ -36,7 +36,7 @@ def add_data(sub) -> None:
 
 def cmd_data(args) -> int:
     from kiln.config import load_config
-    from kiln.flow import StageLog, make_docs
+    from kiln.stages import StageLog, make_docs
 
     if args.inputs[:1] == ["explain"]:  # `kiln data explain DOC_ID_OR_URL --out DIR` (a file named explain: ./explain)
         return cmd_data_explain(args.inputs[1:], Path(args.out))  # a URL may hold '=': not an override here
@@ -55,13 +55,17 @@ def cmd_data(args) -> int:
         raise KilnError(f"kiln data: --workers must be at least 1, got {args.workers}")
     said = StageLog(lambda line: None)  # the progress bar tells the work; a skip is said below
     stats = make_docs(inputs, Path(args.out), cfg.data, said, workers=args.workers, progress=True)
-    if said.skipped:  # a complete docs folder of the same inputs and settings, kept as `kiln run` keeps it
-        print(f"kiln data: {args.out} is complete and up to date (same inputs and data settings): not written "
-              f"again", file=sys.stderr)
+    say_skipped(said, "kiln data", args.out, "inputs and data settings")
     print(json.dumps(stats, indent=1, ensure_ascii=False))
     for err in stats["file_errors"]:  # also in stats.json; a line each, where the user looks
         print(f"kiln: warning: {err['error']}", file=sys.stderr)
     return 1 if stats["file_errors"] and len(stats["file_errors"]) == stats["files"] else 0
+
+
+def say_skipped(said, command: str, out, inputs: str) -> None:
+    """One line when the stage found `out` complete for the same inputs (kept, as `kiln run` keeps it)."""
+    if said.skipped:
+        print(f"{command}: {out} is complete and up to date (same {inputs}): not written again", file=sys.stderr)
 
 
 def cmd_data_classifier_train(args) -> int:
@@ -103,21 +107,16 @@ def add_tokenizer(sub) -> None:
 
 def cmd_tokenizer_train(args) -> int:
     from kiln.config import load_config
-    from kiln.data.docs import read_docs
-    from kiln.data.rejections import docs_stats, few_documents_message
-    from kiln.tokenizer import train_tokenizer, use_tokenizer
+    from kiln.stages import StageLog, make_tokenizer
+    from kiln.tokenizer import tokenizer_file
 
     cfg = load_config(args.config, args.overrides)
-    if cfg.tokenizer.path:  # the user's own tokenizer, committed as it is (as `kiln run` does): nothing trained
-        tok = use_tokenizer(Path(args.out), cfg.tokenizer)
-        print(json.dumps({"tokenizer": str(Path(args.out) / "tokenizer.json"), "vocab_size": tok.get_vocab_size(),
-                          "source": cfg.tokenizer.path}))
-        return 0
-    stats = Path(args.docs_dir) / "stats.json"
-    if stats.is_file() and (few := few_documents_message(docs_stats(args.docs_dir), Path(args.docs_dir))):
-        raise KilnError(few)
-    tok = train_tokenizer(read_docs(Path(args.docs_dir)), Path(args.out), cfg.tokenizer, cfg.seed)
-    print(json.dumps({"tokenizer": str(Path(args.out) / "tokenizer.json"), "vocab_size": tok.get_vocab_size()}))
+    out = Path(args.out)
+    said = StageLog(lambda line: None)
+    manifest = make_tokenizer(cfg, Path(args.docs_dir), out, said)
+    say_skipped(said, "kiln tokenizer train", out, "documents and tokenizer settings")
+    print(json.dumps({"tokenizer": str(tokenizer_file(out)), "vocab_size": manifest["vocab_size"],
+                      **({"source": cfg.tokenizer.path} if cfg.tokenizer.path else {})}))
     return 0
 
 
@@ -138,15 +137,12 @@ def add_pack(sub) -> None:
 
 def cmd_pack(args) -> int:
     from kiln.config import load_config
-    from kiln.data.docs import read_docs
-    from kiln.shards.pack import pack
-
-    from kiln.data.tables import down_weighted
+    from kiln.stages import StageLog, make_shards
 
     cfg = load_config(args.config, args.overrides + ([f"pack.format={args.format}"] if args.format else []))
-    docs = Path(args.docs_dir)
-    weights = down_weighted(docs) if (docs / "manifest.json").is_file() else None
-    m = pack(read_docs(docs), Path(args.tokenizer), Path(args.out), cfg.pack, source_weights=weights)
+    said = StageLog(lambda line: None)
+    m = make_shards(cfg, Path(args.docs_dir), Path(args.tokenizer), Path(args.out), said)
+    say_skipped(said, "kiln pack", args.out, "documents, tokenizer and pack settings")
     print(json.dumps({k: m[k] for k in ("dtype", "vocab_size", "seq_len", "splits", "packing_efficiency")}, indent=1))
     return 0
 

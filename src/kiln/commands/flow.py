@@ -1,9 +1,10 @@
-"""`kiln run`: every stage of the flow (kiln.flow)."""
+"""`kiln run`: every stage of kiln.stages in order (kiln.flow)."""
 
 from __future__ import annotations
 
 import shlex
 
+from kiln.run_layout import STAGE_FOLDERS
 from kiln.commands.args import console, example
 
 
@@ -11,7 +12,7 @@ def add_run(sub) -> None:
     s = sub.add_parser("run", help="every stage; re-running skips finished stages and resumes training",
                        epilog=example("kiln run examples/tiny.yaml train.max_steps=50"))
     s.add_argument("config")
-    s.add_argument("--until", choices=["data", "tokenizer", "pack", "train"], default="train",
+    s.add_argument("--until", choices=list(STAGE_FOLDERS), default="train",
                    help="stop after this stage (e.g. prepare shards here, then train under torchrun)")
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     s.set_defaults(fn=cmd_run)
