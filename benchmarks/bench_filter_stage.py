@@ -333,14 +333,14 @@ def main() -> None:
         found = inputs(Path(tmp))
         sample = next(iter(found))  # the sample's copies
         print(f"{'input':<12} {'docs':>5} {'kept':>5} {'read+extract CPU s':>18} {'kiln data CPU s':>15} "
-              f"{'ratio':>6} {'wall':>5}  ratio per round (load); shares of the stage's CPU (shares run CPU s)")
+              f"{'ratio':>6} {'wall':>5}  ratio per round (load); each step's CPU s (share), shares run (its CPU s)")
         results = {}
         for name, files in found.items():
             r = results[name] = compare(files, Path(tmp) / "docs")
             total = sum(r["parts"].values())
             print(f"{name:<12} {r['docs']:>5} {r['kept']:>5} {r['base_cpu']:>18.2f} {r['data_cpu']:>15.2f} "
                   f"{r['ratio']:>6.2f} {r['wall_ratio']:>5.2f}  {r['runs']} ({r['loads']}); "
-                  + " ".join(f"{k} {100 * v / total:.0f}%" for k, v in r["parts"].items())
+                  + " ".join(f"{k} {v:.2f} ({100 * v / total:.0f}%)" for k, v in r["parts"].items())
                   + f" ({r['parts_cpu']:.2f}); after extract {r['after_extract']:.2f}x read+extract", flush=True)
         missing = [name for name in ("debian-docs", "long-pages") if name not in found]
         if missing:
