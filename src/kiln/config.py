@@ -424,6 +424,15 @@ def _threads(value: Any) -> int | str | None:
     raise ValueError("give a number of threads (1 or more), auto, or null")
 
 
+class OuterConfig(Section):
+    algorithm: Literal["local_sgd", "diloco"] = Field(
+        "diloco", description="local_sgd: average the weights every sync_every steps; diloco: an outer Nesterov "
+        "SGD step on the averaged pseudo-gradients (DiLoCo); both torchft's, across replica groups")
+    sync_every: int = Field(..., ge=1, description="inner steps between two synchronisations (H)")
+    outer_lr: float = Field(0.7, gt=0, description="diloco: the outer learning rate (DiLoCo: 0.7)")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="diloco: the outer Nesterov momentum (DiLoCo: 0.9)")
+
+
 class TrainConfig(Section):
     max_steps: int = Field(100, ge=1)
     batch_size: int = Field(8, ge=1, description="global batch in sequences (all ranks, all micro-steps)")
@@ -506,6 +515,9 @@ class TrainConfig(Section):
     init_optimizer: bool = Field(
         False, description="with init_from: take its AdamW moments too (this run's lr, betas and weight decay "
         "still apply); false = a fresh optimizer")
+    outer: OuterConfig | None = Field(
+        None, description="LocalSGD / DiLoCo across torchft replica groups (parallel.fault_tolerance: torchft): "
+        "{algorithm: local_sgd | diloco, sync_every: H, outer_lr, outer_momentum}; null = every step synchronised")
 
     @model_validator(mode="after")
     def _resolve_lr(self) -> "TrainConfig":
@@ -576,8 +588,25 @@ class CheckpointConfig(Section):
         return self
 
 
+class TorchftConfig(Section):
+    lighthouse: str | None = Field(None, description="the torchft lighthouse's URL, e.g. http://host:29510; null = "
+                                   "the TORCHFT_LIGHTHOUSE environment variable")
+    group: int | None = Field(None, ge=0, description="this replica group's number (0 writes {out_dir}/run; group N "
+                              "its own run/replicas/group-N); null = the KILN_REPLICA_GROUP environment variable")
+    min_groups: int = Field(1, ge=1, description="replica groups a step needs to commit")
+    timeout_s: float = Field(30, gt=0, description="a cross-group collective, commit or heal that takes this long "
+                             "means a lost group: the step is retried on the groups left")
+    quorum_timeout_s: float = Field(600, gt=0, description="how long a group waits for a quorum (under train.outer "
+                                    "at least the time of sync_every steps)")
+
+
 class ParallelConfig(Section):
     mode: Literal["auto", "ddp", "fsdp"] = Field("auto", description="auto = DDP when several ranks, none for one")
+    fault_tolerance: Literal["off", "torchft"] = Field(
+        "off", description="torchft: the data-parallel replicas are torchft replica groups (one torchrun each) "
+        "coordinated by a lighthouse: a lost group costs seconds, the others go on, a returning one heals from a "
+        "live peer (parallel/ft.py)")
+    torchft: TorchftConfig = Field(default_factory=TorchftConfig)
     mesh: list[int] | None = Field(
         None, description="FSDP2 hybrid sharding [replicate, shard], e.g. [nodes, gpus_per_node]"
     )
@@ -735,6 +764,15 @@ class Config(Section):
     plan: PlanConfig = Field(default_factory=PlanConfig)
     loader: LoaderConfig = Field(default_factory=LoaderConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _outer_needs_torchft(self) -> "Config":
+        if self.train.outer is not None and self.parallel.fault_tolerance != "torchft":
+            raise ValueError("train.outer synchronises torchft replica groups; set parallel.fault_tolerance: "
+                             "torchft too, or drop train.outer")
+        if self.train.outer is not None and self.checkpoint.format == "sharded":
+            raise ValueError("train.outer's outer state is saved in full checkpoints; set checkpoint.format: full")
+        return self
 
     @property
     def out(self) -> Path:

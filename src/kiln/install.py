@@ -21,7 +21,8 @@ DISTRIBUTION = "kiln-lm"
 # Top-level module -> the extra that installs it (the modules Kiln imports only when a feature asks for them).
 MODULE_EXTRAS = {"matplotlib": "report", "pyarrow": "parquet", "s3fs": "s3", "trafilatura": "trafilatura",
                  "lxml_html_clean": "trafilatura", "ray": "ray", "transformers": "hf", "pynvml": "gpu",
-                 "tensorboard": "tensorboard", "wandb": "wandb", "floret": "quality"}
+                 "tensorboard": "tensorboard", "wandb": "wandb", "floret": "quality",
+                 "torchft": "ft"}
 
 
 def _shown(path: str) -> str:

@@ -7,6 +7,7 @@ run's docs, tokenizer, shards, run folder, checkpoints and caches are, and no ot
       shards/          the packed token shards (kiln pack)
       run/             the training run: metrics.jsonl, env.json, config.yaml, the lock
         checkpoints/   step-NNNNNNNN/ folders
+        replicas/group-N/  torchft replica group N's own run folder (parallel.fault_tolerance)
       cache/shards/    shards fetched from a URL (loader.cache_dir's default)
 
 The root is a local folder (a Path) or an fsspec URL (a str: `kiln train` with a URL out_dir reads tokenizer/ and
@@ -65,6 +66,11 @@ class RunLayout:
 def checkpoints_of(run_dir: Path) -> Path:
     """A run folder's checkpoints/ (the trainer and the checkpointer are given the run folder)."""
     return Path(run_dir) / CHECKPOINTS
+
+
+def replica_run_of(run_dir: Path | str, group: int) -> Path:
+    """The run folder of torchft replica group `group` >= 1 (group 0 writes the run folder itself)."""
+    return Path(run_dir) / "replicas" / f"group-{group}"
 
 
 def is_checkpoints_folder(folder: Path | str) -> bool:

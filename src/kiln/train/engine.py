@@ -18,7 +18,7 @@ import torch
 from kiln.config import Config, MoEConfig, TrainConfig
 from kiln.errors import KilnError
 from kiln.train.clip import clip, layer_groups
-from kiln.train.parallel.dist import Dist, all_reduce_
+from kiln.train.parallel.dist import Dist
 from kiln.train.parallel.parallelize import Parallelized
 
 
@@ -161,7 +161,7 @@ class Engine:
         self.parallel, self.train_cfg, self.moe, self.d = parallel, train, moe, d
         self.pad_id = pad_id  # padding (the shards' pad_id) is never a target
         self.model = parallel.model
-        self.guards, self.probes, self.event = list(guards), list(probes), event
+        self.guards, self.probes, self.event = [*parallel.step_guards(), *guards], list(probes), event
         # After sharding: FSDP2 replaces the parameters with DTensors.
         self.groups = layer_groups(self.model, self.model.config.n_layers, train.upper_layers)
         self.optimizer = build_optimizer(self.model, train, d.device)
@@ -191,7 +191,7 @@ class Engine:
         agreed[0] = loss_sum / n
         local = [torch.as_tensor(v, dtype=torch.float64, device=self.d.device).reshape(1)
                  for v in moe_sums.values() if self.moe]
-        loss_total, *rest = torch.cat([all_reduce_(agreed, self.d), *local]).tolist()
+        loss_total, *rest = torch.cat([self.parallel.agree_(agreed), *local]).tolist()
         out = {"loss": loss_total / self.d.world, **{k: v > 0 for k, v in zip(flags, rest)},
                "time_fwd_bwd_s": t_fwd_bwd, "time_comm_s": time.perf_counter() - tick}
         if self.moe:  # this rank's router numbers: the balance a rank sees is what its experts get

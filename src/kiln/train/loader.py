@@ -155,13 +155,14 @@ class Loader:
                  world: int, seed: int, prefetch: int = 0) -> None:
         """`micro_batch` None: each rank's share of the global batch in one micro-batch (split_batch)."""
         samples = samples if isinstance(samples, Mixture) else Mixture([samples])
+        micro_request = micro_batch
         micro_batch, self.accumulation = split_batch(global_batch, micro_batch, world)
         if global_batch > len(samples):
             raise ValueError(
                 f"train.batch_size={global_batch} exceeds the {len(samples)} training samples; lower it or add data"
             )
         self.samples, self.global_batch, self.micro_batch = samples, global_batch, micro_batch
-        self.rank, self.world, self.prefetch = rank, world, prefetch
+        self.rank, self.world, self.prefetch, self.micro_request = rank, world, prefetch, micro_request
         self.plan = BatchPlan(samples, global_batch, micro_batch, rank, world)
         self.state = LoaderState(seed)
         self.consumed = np.empty(0, dtype=np.int64)  # the sample indices of this rank's last batch
@@ -178,6 +179,22 @@ class Loader:
             self._running.append(Prefetcher(self.plan, self.state, self.prefetch))
         batch, self.state, self.consumed = self._running[0].get()
         return batch
+
+    def regroup(self, rank: int, world: int) -> None:
+        """Another data-parallel world (torchft replica groups that left or joined): the same global batch split
+        over it (split_batch; a world it cannot be split over is its ValueError), the position kept."""
+        if (rank, world) == (self.rank, self.world):
+            return
+        micro, accumulation = split_batch(self.global_batch, self.micro_request, world)
+        _close(self._running)
+        self.micro_batch, self.accumulation, self.rank, self.world = micro, accumulation, rank, world
+        self.plan = BatchPlan(self.samples, self.global_batch, micro, rank, world)
+
+    def last_global_batch(self) -> list[list[int]]:
+        """The last batch handed out, every data-parallel rank's slice of it (from the order, not the ranks)."""
+        s = self.state
+        idx = self.plan.order(s.seed, s.epoch)[s.position - self.global_batch: s.position]
+        return [idx[r * self.plan.per_rank: (r + 1) * self.plan.per_rank].tolist() for r in range(self.world)]
 
     def next_global_indices(self) -> np.ndarray:
         """Advance by one global batch without reading it (all ranks' indices)."""

@@ -1,9 +1,8 @@
 """The training loop, and nothing but the loop: for each step the parts' pre_step hooks, the engine's step
 (engine.py), then the parts' post_step hooks; the loop asks its parts when to validate, save, roll back or stop.
 
-Run as `kiln train CONFIG` or `torchrun --nproc_per_node=N -m kiln train CONFIG`.
-A run resumes from the newest valid checkpoint under {out_dir}/run/checkpoints
-and from there produces bitwise the losses of a run that was never interrupted.
+Run as `kiln train CONFIG` or `torchrun --nproc_per_node=N -m kiln train CONFIG`. A run resumes from the newest
+valid checkpoint under {out_dir}/run/checkpoints and from there produces bitwise the losses of an uninterrupted run.
 
 The parts (train/parts/) and what they hold are listed once, in `Trainer._parts`; what they save goes through
 the TrainState (train/checkpoint/checkpointer.py); the model is made parallel in one ordered function
@@ -27,8 +26,7 @@ from kiln.model.build import build_model
 from kiln.model.loss import next_token_loss
 from kiln.tokenizer import tokenizer_sha256
 from kiln import checkpoint as ckpt
-from kiln.train.checkpoint import Checkpointer, RunInputs, SaveClock, TrainState, config_hash
-from kiln.train.checkpoint import resume as resume_checks
+from kiln.train.checkpoint import Checkpointer, RunInputs, SaveClock, TrainState, config_hash, resume as resume_checks
 from kiln.train.checkpoint.init_from import start_from
 from kiln.train.console import TrainConsole, warnings_for
 from kiln.train.cpu_memory import keep_freed_memory, require_host_memory
@@ -39,6 +37,7 @@ from kiln.train.loader import Loader
 from kiln.train.loggers import check_loggers, open_sinks
 from kiln.train.metrics import MetricsLog, peak_tflops, report_startup
 from kiln.train.parallel import Dist, init_distributed, set_step_timeout
+from kiln.train.parallel.ft import LOST, group_run_dir  # (torchft itself is imported only when asked for)
 from kiln.train.parallel.mesh import build_mesh
 from kiln.train.parallel.parallelize import Precision, parallelize
 from kiln.train.parts import Outcome
@@ -48,6 +47,7 @@ from kiln.train.parts.guards import Escalation, NonFiniteGuard, SpikeGuard
 from kiln.train.parts.membership import Membership
 from kiln.train.parts.metrics import StepLog
 from kiln.train.parts.profiler import CollectorPause, Profiler
+from kiln.train.parts.replicas import Replicas
 from kiln.train.parts.sample_log import SampleLog
 from kiln.train.parts.schedule_probe import ScheduleProbe
 from kiln.train.parts.signals import StopRequests
@@ -66,7 +66,7 @@ class Trainer:
         self.cfg, self.log = cfg, log
         t = cfg.train
         set_deterministic(t.deterministic)  # before the first matmul: cuBLAS reads its setting once
-        self.run_dir = cfg.layout.run
+        self.run_dir = group_run_dir(cfg)  # under torchft, group N >= 1 has a run folder of its own
         self.d = d or init_distributed(cfg.parallel.startup_timeout_s, self.run_dir)
         self.metrics: MetricsLog | None = None
         self.membership = Membership(self.d, self.run_dir, self.event, log)
@@ -145,15 +145,17 @@ class Trainer:
         self.warm_start = WarmStart(self.event)
         self.save_clock = SaveClock(cfg.checkpoint.every_seconds)
         samples = [SampleLog(self.loader, d, self.event)] if cfg.loader.record_samples else []
+        p = self.engine.parallel  # torchft replica groups: last, after the parts that read this step's data split
+        self.replicas = p.replicas and Replicas(p, self.engine, lambda: self.state, self.loader, self.mesh, t.outer,
+                                                t.max_steps, self.event, self.log)
         return [self.loader, self.schedule, self.engine.scaling, self.spikes, self.escalation, self.budget,
                 self.requests, self.save_clock, self.data_resets, self.warm_start, self.validator, self.step_log,
                 *samples, self.membership, self.watchdog, Profiler(t.profile_steps, self.run_dir / "profile", d.rank),
-                CollectorPause(t.gc_every), ThreadTuner(t.threads, d.device, self.log, self.event)]
+                CollectorPause(t.gc_every), ThreadTuner(t.threads, d.device, self.log, self.event),
+                *([self.replicas] if self.replicas else [])]
 
     def _hook(self, name: str, *args) -> list[Any]:
         return [getattr(part, name)(*args) for part in self.parts if hasattr(part, name)]
-
-    # --- what the loop and callers use ------------------------------------------------------------
 
     @property
     def step(self) -> int:
@@ -184,8 +186,6 @@ class Trainer:
     def flags(self) -> dict[str, bool]:
         """The parts' requests, agreed by every rank in the step's one all-reduce."""
         return {k: v for part_flags in self._hook("flags") for k, v in part_flags.items()}
-
-    # --- the loop ---------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
         """Train to train.max_steps, holding the run folder's lock (rank 0) the whole time."""
@@ -260,6 +260,8 @@ class Trainer:
         t_data = time.perf_counter() - tick
         measured = {**self.engine.train_step(batches, self.flags), "time_data_s": t_data}
         result = self.engine.optimizer_step(step, lr, measured["loss"], step % t.update_ratio_every == 0)
+        if result["skip_reason"] == LOST:  # torchft: a group was lost during this step; again, on the groups left
+            return self.replicas.retry(step)
         if first:  # the first step of this process is over: from now on a long collective means a hung rank
             set_step_timeout(self.d, cfg.parallel.step_timeout_s)
         tokens = t.batch_size * cfg.pack.seq_len

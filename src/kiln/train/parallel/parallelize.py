@@ -57,6 +57,7 @@ class Parallelized:
     every_rank_reads = False  # a resume reads the full checkpoint on every rank (each keeps its part), not rank 0
     writes_sharded_checkpoints = True  # checkpoint.format=sharded can save it (checkpoint/sharded.py)
     splits_parameters = False  # some parameter is split over ranks: sharded checkpoints are then the default
+    replicas = None  # parallel.fault_tolerance=torchft: ft.ReplicaGroups, this rank's torchft Manager
 
     def __init__(self, model: nn.Module, d: Dist, autocast: torch.dtype | None, loss_fn: Callable,
                  mesh: Mesh | None = None) -> None:
@@ -109,6 +110,15 @@ class Parallelized:
 
     def after_backward(self) -> None:
         """After the step's last backward, before the norms (expert parallel averages its experts' gradients)."""
+
+    def agree_(self, t: torch.Tensor) -> torch.Tensor:
+        """The step's one agreement (loss, flags) summed over the ranks in place (ft.FaultTolerant: and the
+        gradients averaged across torchft replica groups)."""
+        return all_reduce_(t, self.d)
+
+    def step_guards(self) -> list:
+        """Guards the engine asks before its own (ft.FaultTolerant: the cross-group commit)."""
+        return []
 
     def grad_norms(self, groups: dict[str, list[nn.Parameter]]) -> dict[str, torch.Tensor]:
         """The whole model's gradient norm per layer group (dist.group_norms where every rank sees every group)."""
@@ -345,6 +355,13 @@ def kind_for(mesh: Mesh) -> type[Parallelized]:
     return DDPModel if mesh.mode == "ddp" else Parallelized
 
 
+def fault_tolerant(kind: type[Parallelized]) -> type[Parallelized]:
+    """parallel.fault_tolerance=torchft: the kind with ft.FaultTolerant's cross-group all-reduce and commit."""
+    from kiln.train.parallel.ft import FaultTolerant
+
+    return type(f"FaultTolerant{kind.__name__}", (FaultTolerant, kind), {"name": f"{kind.name}+torchft"})
+
+
 def parallelize(model: nn.Module, d: Dist, cfg: ParallelConfig, precision: Precision, loss_fn: Callable,
                 mesh: Mesh | None = None, pad_id: int | None = None, seed: int | None = None) -> Parallelized:
     """Apply the parallel section to `model` (on its device, or on the meta device: then `seed` draws its initial
@@ -370,9 +387,12 @@ def parallelize(model: nn.Module, d: Dist, cfg: ParallelConfig, precision: Preci
        sharding, so the wrapper's hooks stay outside the compiled blocks (torchtitan compiles each block
        before fully_shard, to the same effect: FSDP2's hooks are module hooks outside the blocks' graphs).
     7. DDP wrapping, last: DDP registers its gradient hooks on the final parameters (the experts kept out).
+    8. torchft replica groups (parallel.fault_tolerance): the group's own kind, its gradients then averaged
+       across the groups of the quorum (ft.py); started last, when the group's model is whole.
     """
     mesh = mesh or Mesh(resolve_degrees(cfg, d.world), d.rank, d.device.type)
     kind = kind_for(mesh)
+    torchft = cfg.fault_tolerance == "torchft"
     autocast, extra = precision.dtype, {}
     if precision.fp32_modules and mesh.mode != "fsdp":
         apply_precision_policy(model, list(precision.fp32_modules))  # 1
@@ -404,7 +424,13 @@ def parallelize(model: nn.Module, d: Dist, cfg: ParallelConfig, precision: Preci
         loss_fn = torch.compile(functools.partial(loss_fn, chunk_rows=None))
     elif cfg.compile:
         model.compile()
-    return kind(model, d, autocast, loss_fn, mesh, **extra)  # 7 (DDPModel wraps here)
+    if not torchft:
+        return kind(model, d, autocast, loss_fn, mesh, **extra)  # 7 (DDPModel wraps here)
+    from kiln.train.parallel.ft import ReplicaGroups
+
+    parallel = fault_tolerant(kind)(model, d, autocast, loss_fn, mesh, **extra)  # 7
+    parallel.replicas = ReplicaGroups(cfg.torchft, d)  # 8
+    return parallel
 
 
 def _model_parallel(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, loss_fn: Callable, extra: dict) -> Callable:

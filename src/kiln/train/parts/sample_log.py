@@ -24,4 +24,7 @@ class SampleLog:
         ranks: list[list[int] | None] = [None] * self.loader.world
         for dp_rank, indices in all_gather_objects(self.d, (self.loader.rank, self.loader.consumed.tolist())):
             ranks[dp_rank] = indices
+        if None in ranks:  # torchft: the other replica groups' slices, of the position every group checked it was at
+            whole = self.loader.last_global_batch()
+            ranks = [mine if mine is not None else theirs for mine, theirs in zip(ranks, whole)]
         self.event({"event": "samples", "step": outcome.step, "epoch": self.loader.state.epoch, "ranks": ranks})

