@@ -28,7 +28,7 @@ from kiln.errors import KilnError
 from kiln.train.data import Mixture
 from kiln.train.metrics import MetricsLog, read_metrics
 from kiln.train.parallel.dist import Dist, node_name, store_prefix
-from kiln.train.parts import Outcome
+from kiln.train.parts.outcome import Outcome
 from kiln.train.parts.membership import GROUP_FILE, Membership, exclude_host, excluded_hosts, last_steps
 from kiln.train.parts.watchdog import Watchdog
 from kiln.train.trainer import Trainer

@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_config
 from kiln.train.metrics import read_metrics
-from kiln.train.parts import Outcome
+from kiln.train.parts.outcome import Outcome
 from kiln.train.parts.threads import FIRST_INTERVAL, TRIAL_STEPS, ThreadTuner
 from kiln.train.trainer import Trainer
 

@@ -40,7 +40,7 @@ from kiln.train.parallel import Dist, init_distributed, set_step_timeout
 from kiln.train.parallel.ft import LOST, group_run_dir  # (torchft itself is imported only when asked for)
 from kiln.train.parallel.mesh import build_mesh
 from kiln.train.parallel.parallelize import Precision, parallelize
-from kiln.train.parts import Outcome
+from kiln.train.parts.outcome import Outcome
 from kiln.train.parts.budget import Budget
 from kiln.train.parts.data_resets import DataResets
 from kiln.train.parts.guards import Escalation, NonFiniteGuard, SpikeGuard

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from kiln.config import BudgetConfig
-from kiln.train.parts import Outcome
+from kiln.train.parts.outcome import Outcome
 
 
 class Budget:

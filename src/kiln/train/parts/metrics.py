@@ -8,7 +8,7 @@ from typing import Callable
 from kiln.config import TrainConfig
 from kiln.train.metrics import mfu, peak_memory_gb
 from kiln.train.parallel import Dist
-from kiln.train.parts import Outcome
+from kiln.train.parts.outcome import Outcome
 
 
 class StepLog:

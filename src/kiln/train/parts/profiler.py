@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.train.parts import Outcome
+from kiln.train.parts.outcome import Outcome
 
 
 class Profiler:

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from kiln.train.parts import Outcome
+from kiln.train.parts.outcome import Outcome
 
 TRIAL_STEPS = 3  # steps at each count in one trial
 SLOWER = 1.5  # the chosen count's recent median step this much slower than when chosen: time again
