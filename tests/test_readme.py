@@ -11,7 +11,8 @@ Each fenced block's info string says what happens to it (README.md, "Development
 - `sh dry-run`: `make -n TARGET` (running the test suite from a test would recurse);
 - `sh cluster`: needs GPUs, several nodes or a cluster service: every `kiln` subcommand and `KEY=VALUE` key
   in it must exist;
-- `yaml`: a config snippet, validated against the config's types; `yaml ablation`: an ablation file's.
+- `yaml`: a config snippet, validated against the config's types; `yaml ablation`: an ablation file's;
+  `yaml mix`: a mix file's.
 Any other sh or console block fails the test, so a new command cannot slip in unchecked.
 """
 
@@ -33,6 +34,7 @@ from conftest import ROOT
 from kiln.ablate.spec import AblationSpec
 from kiln.cli import build_parser
 from kiln.config import Config, build_config, load_config
+from kiln.mix.spec import MixSpec
 
 README = ROOT / "README.md"
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
@@ -151,6 +153,8 @@ def test_readme_commands_run_on_the_bundled_sample(sandbox):
             build_config(yaml.safe_load(body))
         elif info == "yaml ablation":
             AblationSpec(**yaml.safe_load(body))
+        elif info == "yaml mix":
+            MixSpec(**yaml.safe_load(body))
     assert ran >= 5
     assert (sandbox / "out" / "tiny" / "run" / "report.html").is_file()
     assert (sandbox / "out" / "tiny" / "hf" / "model.safetensors").is_file()

@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 from kiln import __version__
-from kiln.commands import ablate, data, flow, ops, train
+from kiln.commands import ablate, data, flow, mix, ops, train
 from kiln.errors import IntegrityError, KilnError
 
 # The commands in the order `kiln --help` lists them: each adds its parser (kiln/commands/).
 COMMANDS = (flow.add_run, data.add_data, data.add_tokenizer, data.add_pack, train.add_train, train.add_eval,
             train.add_generate, train.add_ckpt, data.add_shards, ops.add_doctor, ops.add_preflight, ops.add_plan,
-            ops.add_config, ops.add_report, train.add_export, train.add_import, ablate.add_ablate)
+            ops.add_config, ops.add_report, train.add_export, train.add_import, ablate.add_ablate,
+            mix.add_mix)
 OVERRIDES_HELP = ("config overrides, e.g. train.lr=3e-4 (or --set KEY=VALUE, or every word after --); "
                   "`kiln config show CONFIG` lists the keys")
 
@@ -150,6 +151,7 @@ def _refused_overrides(args: argparse.Namespace, overrides: list[str]) -> str | 
         return None
     name = " ".join([args.command, *(v for k, v in vars(args).items() if k.endswith("_command"))])
     fix = ("put them in the ablation file (an arm's set:, or its base config)" if name == "ablate" else
+           "put them in the mix file (a source's set:, or its base config)" if name == "mix" else
            f"its settings are its options (kiln {name} --help)")
     return f"`kiln {name}` takes no KEY=VALUE overrides, got {' '.join(overrides)}; {fix}"
 

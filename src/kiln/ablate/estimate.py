@@ -85,13 +85,19 @@ def gpu_hours(cfg: Config, gpus: int, gpu: str) -> float:
 
 def estimates(path: str | Path, gpus: int, gpu: str) -> list[dict]:
     spec, base = read_spec(path)
+    return scale_rows(spec, base, Path(path).resolve(), gpus, gpu)
+
+
+def scale_rows(spec, base: dict, file: Path, gpus: int, gpu: str, runs: int | None = None) -> list[dict]:
+    """One row per scale: `spec`'s runs (or `runs` of them: `kiln mix` counts its swarm and verification)
+    at that scale, here and on `gpus` x `gpu`."""
     rows, flop_rate = [], None
     for scale in ([] if spec.proxy else ["base config"]) + list(PROXIES):  # measured scales before extrapolated
         scaled = spec if scale == "base config" else spec.model_copy(update={  # the file's proxy_tokens is its own
             "proxy": scale, "proxy_tokens": spec.proxy_tokens if scale == spec.proxy else None})
-        plan = make_plan(scaled, base, Path(path).resolve())
-        runs = plan.runs()
-        cfg = runs[0].cfg
+        plan = make_plan(scaled, base, file)
+        cfg = plan.runs()[0].cfg
+        count = len(plan.runs()) if runs is None else runs
         tokens = cfg.train.max_steps * cfg.train.batch_size * cfg.pack.seq_len
         if scale in MEASURED or scale == "base config":
             per_token, flops = step_seconds(cfg)
@@ -101,22 +107,24 @@ def estimates(path: str | Path, gpus: int, gpu: str) -> list[dict]:
             per_token, how = flops_per_token(cfg) / flop_rate, f"from {MEASURED[-1]}'s FLOP/s"
         mine = " (this file)" if scale == (spec.proxy or "base config") else ""
         rows.append({"scale": scale + mine, "params": (plan.proxy or {}).get("params"), "tokens_per_run": tokens,
-                     "runs": len(runs), "here_hours": per_token * tokens * len(runs) / 3600, "here": how,
-                     "gpu_hours": gpu_hours(cfg, gpus, gpu) * len(runs), "gpus": f"{gpus} x {gpu}"})
+                     "runs": count, "here_hours": per_token * tokens * count / 3600, "here": how,
+                     "gpu_hours": gpu_hours(cfg, gpus, gpu) * count, "gpus": f"{gpus} x {gpu}"})
     return rows
 
 
-def print_estimates(path: str | Path, gpus: int, gpu: str) -> None:
+def print_estimates(path: str | Path, gpus: int, gpu: str, rows: list[dict] | None = None,
+                    command: str = "kiln ablate") -> None:
+    """The table of `estimates` (or of `rows`, `command`'s) on stdout."""
     from rich.table import Table
     from rich.text import Text
 
     from kiln.terminal import console as plain_console
 
-    table = Table(title=f"kiln ablate --plan: training time of every run of {Path(path).name}")
+    table = Table(title=f"{command} --plan: training time of every run of {Path(path).name}")
     for column in ("scale", "N (non-embedding)", "tokens per run", "runs", "here", "", f"on {gpus} x {gpu} "
                    "(kiln plan)"):
         table.add_column(column)
-    for r in estimates(path, gpus, gpu):
+    for r in rows if rows is not None else estimates(path, gpus, gpu):
         table.add_row(*(Text(str(v)) for v in (
             r["scale"], f"{r['params']:,}" if r["params"] else "", f"{r['tokens_per_run']:,}", r["runs"],
             _duration(r["here_hours"]), r["here"], _duration(r["gpu_hours"]))))

@@ -26,7 +26,8 @@ from kiln.run_layout import RunLayout
 VERDICT_STYLE = ".better{color:#070;font-weight:600}.worse{color:#b00;font-weight:600}"
 
 
-def _verdicts(comparisons: list[dict]) -> str:
+def verdict_table(comparisons: list[dict]) -> str:
+    """The comparisons as an HTML table (ablation.html's, and mix.html's verification)."""
     head = "".join(f"<th>{c}</th>" for c in ("arm", "metric", "difference", "95% interval", "p", "p (Holm)",
                                              "verdict", "smallest detectable"))
     rows = []
@@ -142,7 +143,7 @@ def render(plan: Plan, data: dict[str, Any]) -> str:
     parts = [f"<h1>Kiln ablation</h1><p>{html.escape(data['ablation'])} &rarr; {html.escape(data['out_dir'])}<br>"
              f"baseline <b>{html.escape(data['baseline'])}</b>; {len(data['arms'])} arms</p>"]
     parts += [f'<p class="bad">{html.escape(w)}</p>' for w in data["warnings"]]
-    parts.append("<h2>Verdicts</h2>" + _verdicts(data["comparisons"]))
+    parts.append("<h2>Verdicts</h2>" + verdict_table(data["comparisons"]))
     parts.append("<h2>Metrics</h2>")
     means = [{"arm": a["name"], **a["mean"]} for a in data["arms"]]
     parts.append(table(means, ["arm"] + [m["name"] for m in data["metrics"]]))
@@ -183,4 +184,4 @@ def print_verdicts(data: dict[str, Any], console) -> None:
     console.print(table)
     for warning in data["warnings"]:
         console.print(Text(f"warning: {warning}"))
-    console.print(Text(f"details: {Path(data['out_dir']) / 'ablation.html'}"))
+    console.print(Text(f"details: {Path(data['out_dir']) / data.get('page', 'ablation.html')}"))

@@ -89,7 +89,13 @@ def data_facts(arm: ArmPlan) -> dict[str, Any]:
             "tokens_per_run": budget, "epochs": round(budget / train_tokens, 4) if train_tokens else None}
 
 
-def _comparison_rng(seed: int, arm: str, metric: str) -> np.random.Generator:
+def run_metrics(measured: dict[str, Any], sets: list[EvalSet], keep: dict[str, list[int]]) -> dict[str, float]:
+    """One measured run's value of every metric (bits per byte of each set, val_loss, each task's accuracies)."""
+    return {metric: float(stats.run_values(unit_values(measured, metric)[None, :],
+                                           unit_weights(sets, keep, metric))[0]) for metric, _ in metric_names(sets)}
+
+
+def comparison_rng(seed: int, arm: str, metric: str) -> np.random.Generator:
     """Each comparison's own stream: its numbers do not depend on which others ran or in what order."""
     return np.random.default_rng([seed, zlib.crc32(arm.encode()), zlib.crc32(metric.encode())])
 
@@ -114,7 +120,7 @@ def compare_arms(plan: Plan, sets: list[EvalSet], keep: dict[str, list[int]],
             a = np.stack([unit_values(x, metric) for x, _ in pairs])
             b = np.stack([unit_values(y, metric) for _, y in pairs])
             result = stats.compare(a, b, unit_weights(sets, keep, metric), higher, settings,
-                                   _comparison_rng(settings.seed, arm.name, metric), family)
+                                   comparison_rng(settings.seed, arm.name, metric), family)
             rows.append({**row, **result})
     judged = stats.judge(rows, settings.confidence)
     for row in judged:  # a comparison with no finished pair has no verdict to give
@@ -127,9 +133,7 @@ def arm_summary(plan: Plan, arm: ArmPlan, sets: list[EvalSet], keep: dict[str, l
     runs = []
     for run in arm.runs:
         m = measured[run.folder]
-        values = {metric: float(stats.run_values(unit_values(m, metric)[None, :],
-                                                 unit_weights(sets, keep, metric))[0])
-                  for metric, _ in metric_names(sets)} if m else None
+        values = run_metrics(m, sets, keep) if m else None
         runs.append({"seed": run.seed, "folder": str(run.folder), "shared_with": None if run.owner == arm.name
                      else run.owner, "finished": m is not None,
                      **({k: m[k] for k in ("checkpoint", "fingerprint", "weights_sha256")}

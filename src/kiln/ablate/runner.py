@@ -120,13 +120,32 @@ def finished_checkpoint(run: RunPlan) -> Path | None:
     if latest is None or step_of(latest) < run.cfg.train.max_steps:
         return None
     manifest = json.loads((latest / MANIFEST).read_text())
-    shards = Path(run.cfg.loader.sources[0].path) / MANIFEST  # one local source: its manifest's hash, as the trainer
-    check_resume_data(manifest, latest, sha256_file(shards), sha256_file(run.cfg.layout.tokenizer / "tokenizer.json"),
-                      False, lambda *_: None)
+    tokenizer = run.cfg.layout.tokenizer / "tokenizer.json"
+    check_resume_data(manifest, latest, data_fingerprint(run.cfg, tokenizer), sha256_file(tokenizer), False,
+                      lambda *_: None)
     if manifest.get("config_hash") != config_hash(run.cfg):
         raise KilnError(f"{latest} was trained with other model, pack or tokenizer settings; move {run.folder} away "
                         "to train this run again")
     return latest
+
+
+def data_fingerprint(cfg, tokenizer: Path) -> str:
+    """The data fingerprint the trainer records for the config's loader.sources (one source: its manifest's
+    hash; several mixed by weight, as `kiln mix` trains: each one's location, weight and manifest)."""
+    from kiln.train.checkpoint.resume import data_fingerprint as of_train_set
+    from kiln.train.data import open_splits
+
+    sources = cfg.loader.sources
+    if len(sources) == 1 and sources[0].weight is None:
+        return sha256_file(Path(sources[0].path) / MANIFEST)
+    return of_train_set(open_splits(cfg, sha256_file(tokenizer))[0])
+
+
+def shard_files(cfg) -> Any:
+    """The shard files (name, sha256) the run trains on: one source's list, or [weight, list] per source."""
+    tables = [sorted((n, m["sha256"]) for n, m in read_manifest(Path(s.path))["files"].items())
+              for s in cfg.loader.sources]
+    return tables[0] if len(tables) == 1 else [[s.weight, t] for s, t in zip(cfg.loader.sources, tables)]
 
 
 def run_record(run: RunPlan, checkpoint: Path) -> dict[str, Any]:
@@ -138,12 +157,10 @@ def run_record(run: RunPlan, checkpoint: Path) -> dict[str, Any]:
 
     manifest = json.loads((checkpoint / MANIFEST).read_text())
     row = next(r for r in checkpoint_table(checkpoint.parent) if Path(r["path"]).name == checkpoint.name)
-    shards = read_manifest(Path(run.cfg.loader.sources[0].path))["files"]
     weights = sorted((n, m["sha256"]) for n, m in manifest["files"].items() if n.startswith("model"))
     return {"checkpoint": checkpoint.name, "step": manifest.get("step", row["step"]),
             "checkpoint_sha256": sha256_file(checkpoint / MANIFEST),
-            "fingerprint": _hash(manifest.get("config_hash"), run.seed, sorted((n, m["sha256"]) for n, m in
-                                                                                 shards.items()),
+            "fingerprint": _hash(manifest.get("config_hash"), run.seed, shard_files(run.cfg),
                                  manifest["files"].get("tokenizer.json", {}).get("sha256")),
             "weights_sha256": hashlib.sha256(json.dumps(weights).encode()).hexdigest(), "val_loss": row.get("val_loss")}
 
@@ -211,11 +228,16 @@ def prepare(plan: Plan, sets: list[EvalSet], log: Callable[[str], None], timer: 
             with arm_context(arm.name):
                 run_tokenizer_stage(arm.cfg, log)
                 run_pack_stage(arm.cfg, log)
-        for run in plan.runs(only):  # each run ready for `kiln train ARM/seed-N/config.yaml` (under torchrun too)
-            run_tokenizer_stage(run.cfg, log)
-            if not (run.folder / CONFIG).is_file() or (run.folder / CONFIG).read_text() != run.cfg.to_yaml():
-                write_atomic(run.folder / CONFIG, run.cfg.to_yaml())
+        for run in plan.runs(only):
+            ready_run(run, log)
     return keep
+
+
+def ready_run(run: RunPlan, log: Callable[[str], None]) -> None:
+    """A run ready for `kiln train FOLDER/config.yaml` (under torchrun too): its tokenizer copy and config."""
+    run_tokenizer_stage(run.cfg, log)
+    if not (run.folder / CONFIG).is_file() or (run.folder / CONFIG).read_text() != run.cfg.to_yaml():
+        write_atomic(run.folder / CONFIG, run.cfg.to_yaml())
 
 
 def run_ablation(plan: Plan, sets: list[EvalSet], log: Callable[[str], None], until: str = "train",
