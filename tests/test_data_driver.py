@@ -85,3 +85,109 @@ def test_the_driver_is_flat_in_the_removed_documents_and_the_sources(tmp_path, m
     # held per removed document (~100 bytes) and per source (~2.5 KB), the driver would grow by ~175 MB; a task's
     # profile part held whole, by ~1.5 KB per source of the largest task (+12 MB here)
     assert large - small < 2.5e6, (small, large)
+
+
+# --- the merge's driver step, fed directly (issue 44.1) ---------------------------------------------------------
+
+GROUP = 6  # a fed task's documents come in groups: a survivor, a chain of four near copies, an exact copy
+
+
+def fed_merge(work: Path, removed: int, per_task: int = 6_000) -> None:
+    """A work folder as the merge finds it after the dedup stages, written directly: data tasks of `per_task`
+    documents (their outcomes, all kept by the gates), and each task's verdict file removing five of every six."""
+    import zstandard
+
+    from kiln.config import DedupConfig
+    from kiln.data.dedup.signatures import Part
+    from kiln.data.dedup.stages import Layout, VerdictFiles
+
+    tasks = -(-removed * GROUP // 5 // per_task)
+    layout = Layout([Part(str(work), f"task-{k:05d}", per_task) for k in range(tasks)], DedupConfig(), work)
+    (layout.results / "verdicts").mkdir(parents=True)
+    summaries = []
+    for k in range(tasks):
+        source = f"/crawl/file-{k // 4:04d}.jsonl"  # four tasks an input
+        docs = [json.dumps({"id": f"d{k}-{n}", "text": f"page {n} of task {k} " * 8, "source": source,
+                            "url": f"https://h{n % 97}.example/", "lang": "en", "lang_score": 0.99})
+                for n in range(per_task)]
+        rows = []
+        for n in range(per_task):
+            if n % GROUP == 5:
+                rows.append({"n": n, "reason": "exact_duplicate", "signals": {"duplicate_of": f"d{k}-{n - 5}"}})
+            elif n % GROUP:
+                ledger = {"member": f"d{k}-{n}", "survivor": f"d{k}-{n - n % GROUP}", "linked_to": f"d{k}-{n - 1}",
+                          "similarity": 0.9, "link_similarity": 0.9, "cluster": n // GROUP, "position": n}
+                rows.append({"n": n, "reason": "near_duplicate", "ledger": ledger,
+                             "signals": {"duplicate_of": ledger["survivor"], "similarity": 0.9, "cluster": n // GROUP}})
+        for path, lines in ((work / f"task-{k:05d}.jsonl.zst", docs),
+                            (VerdictFiles(layout).path(k), [json.dumps(r) for r in rows])):
+            path.write_bytes(zstandard.ZstdCompressor(level=1).compress(("\n".join(lines) + "\n").encode()))
+        summaries.append({"index": k, "source": source, "documents": per_task, "kept": per_task, "error": None,
+                          "records_by_type": {}, "truncated_at": None, "steps_s": dict.fromkeys(
+                              ("read", "extract", "language", "gates", "signatures"), 0.0)})
+    (work / "summaries.json").write_text(json.dumps(summaries))
+    layout.save()
+
+
+MERGE = """
+import json, resource, sys, tracemalloc
+from pathlib import Path
+from kiln.config import DataConfig
+from kiln.data.dedup.stages import Layout, VerdictFiles
+from kiln.data.merge import merge
+from kiln.manifest import write_manifest
+from kiln.tasks import executor
+real_init = executor.worker_init
+def untraced():  # the pool's workers are forked while this process traces: only the driver is measured
+    tracemalloc.stop()
+    real_init()
+executor.worker_init = untraced
+work, out = Path(sys.argv[1]), Path(sys.argv[2])
+summaries = json.loads((work / "summaries.json").read_text())
+verdicts = VerdictFiles(Layout.load(work))
+verdicts.counts = {"exact_removed": 0}
+out.mkdir()
+cfg = DataConfig(workers=2, docs_per_part=5000, distribution={"source_key": "host"})
+tracemalloc.start()
+stats, hashed = merge(work, summaries, out, cfg, verdicts, None, 2)
+write_manifest(out, hashed, stage="data", documents=stats["documents"]["kept"], tables=stats["tables"])
+print(json.dumps({"peak": tracemalloc.get_traced_memory()[1], "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                  "documents": stats["documents"], "parts": stats["parts"], "reasons": stats["rejected_by_reason"]}))
+"""
+
+
+def merge_peak(tmp: Path, removed: int) -> dict:
+    import subprocess
+    import sys
+
+    work = tmp / f"fed-{removed}" / "work"
+    fed_merge(work, removed)
+    done = subprocess.run([sys.executable, "-c", MERGE, str(work), str(work.parent / "docs")], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def merge_is_flat(tmp: Path, small: int, large: int) -> None:
+    from kiln.data.docs import read_docs
+
+    a, b = merge_peak(tmp, small), merge_peak(tmp, large)
+    for got, removed in ((a, small), (b, large)):
+        assert got["documents"] == {"read": removed * GROUP // 5, "kept": removed // 5, "rejected": removed}
+        assert got["reasons"] == {"dedup/exact_duplicate": removed // 5, "dedup/near_duplicate": removed * 4 // 5}
+        assert got["parts"] == -(-removed // 5 // 5000)
+    kept = read_docs(tmp / f"fed-{large}" / "docs")
+    assert sum(1 for _ in kept) == large // 5  # every part there, as its manifest lists it
+    print(f"merge driver: {small:,} removed: {a['peak'] / 1e6:.2f} MB allocated, {a['rss'] / 1e3:.0f} MB RSS; "
+          f"{large:,}: {b['peak'] / 1e6:.2f} MB, {b['rss'] / 1e3:.0f} MB")
+    assert b["peak"] <= 1.1 * a["peak"] and b["rss"] <= 1.1 * a["rss"], (a, b)
+
+
+def test_the_merge_driver_step_is_flat_in_the_removed_documents(tmp_path):
+    # issue 44.1: the driver merged every document itself; now it sums the merge tasks' counts and renames parts
+    merge_is_flat(tmp_path, 10_000, 100_000)
+
+
+@pytest.mark.slow  # ~3 minutes on 2 busy cores: 1,200,000 documents through the merge tasks
+def test_the_merge_driver_step_is_flat_from_100_000_to_1_000_000_removed_documents(tmp_path):
+    merge_is_flat(tmp_path, 100_000, 1_000_000)

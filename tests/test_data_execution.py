@@ -245,6 +245,50 @@ def test_sigkill_then_rerun_redoes_only_unfinished_tasks(tmp_path, sample_warc, 
     assert not list(tmp_path.glob(".docs-work-*"))
 
 
+KILLED_AT = """
+import os, signal, sys
+from kiln.data import merge
+kind, n = sys.argv[1], int(sys.argv[2])
+real, seen = merge.write_atomic, []
+def marking(path, data):  # a merge marker written: the n-th of its kind is the last thing this process does
+    real(path, data)
+    seen.extend([path] if path.name.startswith(kind) and path.name.endswith(".done.json") else [])
+    if seen and len(seen) == n:
+        os.kill(os.getpid(), signal.SIGKILL)
+def committing(*args):  # the parts and the ledger already renamed into the staging folder, no manifest yet
+    os.kill(os.getpid(), signal.SIGKILL)
+if kind == "commit":
+    merge._stats = committing
+merge.write_atomic = marking
+from kiln.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("kind, n", [("task-", 3), ("parts-", 2), ("commit", 0)])
+def test_sigkill_inside_the_merge_then_rerun_redoes_only_its_unfinished_tasks(tmp_path, sample_warc, whole, kind, n):
+    # issue 44.1: the merge is tasks (one per data task, then the parts' jobs) vouched by markers in the work folder
+    out = tmp_path / "docs"
+    args = ["data", str(sample_warc), "--out", str(out), "data.task_bytes=100000", "data.min_chars=200",
+            "data.docs_per_part=40", *QUIET_GATES]  # 30 data tasks, so 30 merge tasks
+    killed = subprocess.run([sys.executable, "-c", KILLED_AT, kind, str(n), *args], cwd=ROOT, capture_output=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    [work] = tmp_path.glob(".docs-work-*")
+    assert len(list((work / "merge").glob("task-*.done.json"))) == (n if kind == "task-" else 30)
+    assert not out.exists()
+
+    proc = kiln_data([str(sample_warc)], out, "data.task_bytes=100000")
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    stats = json.loads(stdout)
+    jobs = 1 + len(list(out.rglob("part-*.jsonl.zst")))  # the ledger's first, then a part a job (~4 kept a task)
+    redone = {"task-": (30 - n, jobs), "parts-": (0, jobs - 1 - n), "commit": (0, jobs)}[kind]  # the commit had
+    ran = stats["timings_s"]["merge_steps"]["ran"]  # moved every part into the staging folder the rerun removed
+    assert stats["tasks_resumed"] == 30 and (ran["tasks"], ran["jobs"]) == redone
+    assert_same_output(whole[1], out)
+    assert not list(tmp_path.glob(".docs-work-*")) and not list(tmp_path.glob("docs.tmp-*"))
+
+
 # --- a real crawl nobody here wrote ----------------------------------------------------------------
 
 PYDOC = Path(os.environ.get("KILN_PYDOC_HTML", "/usr/share/doc/python3.11/html"))

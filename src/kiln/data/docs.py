@@ -153,33 +153,40 @@ def read_part(path: Path) -> Iterator[dict[str, Any]]:
 
 class PartWriter:
     """Writes records as part-NNNNN.jsonl.zst files of at most `per_part` records each, streamed through the
-    compressor (memory: one record and a compression window, whatever `per_part`). The folder is a staging
-    folder the caller commits whole; a folder with no record gets one empty part."""
+    compressor (memory: one record and a compression window, whatever `per_part`), numbered from `first` (a merge
+    task writes its run of a set's parts). The folder is a staging folder the caller commits whole; a writer that
+    got no record writes one empty part."""
 
-    def __init__(self, folder: Path, per_part: int) -> None:
+    def __init__(self, folder: Path, per_part: int, first: int = 0) -> None:
         self.folder, self.per_part = folder, per_part
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.parts, self.in_part = 0, 0
+        self.first, self.parts, self.in_part = first, first, 0
         self._file: IO[bytes] | None = None
         self._writer: Any = None
 
     def add(self, rec: dict[str, Any]) -> None:
+        self.add_line((json.dumps(rec, ensure_ascii=False) + "\n").encode())
+
+    def add_line(self, line: bytes) -> None:
+        """One record as its JSON line (what `add` writes for it)."""
         if self._writer is None:
             self._open()
-        self._writer.write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
+        self._writer.write(line)
         self.in_part += 1
         if self.in_part >= self.per_part:
             self.flush()
 
     def flush(self) -> None:
-        """End the part being written (or write the one empty part of an empty folder)."""
-        if self._writer is None and self.parts == 0:
+        """End the part being written (or write the one empty part of a writer that got no record)."""
+        if self._writer is None and self.parts == self.first:
             self._open()
         if self._writer is not None:
             self._writer.close()
             self._file.close()
             self._writer = self._file = None
             self.parts, self.in_part = self.parts + 1, 0
+
+    close = flush
 
     def _open(self) -> None:
         self._file = open(self.folder / f"part-{self.parts:05d}.jsonl.zst", "wb")
@@ -221,19 +228,24 @@ class ParquetPartWriter:
     """One set's Parquet files (`stem`: data/train, rejects/rejects, review/review) of at most `per_part` rows,
     in row groups of ROW_GROUP rows, zstd level 3, no timestamps: the bytes are a function of the rows. Memory:
     one row group's records. `close` names the files STEM-NNNNN-of-MMMMM.parquet (a set with no row gets one
-    empty file)."""
+    empty file); with `total` known (a merge task writes the parts `first`... of a set of `total`), they are written
+    under those names."""
 
-    def __init__(self, folder: Path, per_part: int, kind: str) -> None:
-        self.folder, self.per_part, self.kind = Path(folder), per_part, kind
+    def __init__(self, folder: Path, per_part: int, kind: str, first: int = 0, total: int | None = None) -> None:
+        self.folder, self.per_part, self.kind, self.total = Path(folder), per_part, kind, total
         self.stem = SETS[kind][1]
         (self.folder / self.stem).parent.mkdir(parents=True, exist_ok=True)
-        self.parts, self.in_part = 0, 0
+        self.first, self.parts, self.in_part = first, first, 0
         self._rows: list[dict[str, Any]] = []
         self._writer: Any = None
 
     def _path(self, k: int, total: int | None = None) -> Path:
-        return self.folder / (f"{self.stem}-{k:05d}.partial" if total is None else
-                              f"{self.stem}-{k:05d}-of-{total:05d}.parquet")
+        total = self.total if total is None else total
+        return self.folder / (f"{self.stem}-{k:05d}.partial" if total is None else part_name("parquet", self.kind, k,
+                                                                                              total))
+
+    def add_line(self, line: bytes) -> None:
+        self.add(json.loads(line))
 
     def add(self, rec: dict[str, Any]) -> None:
         self._rows.append(_row(rec))
@@ -261,10 +273,11 @@ class ParquetPartWriter:
 
     def close(self) -> None:
         """End the last part (or write the one empty part of an empty set), then name every part with the total."""
-        if self.in_part or self.parts == 0:
+        if self.in_part or self.parts == self.first:
             self._end_part()
-        for k in range(self.parts):
-            os.replace(self._path(k), self._path(k, self.parts))
+        if self.total is None:
+            for k in range(self.parts):
+                os.replace(self._path(k), self._path(k, self.parts))
 
 
 CARD = """---
@@ -288,26 +301,17 @@ def write_card(out: Path, review: bool) -> None:
     (Path(out) / "README.md").write_text(text, encoding="utf-8")
 
 
-class DocsWriters:
-    """The kept, rejects and (with `review`) review sets of a docs staging folder in layout `fmt`; `close` ends
-    them (and writes a Parquet folder's dataset card)."""
+def part_name(fmt: str, kind: str, k: int, total: int) -> str:
+    """Part k's name (relative to the docs folder) of a set (kept, rejects, review) of `total` parts."""
+    prefix, stem = SETS[kind]
+    return f"{stem}-{k:05d}-of-{total:05d}.parquet" if fmt == "parquet" else f"{prefix}part-{k:05d}.jsonl.zst"
 
-    def __init__(self, out: Path, fmt: str, per_part: int, review: bool) -> None:
-        self.out, self.fmt = Path(out), fmt
-        if fmt == "parquet":
-            self.kept: Any = ParquetPartWriter(out, per_part, "kept")
-            self.rejects: Any = ParquetPartWriter(out, per_part, "rejects")
-            self.review: Any = ParquetPartWriter(out, per_part, "review") if review else None
-        else:
-            self.kept, self.rejects = PartWriter(out, per_part), PartWriter(out / "rejects", per_part)
-            self.review = PartWriter(out / "review", per_part) if review else None
 
-    def close(self) -> None:
-        for writer in (self.kept, self.rejects, self.review):
-            if writer is not None:
-                writer.close() if self.fmt == "parquet" else writer.flush()
-        if self.fmt == "parquet":
-            write_card(self.out, self.review is not None)
+def set_writer(out: Path, fmt: str, kind: str, per_part: int, first: int = 0, total: int | None = None) -> Any:
+    """A writer of one set's parts in layout `fmt` (`add`, `add_line`, `close`), numbered from `first`."""
+    if fmt == "parquet":
+        return ParquetPartWriter(out, per_part, kind, first, total)
+    return PartWriter(Path(out) / SETS[kind][0], per_part, first)
 
 
 def check_format(fmt: str) -> None:

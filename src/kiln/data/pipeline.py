@@ -9,13 +9,14 @@
 2. the dedup stages (`dedup/stages.py`), tasks over key ranges of the signatures, and the clusters; one
    verdicts task writes each data task's verdicts to a file of its own;
 3. one profile task per data task (`profile_task`): the distribution profile of its kept documents;
-4. the merge, in the driver: the tasks' outcomes in canonical order (input order, then record order) through
-   `steps.merge_steps` (each task's verdicts, the classifier's top fraction) into the docs parts, stats.json,
-   the per-source side files (`tables.py`) and the manifest, committed atomically; then the work folder is
-   removed.
+4. the merge (`merge.py`): a merge task per data task writes its outcome, through `steps.merge_steps` (its
+   verdicts, the classifier's top fraction), as streams of its kept, rejected and set-aside records with its
+   counts; part jobs write the docs parts (numbered from the tasks' counts, the same for any cut into tasks) and
+   the ledger; the driver renames them into the staging folder, sums stats.json and the per-source side files
+   (`tables.py`) from the tasks' counts, writes the manifest and commits; then the work folder is removed.
 The output is byte-identical whatever the number of workers, the engine or the number of interruptions.
-Memory: no task's outcome, verdict or per-source row passes through the driver, which holds one task's
-records at a time.
+Memory: no task's outcome, verdict, record or per-source row passes through the driver, which holds a few numbers
+per task; its merge step's time goes with the tasks, not the documents.
 """
 
 from __future__ import annotations
@@ -36,21 +37,19 @@ from typing import Any, Callable, Iterator
 import zstandard
 
 from kiln.config import DataConfig
-from kiln.data.dedup import LEDGER, write_ledger
 from kiln.data.dedup.index import add_run, runs_before, use_index
 from kiln.data.dedup.signatures import Signer
 from kiln.data.dedup.stages import STAGE_DIR, Layout, VerdictFiles, dedup_layout, run_stages
-from kiln.data.docs import DocsWriters, check_format, read_part
-from kiln.data.gates.distribution import (Composition, SpilledProfiles, check_groups, part_bytes, profile_part,
-                                          source_group)
-from kiln.data.tables import TABLES, InputCounts, SpilledCounts, TableWriter, composition_rows, write_table
+from kiln.data.docs import check_format, read_part
+from kiln.data.gates.distribution import SpilledProfiles, check_groups, part_bytes, profile_part, source_group
+from kiln.data.merge import MERGE_DIR, merge
+from kiln.data.tables import TABLES, write_table
 from kiln.data.document import Document, ReadReport
 from kiln.tasks.executor import engine, run_tasks
 from kiln.data.gates.semantic import REVIEW as SEMANTIC_REVIEW
 from kiln.data.gates.semantic import prepare as prepare_semantic
 from kiln.data.language import check_model
-from kiln.data.shape import CorpusShape
-from kiln.data.steps import StepTimer, merge_steps, run_steps, task_steps
+from kiln.data.steps import StepTimer, run_steps, task_steps
 from kiln.data.vouch import Recording, matches, record
 from kiln.data.plan import READ_ATTEMPTS, Task, index_key, plan_tasks, read_task
 from kiln.storage import StorageUnreachable, unreachable
@@ -62,7 +61,6 @@ WORK_LAYOUT = 5  # what a task writes to the work folder (4: its outcome and ded
 # tasks are pieces of any input format, kiln.data.plan; 5: no shingle sets, the outcome at OUTCOME_LEVEL)
 OUTCOME_LEVEL = 6  # zstd level of a task's outcome, the work folder's bulk once shingle sets are not kept: 9% smaller
 # than level 3 on the Debian crawl for ~1% of a task's CPU
-STEPS = ("read", "extract", "language", "gates")
 
 
 def expand_inputs(patterns: list[str], storage_options: dict[str, Any] | None = None) -> list[str]:
@@ -255,33 +253,35 @@ def _run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None
         t_process = time.perf_counter() - t0
         cpu.append(cpu_seconds())
         summaries = [_held(json.loads((work / f"{t.name}.done.json").read_text())) for t in tasks]
-        if todo:  # dedup results of an earlier attempt were made from tasks' files that are written anew now
+        if todo:  # dedup and merge results of an earlier attempt were made from tasks' files that are written anew now
             shutil.rmtree(work / STAGE_DIR, ignore_errors=True)
+            shutil.rmtree(work / MERGE_DIR, ignore_errors=True)
         layout = dedup_layout(work, summaries, cfg.dedup, index_key(files, cfg))
         verdicts = run_stages(layout, workers, cfg.executor, cfg.ray_address)
         t_dedup = time.perf_counter() - t0 - t_process
         cpu.append(cpu_seconds())
         weights = source_profiles(work, summaries, layout, verdicts, cfg, workers)
-    t_profiles = time.perf_counter() - t0 - t_process - t_dedup
-    cpu.append(cpu_seconds())
-
-    with staging_dir(out) as tmp:
-        stats = _merge(work, summaries, tmp, cfg, verdicts, layout.indexed, weights)
-        stats["timings_s"] |= {"process": round(t_process, 3), "dedup_stages": round(t_dedup, 3),
-                               "profiles": round(t_profiles, 3),
-                               "merge": round(time.perf_counter() - t0 - t_process - t_dedup - t_profiles, 3)}
+        t_profiles = time.perf_counter() - t0 - t_process - t_dedup
         cpu.append(cpu_seconds())
-        stats["timings_s"]["cpu"] = {k: round(b - a, 3) for k, a, b in
-                                     zip(("process", "dedup_stages", "profiles", "merge"), cpu, cpu[1:])}
-        stats["timings_s"]["task_cpu_by_worker"] = cpu_by_worker(summaries)
-        stats["tasks"] = len(tasks)
-        stats["tasks_resumed"] = len(tasks) - len(todo)
-        stats["dedup_tasks"] = verdicts.tasks  # how many key ranges: data.dedup.bucket_docs, not the output
-        write_atomic(tmp / "stats.json", json.dumps(stats, indent=1, ensure_ascii=False))
-        write_manifest(tmp, stage="data", fingerprint=fp, inputs=files, documents=stats["documents"]["kept"],
-                       docs_per_part=cfg.docs_per_part, tables=stats["tables"])
-        if cfg.dedup.index:  # before the docs folder is committed: a crash in between re-runs onto the same index
-            add_run(cfg.dedup, index_key(files, cfg), str(out), layout, verdicts.removed_in)
+
+        with staging_dir(out) as tmp:
+            stats, hashed = _merge(work, summaries, tmp, cfg, verdicts, weights, workers)
+            stats["timings_s"] |= {"process": round(t_process, 3), "dedup_stages": round(t_dedup, 3),
+                                   "profiles": round(t_profiles, 3),
+                                   "merge": round(time.perf_counter() - t0 - t_process - t_dedup - t_profiles, 3)}
+            cpu.append(cpu_seconds())
+            stats["timings_s"]["cpu"] = {k: round(b - a, 3) for k, a, b in
+                                         zip(("process", "dedup_stages", "profiles", "merge"), cpu, cpu[1:])}
+            stats["timings_s"]["task_cpu_by_worker"] = cpu_by_worker(summaries)
+            stats["tasks"] = len(tasks)
+            stats["tasks_resumed"] = len(tasks) - len(todo)
+            stats["dedup_tasks"] = verdicts.tasks  # how many key ranges: data.dedup.bucket_docs, not the output
+            write_atomic(tmp / "stats.json", json.dumps(stats, indent=1, ensure_ascii=False))
+            write_manifest(tmp, hashed, stage="data", fingerprint=fp, inputs=files,
+                           documents=stats["documents"]["kept"], docs_per_part=cfg.docs_per_part,
+                           tables=stats["tables"])
+            if cfg.dedup.index:  # before the docs folder is committed: a crash in between re-runs onto the same index
+                add_run(cfg.dedup, index_key(files, cfg), str(out), layout, verdicts.removed_in)
     for stale in out.parent.glob(f".{out.name}-work-*"):  # this run's, and any from older plans of this folder
         if re.fullmatch(rf"\.{re.escape(out.name)}-work-[0-9a-f]{{16}}", stale.name):  # work_key's name, ours
             shutil.rmtree(stale, ignore_errors=True)
@@ -392,99 +392,8 @@ def source_profiles(work: Path, summaries: list[dict[str, Any]], layout, verdict
     return n
 
 
-def _documents(work: Path, summaries: list[dict[str, Any]]) -> Iterator[Document]:
-    """Every task's outcomes in canonical order."""
-    for s in summaries:
-        yield from (Document.from_record(rec) for rec in read_part(work / f"task-{s['index']:05d}.jsonl.zst"))
-
-
 def _merge(work: Path, summaries: list[dict[str, Any]], out: Path, cfg: DataConfig, verdicts: VerdictFiles,
-           first: int, weights: int | None) -> dict[str, Any]:
-    """The tasks' outcomes in canonical order, through the merge steps, into the docs parts; the counts of
-    stats.json and the per-source tables (kiln.data.tables), each streamed. Memory: one document, a counter
-    per reason, language and length bin, one input's counts and `SpilledCounts`'s bound."""
-    writers = DocsWriters(out, cfg.docs_format, cfg.docs_per_part,
-                          review=cfg.quality.semantic.action == "review" and bool(cfg.quality.semantic.keywords))
-    kept_w, rej_w, review_w = writers.kept, writers.rejects, writers.review
-    if cfg.dedup.method != "none":
-        write_ledger(out / LEDGER, verdicts.ledger())
-    timer = StepTimer()
-    docs = run_steps(timer.wrap("tasks", _documents(work, summaries)), merge_steps(verdicts, first, summaries), timer)
-    composition, langs, edits, reasons = Composition(), Counter(), Counter(), Counter()
-    by_group = SpilledCounts(work / "composition", ("documents", "chars"))
-    shape = CorpusShape()
-    with TableWriter(out / TABLES["by_source"]) as by_input:
-        inputs = InputCounts(dict.fromkeys(s["source"] for s in summaries), by_input)
-        for doc in docs:
-            shape.add(doc)
-            inputs.add(doc.source, doc.rejection is None)
-            if doc.rejection is None:
-                doc.source_group = source_group(cfg.distribution.source_key, doc.source, doc.url, doc.source_group)
-                kept_w.add(doc.kept_record())
-                by_group.add(doc.source_group, 1, len(doc.text or ""))
-                composition.add(doc.lang, len(doc.text or ""))
-                langs[doc.lang] += 1
-                edits.update(doc.edits)
-            else:
-                rej_w.add(doc.reject_record())
-                if review_w is not None and doc.rejection.reason == SEMANTIC_REVIEW:  # set aside, with its score
-                    review_w.add(doc.kept_record() | {"semantic_score": doc.rejection.signals["semantic_score"]})
-                reasons[f"{doc.rejection.stage}/{doc.rejection.reason}"] += 1
-        inputs.close()
-    writers.close()
-    kept, chars = by_group.totals
-    tables = {"by_source": by_input.rows,
-              "composition_by_source": write_table(out / TABLES["composition_by_source"], composition_rows(by_group))}
-    if weights is not None:
-        os.replace(work / TABLES["source_weights"], out / TABLES["source_weights"])
-        tables["source_weights"] = weights
-    counts = _counts(summaries, kept, reasons, langs)
-    steps = counts.pop("steps")
-    return {**counts, "kept_chars": chars, **shape.report(),
-            "edits": dict(sorted(edits.items())), "composition": {"by_lang": composition.report()},
-            "tables": {name: {"file": TABLES[name], "rows": n} for name, n in tables.items()},
-            "parts": kept_w.parts, "dedup": verdicts.stats(),
-            "timings_s": {"steps": {**{k: round(steps[k], 3) for k in STEPS},
-                                    "dedup": round(timer.own().get("dedup", 0.0) + verdicts.seconds
-                                                   + steps["signatures"], 3)}}}
-
-
-def _counts(summaries: list[dict[str, Any]], kept: int, reasons: Counter[str], langs: Counter[str]) -> dict[str, Any]:
-    """stats.json's counts of files, errors, cuts, records, documents and reasons (`read = kept + rejected`), and
-    the tasks' seconds by step ("steps", for the timings)."""
-    rejected = sum(reasons.values())
-    read = sum(s["documents"] for s in summaries)
-    assert read == kept + rejected, "accounting broke: every document must be kept or rejected"
-    stages: Counter[str] = Counter()
-    for reason, n in reasons.items():
-        stages[reason.split("/")[0]] += n
-    return {
-        **_task_totals(summaries),
-        "documents": {"read": read, "kept": kept, "rejected": rejected},
-        "rejected_by_reason": dict(sorted(reasons.items())),
-        "rejected_by_stage": dict(sorted(stages.items())),
-        "kept_by_lang": dict(sorted(langs.items(), key=lambda kv: (-kv[1], kv[0]))),
-    }
-
-
-def _task_totals(summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    """What the tasks' summaries add up to: the stats' files, file_errors, truncated and warc_records, and the
-    steps' seconds ("steps", for the timings)."""
-    by_type: Counter[str] = Counter()
-    steps: Counter[str] = Counter()
-    for s in summaries:
-        by_type.update(s["records_by_type"])
-        steps.update(s["steps_s"])
-    errors: dict[str, str] = {}
-    for s in summaries:
-        if s["error"]:
-            errors.setdefault(s["source"], s["error"])
-    return {
-        "files": len({s["source"] for s in summaries}),
-        "file_errors": [{"source": src, "error": err} for src, err in errors.items()],
-        "truncated": [
-            {"source": s["source"], "offset": s["truncated_at"]} for s in summaries if s["truncated_at"] is not None
-        ],
-        "warc_records": {"total": sum(by_type.values()), "by_type": dict(sorted(by_type.items()))},
-        "steps": steps,
-    }
+           weights: int | None, workers: int) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The merge as tasks on the engine (`kiln.data.merge`) into the staging folder `out`: stats.json's fields
+    and the hashes of the files the workers wrote."""
+    return merge(work, summaries, out, cfg, verdicts, weights, workers)

@@ -752,10 +752,14 @@ class VerdictFiles:
     def load(self) -> None:
         self.counts = json.loads((self.layout.results / VERDICT_STATS).read_text())
 
+    def path(self, k: int) -> Path:
+        """Part k's verdict file (a merge task reads its own: `kiln.data.merge`)."""
+        return self.layout.results / VERDICTS / f"{self.layout.parts[k].name}.jsonl.zst"
+
     def _rows(self, k: int) -> Iterator[dict[str, Any]]:
         from kiln.data.docs import read_part
 
-        return read_part(self.layout.results / VERDICTS / f"{self.layout.parts[k].name}.jsonl.zst")
+        return read_part(self.path(k))
 
     def _own(self) -> list[int]:
         return [k for k, p in enumerate(self.layout.parts) if p.run is None]
