@@ -220,6 +220,9 @@ class FaultTolerant:
             t[0] = flat[-2]
         return t
 
+    def step_guards(self) -> list:
+        return [self, *super().step_guards()]
+
     def check(self, loss: float, grad_norm: float) -> str | None:
         """The first guard: a step whose cross-group all-reduce a lost group spoiled does not commit."""
         if self.replicas.outer is not None:
