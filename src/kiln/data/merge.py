@@ -353,8 +353,9 @@ def _part_jobs(work: Path, summaries: list[dict[str, Any]], lines: dict[str, lis
         kept_parts = parts if kind == "kept" else kept_parts
         for p0, p1, sources in plan:
             sources = [(summaries[j]["index"], skip, take) for j, skip, take in sources]
-            spec = (cfg.docs_format, kind, cfg.docs_per_part, parts, p0, p1, sources)
-            jobs.append((part_task, f"parts-{kind}-{p0:05d}", json.loads(json.dumps(spec)), (str(work), *spec)))
+            plan = f"{cfg.docs_format} {kind} {p0}-{p1} of {parts} by {cfg.docs_per_part}"
+            jobs.append((part_task, f"parts-{kind}-{p0:05d}", plan,
+                         (str(work), cfg.docs_format, kind, cfg.docs_per_part, parts, p0, p1, sources)))
     return jobs, kept_parts
 
 
