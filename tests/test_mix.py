@@ -308,6 +308,22 @@ def test_report_fits_what_has_finished(small, corpus, capsys):
     assert data["fit"]["runs"] == 4 and data["comparisons"]
 
 
+def test_plan_counts_the_swarm_and_the_verification_at_each_scale(corpus, monkeypatch, capsys):
+    """--plan is kiln ablate's table for the mix's runs: the swarm (4) and 3 arms x 2 seeds, 10 at every scale
+    (the step measurement stubbed: the real one times 20m steps; the benchmark runs it)."""
+    from kiln.ablate import estimate
+
+    monkeypatch.setattr(estimate, "step_seconds", lambda cfg: (1e-4 if cfg.model.dim == 64 else 1e-3,
+                                                               estimate.flops_per_token(cfg)))
+    path = write_mix(corpus, "plan.yaml")
+    assert kiln(["mix", str(path), "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "kiln mix --plan: training time of every run of plan.yaml" in out
+    rows = [line for line in out.splitlines() if re.match(r"\W*(base config|cpu-tiny|20m|150m|400m|1b)", line)]
+    assert len(rows) == 6 and all(" 10 " in re.sub(r"[│|]", " ", line) for line in rows), out
+    assert not (corpus / "out-plan").exists()
+
+
 # --- bad input: one line ------------------------------------------------------------------------------------------
 
 def one_error(err: str) -> str:
@@ -367,6 +383,13 @@ KNOWN = _merge(TINY, {"tokenizer": {"vocab_size": 512, "max_docs": 100_000}, "pa
                       "checkpoint": {"every": 50}})
 
 
+def summary(data: dict) -> str:
+    fit = {k: data["fit"][k] for k in ("runs", "spearman", "rmse", "mean_rmse", "trusted")}
+    rows = [f"{c['arm']} {c['metric']}: diff {c['diff']:.4f} [{c['ci_low']:.4f}, {c['ci_high']:.4f}] p_holm "
+            f"{c['p_holm']:.3g} {c['verdict']}" for c in data["comparisons"]]
+    return "\n".join([f"fit {fit}", f"proposal {data['proposal']}", *rows])
+
+
 @pytest.mark.slow
 def test_known_answer_in_domain_over_another_language_over_junk(tmp_path):
     """Three sources: English prose (the eval's domain), German pages, junk (made-up words, base64): the proposal
@@ -384,6 +407,7 @@ def test_known_answer_in_domain_over_another_language_over_junk(tmp_path):
         "junk": {"inputs": ["junk.jsonl"]}})
     assert kiln(["mix", str(path)]) == 0
     data = json.loads((tmp_path / "out-mix" / "mix.json").read_text())
+    print(summary(data))  # the figures behind the verdict, with -s
     assert data["fit"]["trusted"] and data["fit"]["spearman"] >= 0.7, data["fit"]
     weights = data["proposal"]["weights"]
     assert weights["prose"] >= 0.6 and weights["junk"] <= 0.05, weights
@@ -407,5 +431,6 @@ def test_no_false_discovery_on_one_corpus_split_in_three(tmp_path):
         f"part{k}": {"inputs": [f"part{k}.jsonl"]} for k in range(3)})
     assert kiln(["mix", str(path)]) == 0
     data = json.loads((tmp_path / "out-mix" / "mix.json").read_text())
+    print(summary(data))
     assert data["comparisons"] and all(c["verdict"] == SAME for c in data["comparisons"]), data["comparisons"]
     assert not (data["improvement"] or {}).get("better")
