@@ -350,6 +350,15 @@ def test_bad_mix_files_are_one_line_before_any_work(corpus, capsys, change, mess
     assert not (corpus / "out-bad").exists()
 
 
+def test_a_source_whose_inputs_match_nothing_is_one_line_before_any_work(corpus, capsys):
+    path = write_mix(corpus, "missing.yaml", sources={"prose": {"inputs": ["prose.jsonl"]},
+                                                      "web": {"inputs": ["crawl/*.warc.gz"]}})
+    assert kiln(["mix", str(path)]) == 2
+    err = one_error(capsys.readouterr().err)
+    assert "source 'web': input" in err and "crawl/*.warc.gz' matches no file" in err, err
+    assert not (corpus / "out-missing").exists()
+
+
 def test_an_unknown_source_in_only_is_one_line(corpus, capsys):
     assert kiln(["mix", str(write_mix(corpus, "only.yaml")), "--only", "web"]) == 2
     err = capsys.readouterr().err

@@ -63,8 +63,13 @@ def load(path: str | Path) -> tuple[MixPlan, list]:
     from kiln.ablate.outdir import check_out_dir
     from kiln.mix.spec import read_spec
 
+    from kiln.data.pipeline import expand_inputs
+
     spec, base = read_spec(path)
     plan = make_plan(spec, base, Path(path).resolve())
+    for arm in plan.sources.data_arms():  # an input that matches nothing is said now, not after the other sources
+        with source_context(arm.name):
+            expand_inputs(arm.cfg.data.inputs, arm.cfg.data.storage_options)
     check_out_dir(plan.out, plan.file, OWNER)
     return plan, load_eval_sets(spec.eval.text, spec.eval.tasks)
 
