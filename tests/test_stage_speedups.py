@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from collections import Counter
+import re
 
-import numpy as np
-
-from kiln.data.gates.distribution import _lowered_counts, _numbered
-from kiln.data.gates.text import TextView, words
+from kiln.data.gates.text import LETTER, TextView, words
 
 TEXTS = [
     "",
@@ -16,7 +13,7 @@ TEXTS = [
     "中文文本 mixed with English 和数字 123 和 ａｂｃ full-width\n>>> print('你好')",
     "  leading and trailing  日本  \n\n\n末尾",
     "ΟΔΟΣ ΟΔΟΣ. İstanbul ΣΑΣ日本ΑΣ ÉCOLE straße",
-    "ΟΔΟΣ ΟΔΟΣ. ΣΑΣ'Β Σ\u0301 ΑΣ\u200bΒ İstanbul ÉCOLE",  # final sigma and İ without Han: the lowered text's split
+    "ΟΔΟΣ ΟΔΟΣ. ΣΑΣ'Β Σ\u0301 ΑΣ\u200bΒ İstanbul ÉCOLE",
     "emoji 😀 beyond the BMP 😀日本 and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
 ]
 
@@ -27,6 +24,7 @@ def test_word_bounds_are_the_words():
         starts, ends = view.word_bounds
         assert [text[a:b] for a, b in zip(starts.tolist(), ends.tolist())] == words(text)
         assert view.word_count == len(words(text))
+        assert view.words_with(LETTER) == sum(re.search(r"[^\W\d_]", w) is not None for w in words(text))
         assert view.word_lines.tolist() == [text.count("\n", 0, a) for a in starts.tolist()]
         ids = view.word_ids.tolist()
         ws = words(text)
@@ -34,22 +32,7 @@ def test_word_bounds_are_the_words():
         assert all((ids[i] == ids[j]) == (ws[i] == ws[j]) for i in range(len(ws)) for j in range(len(ws)))
 
 
-def test_lowered_counts_and_numbers_are_the_plain_ones():
-    vocab_fast: dict[str, int] = {}
-    vocab_plain: dict[str, int] = {}
-    for text in TEXTS * 2:
-        counts = _lowered_counts(text)
-        plain = Counter(map(str.lower, words(text)))
-        assert list(counts.items()) == list(plain.items())
-        ids = _numbered(vocab_fast, counts)
-        want = np.fromiter((vocab_plain.setdefault(t, len(vocab_plain)) for t in plain), np.int64, len(plain))
-        assert ids.tolist() == want.tolist()
-    assert list(vocab_fast.items()) == list(vocab_plain.items())
-
-
 def test_code_sign_finds_what_the_plain_pattern_finds():
-    import re
-
     from kiln.data.gates.text import _CODE_SIGN
 
     plain = re.compile(r"=|\w\(|[{}\[\]<>]|--|::")

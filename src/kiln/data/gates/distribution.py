@@ -30,14 +30,13 @@ import math
 import pickle
 import zlib
 from collections import Counter, defaultdict
-from itertools import repeat
 from pathlib import Path
 from typing import Iterable, Iterator
 from urllib.parse import urlsplit
 
 import numpy as np
 
-from kiln.data.gates.text import _CJK_CHAR, words
+from kiln.data.gates.text import words
 from kiln.data.document import NO_HOST, missing_group
 from kiln.data.tables import read_frames
 from kiln.errors import KilnError
@@ -177,26 +176,6 @@ class _Sums:
         return self
 
 
-def _lowered_counts(text: str) -> Counter[str]:
-    """How often each of `words(text)`, lower-cased, occurs, in the order they first occur. Without Han/kana the
-    words are the whitespace tokens, and the lower-cased text's tokens are the tokens lower-cased (no space is a
-    cased or case-ignorable character, so lower-casing a token alone reads the same context as in the text)."""
-    return Counter(text.lower().split() if _CJK_CHAR.search(text) is None else map(str.lower, words(text)))
-
-
-def _numbered(vocab: dict[str, int], counts: Counter[str]) -> np.ndarray:
-    """The number of each token of `counts` in `vocab` (in order); a token not there yet is added under the next
-    number, in the order they come (as `vocab.setdefault(t, len(vocab))` would: looked up in C, and only the new
-    tokens in Python)."""
-    ids = np.fromiter(map(vocab.get, counts, repeat(-1)), np.int64, len(counts))
-    new = np.flatnonzero(ids < 0).tolist()
-    if new:
-        keys = list(counts)
-        for i in new:
-            ids[i] = vocab[keys[i]] = len(vocab)
-    return ids
-
-
 def profile_part(documents: Iterable[tuple[str, str]], batch: int = 512) -> dict:
     """One task's profile over its (source, text) `documents`, made on the worker and split there as
     SpilledProfiles spills it: {"tokens": {partition: pickle of (tokens, sums of f over the task)},
@@ -209,11 +188,11 @@ def profile_part(documents: Iterable[tuple[str, str]], batch: int = 512) -> dict
     sums: dict[str, _Sums] = defaultdict(_Sums)
     task = _Sums()
     for k, (source, text) in enumerate(documents, start=1):
-        counts = _lowered_counts(text)
+        counts = Counter(map(str.lower, words(text)))
         n = sum(counts.values())
         docs[source] += 1
         if n:
-            ids = _numbered(vocab, counts)
+            ids = np.fromiter((vocab.setdefault(t, len(vocab)) for t in counts), np.int64, len(counts))
             fs = np.fromiter(counts.values(), np.float64, len(counts)) / n  # c / n, rounded as Python rounds it
             sums[source].add(ids, fs)
             task.add(ids, fs)
