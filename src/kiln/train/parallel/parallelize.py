@@ -355,11 +355,16 @@ def kind_for(mesh: Mesh) -> type[Parallelized]:
     return DDPModel if mesh.mode == "ddp" else Parallelized
 
 
-def fault_tolerant(kind: type[Parallelized]) -> type[Parallelized]:
-    """parallel.fault_tolerance=torchft: the kind with ft.FaultTolerant's cross-group all-reduce and commit."""
-    from kiln.train.parallel.ft import FaultTolerant
+def fault_tolerant(kind: type[Parallelized], cfg: ParallelConfig, d: Dist) -> type[Parallelized]:
+    """Step 8 of parallelize: under parallel.fault_tolerance=torchft the group's own kind with ft.FaultTolerant's
+    cross-group all-reduce and commit, and this rank's torchft Manager (ft.ReplicaGroups, joined at once); the
+    kind as it is otherwise."""
+    if cfg.fault_tolerance != "torchft":
+        return kind
+    from kiln.train.parallel.ft import FaultTolerant, ReplicaGroups
 
-    return type(f"FaultTolerant{kind.__name__}", (FaultTolerant, kind), {"name": f"{kind.name}+torchft"})
+    return type(f"FaultTolerant{kind.__name__}", (FaultTolerant, kind),
+                {"name": f"{kind.name}+torchft", "replicas": ReplicaGroups(cfg.torchft, d)})
 
 
 def parallelize(model: nn.Module, d: Dist, cfg: ParallelConfig, precision: Precision, loss_fn: Callable,
@@ -387,12 +392,9 @@ def parallelize(model: nn.Module, d: Dist, cfg: ParallelConfig, precision: Preci
        sharding, so the wrapper's hooks stay outside the compiled blocks (torchtitan compiles each block
        before fully_shard, to the same effect: FSDP2's hooks are module hooks outside the blocks' graphs).
     7. DDP wrapping, last: DDP registers its gradient hooks on the final parameters (the experts kept out).
-    8. torchft replica groups (parallel.fault_tolerance): the group's own kind, its gradients then averaged
-       across the groups of the quorum (ft.py); started last, when the group's model is whole.
     """
     mesh = mesh or Mesh(resolve_degrees(cfg, d.world), d.rank, d.device.type)
-    kind = kind_for(mesh)
-    torchft = cfg.fault_tolerance == "torchft"
+    kind = fault_tolerant(kind_for(mesh), cfg, d)  # 8, from the start: torchft replica groups (ft.py) when asked
     autocast, extra = precision.dtype, {}
     if precision.fp32_modules and mesh.mode != "fsdp":
         apply_precision_policy(model, list(precision.fp32_modules))  # 1
@@ -424,13 +426,7 @@ def parallelize(model: nn.Module, d: Dist, cfg: ParallelConfig, precision: Preci
         loss_fn = torch.compile(functools.partial(loss_fn, chunk_rows=None))
     elif cfg.compile:
         model.compile()
-    if not torchft:
-        return kind(model, d, autocast, loss_fn, mesh, **extra)  # 7 (DDPModel wraps here)
-    from kiln.train.parallel.ft import ReplicaGroups
-
-    parallel = fault_tolerant(kind)(model, d, autocast, loss_fn, mesh, **extra)  # 7
-    parallel.replicas = ReplicaGroups(cfg.torchft, d)  # 8
-    return parallel
+    return kind(model, d, autocast, loss_fn, mesh, **extra)  # 7 (DDPModel wraps here)
 
 
 def _model_parallel(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, loss_fn: Callable, extra: dict) -> Callable:
