@@ -2,7 +2,8 @@
 
 A synthetic English-like JSONL corpus (5,000 documents a file, 150-400 words each, sentences that pass
 every default gate) with planted duplicates, each placed after its original in canonical order:
-- near copies (8% of the corpus): words of an earlier document replaced until the word 5-gram
+- near copies (8% of the corpus, NEAR=0.4 for 40%: issue 44's mix, where the removed documents are a large share
+  of the corpus and grow 4x from N to 4N with it): words of an earlier document replaced until the word 5-gram
   Jaccard is about a target drawn from 0.78-0.97 (measured exactly and kept as the truth);
 - chains (1%): C, and A and B each a near copy of C (Jaccard ~0.86) but not of each other (~0.72),
   in the order A < B < C, so B's only confirmed pair is with the later C; B and C must go;
@@ -35,6 +36,8 @@ letters, repeated lines), exact and near-duplicate dedup run.
                                                                          # documents: the sources grow with N
     N=100000 ONE_FILE=jsonl python -m benchmarks data_scale     # the corpus as ONE file (or ONE_FILE=parquet,
                                                                  # row groups of ROW_GROUP=2000 rows)
+    N=25000 NEAR=0.4 python -m benchmarks data_scale  # issue 44: 40% near copies; every process's peak RSS 4N / N,
+                                                      # the merge step on 1 and 2 workers
 
 ONE_FILE: the corpus is a single JSONL (or Parquet) file, which the data stage cuts into tasks
 (data.task_bytes, the default 32 MB). N and 4N with 2 workers, N with 1 worker and N on Ray (2 CPUs; RAY=off
@@ -48,6 +51,11 @@ With `workers: 1`, pack encodes in the driver and the tokenizers library (Rust, 
 every core, so a "1 worker" run already uses the machine's 2 cores in those stages. THREADS=workers sets
 RAYON_NUM_THREADS to the run's worker count, so 1 worker is one core throughout and 1 -> 2 workers measures
 how the whole flow scales with the cores it is given. SIZES=N leaves out the 4N run.
+
+The last lines give issue 44's targets: the data stage's driver (VmHWM when the stage ends) and its
+workers (the largest ru_maxrss of the pools' processes that ended by then: the data, dedup stage, verdicts,
+profile and merge tasks) at 4N / N (<= 1.05 and <= 1.1), and the merge step (the merge tasks and the part jobs,
+stats.json `timings_s.merge_steps`) on 2 workers against 1 (>= 1.7).
 
 Each run also reports its CPU seconds by stage (stats.json `timings_s.cpu` for the data stage's four
 steps; the tokenizer and pack stages timed around `kiln.flow.STAGES`) and their 4N / N ratios: a stage
@@ -73,6 +81,7 @@ FILE_DOCS = int(os.environ.get("FILE_DOCS", max(500, min(5000, N // 10))))  # 5,
 # HOST_DOCS=k: k documents a URL host and data.distribution.source_key=host, so the sources grow with the corpus
 # (as a crawl's hosts do); FILE_DOCS=k grows the files (source_key=file, the default) the same way.
 HOST_DOCS = int(os.environ.get("HOST_DOCS", "0"))
+NEAR = float(os.environ.get("NEAR", "0.08"))  # the corpus's share of planted near copies
 ONE_FILE = os.environ.get("ONE_FILE", "")  # jsonl | parquet: the whole corpus in one file
 ROW_GROUP = int(os.environ.get("ROW_GROUP", "2000"))  # ONE_FILE=parquet: rows a row group (~4 MB of text)
 TOKENIZER_DOCS = min(20_000, N // 2)  # the same sample size at N and 4N
@@ -123,7 +132,9 @@ def timed(name, stage):
             return stage(cfg, log)
         finally:
             hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
-            stages[name] = {"wall_s": time.perf_counter() - t, "cpu_s": cpu_seconds() - c, "peak_mb": hwm / 1024}
+            kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # the pools' ended workers so far
+            stages[name] = {"wall_s": time.perf_counter() - t, "cpu_s": cpu_seconds() - c, "peak_mb": hwm / 1024,
+                            "workers_mb": kids / 1024}
     return run
 kiln.flow.STAGES.update({name: timed(name, stage) for name, stage in kiln.flow.STAGES.items()})
 import kiln.data.pipeline, kiln.shards.pack
@@ -200,7 +211,7 @@ def build(folder: Path, n: int, seed: int = 0) -> dict:
 
     c = Corpus(seed)
     rng = c.rng
-    n_near, n_chain, n_exact = int(0.08 * n), int(0.01 * n) // 3, int(0.01 * n)
+    n_near, n_chain, n_exact = int(NEAR * n), int(0.01 * n) // 3, int(0.01 * n)
     n_orig = n - n_near - 3 * n_chain - n_exact
     docs: list[tuple[float, str, str]] = []  # (canonical position, id, text)
     originals = []
@@ -343,7 +354,7 @@ def score(out: Path, truth: dict) -> dict:
 
 def corpus_of(tmp: Path, n: int) -> tuple[Path, dict]:
     """The corpus of n documents under tmp (built once, in a process of its own: see _CHILD) and its truth."""
-    corpus = tmp / f"corpus-{n}-{ONE_FILE or FILE_DOCS}-{HOST_DOCS}"
+    corpus = tmp / (f"corpus-{n}-{ONE_FILE or FILE_DOCS}-{HOST_DOCS}" + (f"-near{NEAR}" if NEAR != 0.08 else ""))
     if not corpus.exists():
         code = "import sys; from benchmarks.bench_data_scale import build_to; build_to(*sys.argv[1:])"
         subprocess.run([sys.executable, "-c", code, str(corpus), str(n), str(corpus) + ".truth.json"],
@@ -437,9 +448,25 @@ def main() -> None:
           f"time {ratio['wall_s']:.2f}x (<= 4.6), CPU {ratio['cpu_s']:.2f}x")
     print("4N / N CPU seconds by stage: " + ", ".join(
         f"{k} {four['cpu_by_stage'][k] / max(one['cpu_by_stage'][k], 1e-9):.2f}x" for k in STAGE_NAMES))
+    data = {k: four["stages"]["data"][k] / one["stages"]["data"][k] for k in ("peak_mb", "workers_mb")}
+    print(f"4N / N peak RSS in the data stage ({one['removed']:,} -> {four['removed']:,} removed by dedup): driver "
+          f"{data['peak_mb']:.2f}x ({one['stages']['data']['peak_mb']:.0f} -> {four['stages']['data']['peak_mb']:.0f} "
+          f"MB; target <= 1.05), its workers, the verdicts task's included, {data['workers_mb']:.2f}x "
+          f"({one['stages']['data']['workers_mb']:.0f} -> {four['stages']['data']['workers_mb']:.0f} MB; <= 1.1)")
     if "N, 1 worker" in rows:
         single = rows["N, 1 worker"]
         print(f"1 -> 2 workers at N: {single['wall_s'] / one['wall_s']:.2f}x speed-up end to end (target >= 1.7)")
+        m1, m2 = (merge_step(r) for r in (single, one))
+        c1, c2 = (r["stats"]["timings_s"]["merge_steps"]["commit"] for r in (single, one))
+        print(f"the merge step at N (merge tasks + part jobs): 1 worker {m1:.2f} s, 2 workers {m2:.2f} s: "
+              f"{m1 / m2:.2f}x (target >= 1.7); the merge's CPU s {single['cpu_by_stage']['merge']:.2f} / "
+              f"{one['cpu_by_stage']['merge']:.2f}, the driver's commit after it {c1:.2f} / {c2:.2f} s")
+
+
+def merge_step(r: dict) -> float:
+    """The merge step's wall seconds: its tasks and part jobs (stats.json `timings_s.merge_steps`)."""
+    steps = r["stats"]["timings_s"]["merge_steps"]
+    return steps["tasks"] + steps["parts"]
 
 
 if __name__ == "__main__":
