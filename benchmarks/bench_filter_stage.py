@@ -313,7 +313,7 @@ def perplexity_cost(path: Path, folder: Path) -> dict[str, float] | None:
         from kiln.data.gates.perplexity import score_perplexity, scorer
     except ImportError:
         return None
-    from kiln.flow import run_data_stage, run_pack_stage, run_tokenizer_stage
+    from kiln.stages import run_data_stage, run_pack_stage, run_tokenizer_stage
     from kiln.checkpoint import list_checkpoints
     from kiln.train.trainer import Trainer
 
