@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from benchmarks.elastic_agents import free_port, records, wait_until
 from conftest import ROOT, tiny_config, torchrun_kiln
@@ -160,3 +162,25 @@ def test_a_killed_group_costs_seconds_and_comes_back_healed(workdir, tmp_path):
     for epoch, taken in by_epoch.items():  # exactly once
         assert len(taken) == len(set(taken)), epoch
     assert sum(len(t) for t in by_epoch.values()) == 60 * 16
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "local_sgd"])
+def test_outer_syncs_every_h_steps_on_two_groups(workdir, tmp_path, algorithm):
+    """train.outer on 2 groups of 1 rank: both train to max_steps, an outer sync every H steps."""
+    lighthouse = Lighthouse(tmp_path, min_replicas=2)
+    cfg = write_config(tmp_path / "c.yaml", workdir, 20,
+                       train={"outer": {"algorithm": algorithm, "sync_every": 10}}, checkpoint={"every": 10})
+    try:
+        run_groups(cfg, tmp_path, lighthouse)
+    finally:
+        lighthouse.close()
+    assert [r["step"] for r in steps(workdir)] == list(range(1, 21))
+    param_bytes = records(workdir, "startup")[0]["param_bytes"]  # fp32: one copy of the weights per sync
+    for run in (workdir / "run", workdir / "run" / "replicas" / "group-1"):
+        syncs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "outer_sync" in line]
+        assert [(r["step"], r["algorithm"], r["committed"], r["groups"], r["outer_step"]) for r in syncs] == [
+            (10, algorithm, True, [0, 1], 1), (20, algorithm, True, [0, 1], 2)], syncs
+        assert syncs[0]["bytes"] == syncs[1]["bytes"] == param_bytes, syncs
+    ours, theirs = (load_file(run / "checkpoints" / "step-00000020" / "model.safetensors")
+                    for run in (workdir / "run", workdir / "run" / "replicas" / "group-1"))
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)  # the last sync made the groups' weights one

@@ -100,6 +100,14 @@ class ReplicaGroups:
             return allreduce(tensor, *args, **kwargs)
 
         self.manager.allreduce = counted  # LocalSGD / DiLoCo's all-reduces are counted too
+        self.committed: bool | None = None  # the last should_commit's answer (theirs too)
+        should_commit = self.manager.should_commit
+
+        def remembered(*args, **kwargs) -> bool:
+            self.committed = should_commit(*args, **kwargs)
+            return self.committed
+
+        self.manager.should_commit = remembered
         self.outer: Outer | None = None
 
     def register(self, key: str, load: Callable[[Any], None], save: Callable[[], Any]) -> None:
@@ -155,6 +163,20 @@ class Outer:
         else:
             self.sync = LocalSGD(groups.manager, model, optimizer, sync_every=cfg.sync_every)
         self.sync.__enter__()  # registers the hooks on the inner optimizer's step
+        self.groups, self.algorithm, self.synced, self._bytes = groups, cfg.algorithm, None, groups.bytes
+        optimizer.register_step_post_hook(self._after_step)  # after the sync's own hook
+
+    def _after_step(self, *_) -> None:
+        if self.sync._local_step == 0:  # the sync's hook synchronised in this step
+            bytes_, self._bytes = self.groups.bytes - self._bytes, self.groups.bytes
+            self.synced = {"algorithm": self.algorithm, "committed": self.groups.committed, "bytes": bytes_,
+                           "outer_step": self.groups.manager.current_step()}
+
+    def skipped(self, optimizer: torch.optim.Optimizer) -> None:
+        """A step the guards skipped still counts in the sync schedule, so every group syncs at the same step."""
+        self.sync._step_pre_hook(optimizer, (), {})
+        self.sync._step_post_hook(optimizer, (), {})
+        self._after_step()
 
     def state_dict(self) -> dict[str, Any]:
         return {"local_step": self.sync._local_step}

@@ -17,6 +17,11 @@ Each change of the participating groups is a `membership` record in metrics.json
   healed                        this group took a live peer's state in this quorum
   micro_batch, accumulation     how this world makes the same global batch (loader.split_batch)
   retried_step                  a step taken again because a group was lost during it (else absent)
+
+Under train.outer each synchronisation is an `outer_sync` record: step, algorithm, committed (torchft's
+should_commit: false when a group was lost during it, the sync's H steps discarded), groups, bytes (what this
+rank handed to the cross-group all-reduces since the last sync: the communication volume), outer_step
+(torchft's count of committed syncs). A step the guards skipped still counts toward the next sync.
 """
 
 from __future__ import annotations
@@ -115,9 +120,16 @@ class Replicas:
         self.quorum(retried=step)
 
     def post_step(self, outcome) -> None:
-        if self.groups.outer is not None:  # LocalSGD / DiLoCo asked for a quorum at their sync, if any
+        outer = self.groups.outer
+        if outer is not None:  # LocalSGD / DiLoCo asked for a quorum at their sync, if any
+            if outcome.result.get("skip_reason"):
+                outer.skipped(self.engine.optimizer)
             self._apply_heal()  # a sync's quorum healed this group inside the optimizer step
             self._regroup(self.groups.members(), None)
+            if outer.synced is not None:
+                self.event({"event": "outer_sync", "step": outcome.step, "wall_time": time.time(),
+                            "groups": self.members, **outer.synced})
+                outer.synced = None
             return
         if outcome.step < self.max_steps:
             self.quorum()
