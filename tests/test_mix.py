@@ -324,6 +324,25 @@ def test_plan_counts_the_swarm_and_the_verification_at_each_scale(corpus, monkey
     assert not (corpus / "out-plan").exists()
 
 
+def test_only_one_swarm_run_then_report_warns_and_proposes_nothing(corpus, capsys):
+    """`--only run-001` trains that run alone (the sources first) and writes no mix.json; `kiln mix report`
+    then fits what finished: one run is fewer than the fit needs, so a warning and no proposal; the
+    verification's arms are `not run`; `--only natural` before the swarm has finished is one line."""
+    path = write_mix(corpus, "partial.yaml")
+    out = corpus / "out-partial"
+    assert kiln(["mix", str(path), "--only", "run-001"]) == 0
+    assert [p.name for p in sorted((out / "swarm").iterdir())] == ["run-001"] and not (out / "mix.json").exists()
+    assert kiln(["mix", "report", str(out)]) == 0
+    data = json.loads((out / "mix.json").read_text())
+    assert [r["finished"] for r in data["runs"]] == [False, True, False, False]
+    assert data["proposal"] is None and data["fit"]["runs"] == 1
+    assert data["warnings"] == ["no proposal: 1 finished swarm run(s): the fit needs at least 4"]
+    assert data["best_swarm"]["run"] == "run-001" and {c["verdict"] for c in data["comparisons"]} == {"not run"}
+    capsys.readouterr()
+    assert kiln(["mix", str(path), "--only", "natural"]) == 2
+    assert "the swarm has 1 of 4 runs finished (not run-000)" in one_error(capsys.readouterr().err)
+
+
 # --- bad input: one line ------------------------------------------------------------------------------------------
 
 def one_error(err: str) -> str:
