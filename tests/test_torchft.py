@@ -184,3 +184,29 @@ def test_outer_syncs_every_h_steps_on_two_groups(workdir, tmp_path, algorithm):
     ours, theirs = (load_file(run / "checkpoints" / "step-00000020" / "model.safetensors")
                     for run in (workdir / "run", workdir / "run" / "replicas" / "group-1"))
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)  # the last sync made the groups' weights one
+
+
+def test_diloco_resume_between_syncs_is_bitwise_the_uninterrupted_run(workdir, tmp_path):
+    """DiLoCo (H=10) on 2 groups to step 20, then both groups' checkpoints after step 15 removed (a crash after
+    the save at step 15, between two syncs: the outer momentum and the global weights in flight) and both
+    started again: steps 16-20 give bitwise the losses and the weights of the uninterrupted run, in each group."""
+    lighthouse = Lighthouse(tmp_path, min_replicas=2)
+    cfg = write_config(tmp_path / "c.yaml", workdir, 20, train={"outer": {"algorithm": "diloco", "sync_every": 10}})
+    runs = (workdir / "run", workdir / "run" / "replicas" / "group-1")
+    try:
+        run_groups(cfg, tmp_path, lighthouse)
+        want = [(run / "metrics.jsonl").read_text() for run in runs]
+        weights = [load_file(run / "checkpoints" / "step-00000020" / "model.safetensors") for run in runs]
+        for run in runs:
+            shutil.rmtree(run / "checkpoints" / "step-00000020")
+        run_groups(cfg, tmp_path, lighthouse)
+    finally:
+        lighthouse.close()
+    for group, (run, text, before) in enumerate(zip(runs, want, weights)):
+        log = (tmp_path / f"group-{group}.log").read_text()  # each group its own checkpoint (its inner state)
+        assert f"resumed from {run / 'checkpoints' / 'step-00000015'} (step 15)" in log, log[-2000:]
+        losses = [[(r["step"], r["loss"]) for r in map(json.loads, t.splitlines()) if r.get("event") == "step"]
+                  for t in (text, (run / "metrics.jsonl").read_text())]
+        assert losses[0] == losses[1] and len(losses[1]) == 20, run
+        after = load_file(run / "checkpoints" / "step-00000020" / "model.safetensors")
+        assert all(torch.equal(before[k], after[k]) for k in before), run
