@@ -196,3 +196,22 @@ class Job:
         for agent in self.agents.values():
             agent.stop()
         shutil.rmtree(self.log_dir / "tmp", ignore_errors=True)
+
+
+class Lighthouse:
+    """`torchft_lighthouse` (torchft's own) on 127.0.0.1, a free port, its log in `tmp`, with short heartbeat and
+    join timeouts (a lost replica group is noticed in about 1.5 s): tests/test_torchft.py, bench_diloco.py."""
+
+    def __init__(self, tmp: Path, min_replicas: int) -> None:
+        self.port = free_port()
+        exe = Path(sys.executable).with_name("torchft_lighthouse")
+        self.log = tmp / f"lighthouse-{self.port}.log"
+        self.proc = subprocess.Popen([str(exe), "--bind", f"127.0.0.1:{self.port}", "--min_replicas",
+                                      str(min_replicas), "--join_timeout_ms", "2000", "--heartbeat_timeout_ms",
+                                      "1500", "--quorum_tick_ms", "50"], stdout=open(self.log, "w"),
+                                     stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()

@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from benchmarks.elastic_agents import free_port, records, wait_until
+from benchmarks.elastic_agents import Lighthouse, records, wait_until
 from conftest import ROOT, tiny_config, torchrun_kiln
 
 pytest.importorskip("torchft")
@@ -34,24 +34,6 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "KILN_FT_H
 BATCH, MICRO = 8, 4
 LOSS_RTOL = 1e-5  # per-step loss against DDP on 2 ranks (measured below; the average is taken in another order)
 MAX_GAP_S = 15.0  # the survivor's largest gap between two steps (measured 2.5 s; heartbeat timeout 1.5 s)
-
-
-class Lighthouse:
-    """`torchft_lighthouse` on 127.0.0.1, a free port."""
-
-    def __init__(self, tmp: Path, min_replicas: int) -> None:
-        self.port = free_port()
-        exe = Path(sys.executable).with_name("torchft_lighthouse")
-        self.log = tmp / f"lighthouse-{self.port}.log"
-        self.proc = subprocess.Popen([str(exe), "--bind", f"127.0.0.1:{self.port}", "--min_replicas",
-                                      str(min_replicas), "--join_timeout_ms", "2000", "--heartbeat_timeout_ms",
-                                      "1500", "--quorum_tick_ms", "50"], stdout=open(self.log, "w"),
-                                     stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
 
 
 def start_group(cfg: Path, group: int, lighthouse: Lighthouse, log: Path) -> subprocess.Popen:
@@ -210,3 +192,53 @@ def test_diloco_resume_between_syncs_is_bitwise_the_uninterrupted_run(workdir, t
         assert losses[0] == losses[1] and len(losses[1]) == 20, run
         after = load_file(run / "checkpoints" / "step-00000020" / "model.safetensors")
         assert all(torch.equal(before[k], after[k]) for k in before), run
+
+
+class FakeManager:
+    """What LocalSGD asks of torchft's Manager, recorded: a quorum and a commit per sync."""
+
+    def __init__(self) -> None:
+        self.quorums, self.step = 0, 0
+
+    def disallow_state_dict_read(self) -> None: ...
+
+    def allow_state_dict_read(self) -> None: ...
+
+    def start_quorum(self) -> None:
+        self.quorums += 1
+
+    def allreduce(self, tensor):
+        return type("Done", (), {"wait": lambda self: None})()
+
+    def should_commit(self) -> bool:
+        self.step += 1
+        return True
+
+    def current_step(self) -> int:
+        return self.step
+
+
+def test_a_step_the_guards_skip_still_counts_toward_the_next_sync():
+    """LocalSGD counts optimizer steps; a skipped step takes none, so without Outer.skipped a group that skipped
+    one would sync a step later than the others (and at other data)."""
+    from types import SimpleNamespace
+
+    from kiln.config import OuterConfig
+    from kiln.train.parallel.ft import Outer
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    groups = SimpleNamespace(manager=FakeManager(), bytes=0, committed=True)
+    outer = Outer(OuterConfig(algorithm="local_sgd", sync_every=4), groups, model, opt)
+    synced_at = []
+    for step in range(1, 9):
+        model(torch.ones(1, 2)).sum().backward()
+        if step in (2, 7):  # the guards skip it: no optimizer step
+            outer.skipped(opt)
+        else:
+            opt.step()
+        opt.zero_grad()
+        if outer.synced is not None:
+            synced_at.append((step, outer.synced["outer_step"]))
+            outer.synced = None
+    assert synced_at == [(4, 1), (8, 2)] and groups.manager.quorums == 2
