@@ -13,9 +13,7 @@ import re
 import numpy as np
 import xxhash
 
-from kiln.data.gates.text import words
-
-_FIRST_CJK = "\u3040"  # every Han/kana range `words` splits into characters starts at or above this
+from kiln.data.gates.text import _CJK_CHAR, words
 
 MULT = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplication by it is a bijection mod 2^64
 
@@ -28,7 +26,7 @@ def lowered_tokens(low: str, mode: str = "auto", split: list[str] | None = None)
     """`tokens` of a text already lower-cased; `split`: `low.split()`, when the caller has made it."""
     if mode == "char":
         return re.findall(r"\S", low)
-    if mode == "word" or not low or max(low) < _FIRST_CJK:  # then `words` is the whitespace split
+    if mode == "word" or _CJK_CHAR.search(low) is None:  # `words`' own test: then it is the whitespace split
         return low.split() if split is None else split
     return words(low)
 
