@@ -21,7 +21,7 @@ import numpy as np
 from kiln.data.dedup.clusters import Pair, confirm_band, in_memory_ledger
 from kiln.data.dedup.shingles import MULT, jaccard, shingle_hashes
 
-_CHUNK = 4096  # shingles per block of the (shingles x hash functions) matrix
+_CHUNK = 4096  # shingles per block of the (hash functions x shingles) matrix
 
 
 class MinHasher:
@@ -33,18 +33,20 @@ class MinHasher:
         k = bands * rows
         self.a = rng.integers(1, 2**63, size=k, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
         self.b = rng.integers(0, 2**63, size=k, dtype=np.uint64)
+        self._a, self._b = self.a[:, None], self.b[:, None]  # as columns, against a block of shingles
 
     def signature(self, shingles: np.ndarray) -> np.ndarray:
-        """The bands x rows minima, in blocks of shingles computed in one buffer. The shift by 32 is
-        monotone, so it is taken once on the minima rather than on every product."""
+        """The bands x rows minima, in blocks of shingles computed in one (hash functions x shingles) buffer,
+        so that each function's minimum is a reduction over contiguous memory (not rows of a column). The shift
+        by 32 is monotone, so it is taken once on the minima rather than on every product."""
         sig = np.full(len(self.a), np.iinfo(np.uint64).max, dtype=np.uint64)
-        buf = np.empty((min(len(shingles), _CHUNK), len(self.a)), dtype=np.uint64)
+        buf = np.empty((len(self.a), min(len(shingles), _CHUNK)), dtype=np.uint64)
         for start in range(0, len(shingles), _CHUNK):
-            x = shingles[start:start + _CHUNK, None]
-            out = buf[:len(x)]
-            np.multiply(x, self.a, out=out)
-            np.add(out, self.b, out=out)
-            np.minimum(sig, out.min(axis=0), out=sig)
+            x = shingles[start:start + _CHUNK]
+            out = buf[:, :len(x)]
+            np.multiply(self._a, x, out=out)
+            np.add(out, self._b, out=out)
+            np.minimum(sig, out.min(axis=1), out=sig)
         return (sig >> np.uint64(32)).astype(np.uint32)
 
     def band_keys(self, signatures: np.ndarray) -> np.ndarray:
