@@ -520,6 +520,7 @@ def verdicts_are_flat(tmp_path, small: int, large: int, budget: int, per_part: i
     assert b["peak"] <= 1.1 * a["peak"] and b["rss"] <= 1.1 * a["rss"], (a, b)
 
 
+@pytest.mark.slow  # 40-85 s here; the default suite keeps the partitioned walk's ledger check (test_partitioned_...)
 def test_the_verdicts_task_is_flat_in_the_removed_documents(tmp_path):
     # issue 44.2: the one verdicts task held ~100 bytes per removed document (~70 GB for a Common Crawl dump);
     # its clusters are now walked in partitions of data.dedup.verdict_pairs pairs
