@@ -194,6 +194,39 @@ def test_diloco_resume_between_syncs_is_bitwise_the_uninterrupted_run(workdir, t
         assert all(torch.equal(before[k], after[k]) for k in before), run
 
 
+def run_records(run: Path, kind: str) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r.get("event") == kind]
+
+
+@pytest.mark.slow
+def test_a_group_that_resumes_an_older_checkpoint_heals_from_the_one_ahead(workdir, tmp_path):
+    """DiLoCo (H=10) on 2 groups to step 20, then group 0's checkpoints after step 10 and group 1's after 15
+    removed: at the first quorum group 0 (step 10) heals from group 1 (step 15), both go on from step 16 at the
+    same data position; group 1's losses are bitwise the first run's, the last sync makes the weights one."""
+    lighthouse = Lighthouse(tmp_path, min_replicas=2)
+    cfg = write_config(tmp_path / "c.yaml", workdir, 20, train={"outer": {"algorithm": "diloco", "sync_every": 10}},
+                       checkpoint={"keep_last": 4})
+    runs = (workdir / "run", workdir / "run" / "replicas" / "group-1")
+    try:
+        run_groups(cfg, tmp_path, lighthouse)
+        want = run_records(runs[1], "step")
+        for run, steps_ in zip(runs, ((15, 20), (20,))):
+            for step in steps_:
+                shutil.rmtree(run / "checkpoints" / f"step-{step:08d}")
+        run_groups(cfg, tmp_path, lighthouse)
+    finally:
+        lighthouse.close()
+    healed = run_records(runs[0], "membership")[-1]
+    assert (healed["step"], healed["healed"], healed["groups_after"]) == (15, True, [0, 1]), healed
+    assert [r["step"] for r in run_records(runs[0], "step")] == [*range(1, 11), *range(16, 21)]
+    assert [(r["step"], r["loss"]) for r in run_records(runs[1], "step")] == [(r["step"], r["loss"]) for r in want]
+    for run in runs:
+        assert [(r["step"], r["committed"], r["outer_step"]) for r in run_records(run, "outer_sync")][-1] == (20, True,
+                                                                                                              2)
+    ours, theirs = (load_file(run / "checkpoints" / "step-00000020" / "model.safetensors") for run in runs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
 class FakeManager:
     """What LocalSGD asks of torchft's Manager, recorded: a quorum and a commit per sync."""
 

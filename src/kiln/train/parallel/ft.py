@@ -113,9 +113,17 @@ class ReplicaGroups:
     def register(self, key: str, load: Callable[[Any], None], save: Callable[[], Any]) -> None:
         self.manager.register_state_dict_fn(key, load, save)
 
-    def quorum(self) -> None:
+    def quorum(self, step: int | None = None) -> None:
         """Wait for a quorum of live groups (this group heals first when it is behind the quorum's step)."""
+        if step is not None:
+            self.at_step(step)
         self.manager.start_quorum()
+
+    def at_step(self, step: int) -> None:
+        """torchft's step := Kiln's (train.outer): torchft counts committed syncs, the same for groups at other
+        steps between two syncs; with Kiln's step a group behind (an older checkpoint, a joining group) heals
+        from the one ahead at the next quorum."""
+        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
 
     def members(self) -> list[int]:
         """The participating groups' numbers (torchft numbers a group's ranks group x group world + rank)."""
@@ -164,13 +172,15 @@ class Outer:
             self.sync = LocalSGD(groups.manager, model, optimizer, sync_every=cfg.sync_every)
         self.sync.__enter__()  # registers the hooks on the inner optimizer's step
         self.groups, self.algorithm, self.synced, self._bytes = groups, cfg.algorithm, None, groups.bytes
+        self.outer_steps = 0  # committed syncs (torchft's own step is Kiln's under train.outer: at_step)
         optimizer.register_step_post_hook(self._after_step)  # after the sync's own hook
 
     def _after_step(self, *_) -> None:
         if self.sync._local_step == 0:  # the sync's hook synchronised in this step
             bytes_, self._bytes = self.groups.bytes - self._bytes, self.groups.bytes
+            self.outer_steps += bool(self.groups.committed)
             self.synced = {"algorithm": self.algorithm, "committed": self.groups.committed, "bytes": bytes_,
-                           "outer_step": self.groups.manager.current_step()}
+                           "outer_step": self.outer_steps}
 
     def skipped(self, optimizer: torch.optim.Optimizer) -> None:
         """A step the guards skipped still counts in the sync schedule, so every group syncs at the same step."""
@@ -179,10 +189,11 @@ class Outer:
         self._after_step()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"local_step": self.sync._local_step}
+        return {"local_step": self.sync._local_step, "outer_steps": self.outer_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sync._local_step = state.get("local_step", 0)
+        self.outer_steps = state.get("outer_steps", state.get("manager", {}).get("step", 0))
 
     def tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """{parameter name: {outer_original, outer_momentum}}: DiLoCo's global weights and outer momentum."""

@@ -3,10 +3,11 @@
 Before the first step and after every step (unless train.outer, whose LocalSGD / DiLoCo ask at each sync) the
 group asks the lighthouse for a quorum. A group behind the quorum's step heals there from a live peer: the
 weights, the optimizer, and every part's state (the step, the loader's position, the schedule, ...), so the
-loop goes on from the peer's next step. The loader then splits the same global batch over the participating
-groups (Loader.regroup). A step that a lost group kept from committing (ft.LOST) is taken again on the groups
-left, from the same data position (`retry`): nothing is skipped or counted twice, and the step counter never
-goes back.
+loop goes on from the peer's next step (under train.outer torchft's step is set to Kiln's before each quorum,
+so a group that resumed an older checkpoint heals from the one ahead). The loader then
+splits the same global batch over the participating groups (Loader.regroup). A step that a lost group kept
+from committing (ft.LOST) is taken again on the groups left, from the same data position (`retry`): nothing is
+skipped or counted twice, and the step counter never goes back.
 
 Each change of the participating groups is a `membership` record in metrics.jsonl:
 
@@ -21,7 +22,7 @@ Each change of the participating groups is a `membership` record in metrics.json
 Under train.outer each synchronisation is an `outer_sync` record: step, algorithm, committed (torchft's
 should_commit: false when a group was lost during it, the sync's H steps discarded), groups, bytes (what this
 rank handed to the cross-group all-reduces since the last sync: the communication volume), outer_step
-(torchft's count of committed syncs). A step the guards skipped still counts toward the next sync.
+(the count of committed syncs). A step the guards skipped still counts toward the next sync.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class Replicas:
     # --- the quorum ---------------------------------------------------------------------------------
 
     def quorum(self, retried: int | None = None) -> None:
-        self.groups.quorum()
+        outer = self.groups.outer  # its quorums are at syncs: torchft's step is Kiln's (ReplicaGroups.at_step)
+        self.groups.quorum(self.state().step if outer is not None else None)
         self._apply_heal()
         self._regroup(self.groups.members(), retried)
 
@@ -114,6 +116,10 @@ class Replicas:
     def pre_train(self) -> None:
         self.quorum()
 
+    def pre_step(self, step: int) -> None:
+        if self.groups.outer is not None:  # a sync in this step asks for its quorum at this step
+            self.groups.at_step(step)
+
     def retry(self, step: int) -> None:
         """Step `step` did not commit (a group was lost during it): again, from the same data, on a new quorum."""
         self.loader.load_state_dict(asdict(self.before))
@@ -126,13 +132,17 @@ class Replicas:
                 outer.skipped(self.engine.optimizer)
             self._apply_heal()  # a sync's quorum healed this group inside the optimizer step
             self._regroup(self.groups.members(), None)
-            if outer.synced is not None:
-                self.event({"event": "outer_sync", "step": outcome.step, "wall_time": time.time(),
-                            "groups": self.members, **outer.synced})
-                outer.synced = None
+            self._synced(outcome.step)
             return
         if outcome.step < self.max_steps:
             self.quorum()
+
+    def _synced(self, step: int) -> None:
+        outer = self.groups.outer
+        if outer.synced is not None:
+            self.event({"event": "outer_sync", "step": step, "wall_time": time.time(), "groups": self.members,
+                        **outer.synced})
+            outer.synced = None
 
     def state_dict(self) -> dict[str, Any]:
         return self.groups.state_dict()
