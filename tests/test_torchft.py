@@ -199,6 +199,39 @@ def run_records(run: Path, kind: str) -> list[dict]:
 
 
 @pytest.mark.slow
+def test_a_group_joining_mid_run_under_diloco_heals_at_the_next_sync_and_takes_part(workdir, tmp_path):
+    """Group 0 trains alone (DiLoCo, H=10); group 1 started mid-run waits for group 0's next sync, heals there from
+    it and takes part in that sync's all-reduce: every sync of both groups commits (none lost to a group that
+    healed and then did not all-reduce), group 1 goes on from that step, and the last sync makes the weights one."""
+    lighthouse = Lighthouse(tmp_path, min_replicas=1)
+    cfg = write_config(tmp_path / "c.yaml", workdir, 40, train={"outer": {"algorithm": "diloco", "sync_every": 10},
+                       "batch_size": 16, "micro_batch_size": 8}, checkpoint={"every": 20},
+                       model={"dim": 256, "n_layers": 4})  # steps long enough for group 1 to start meanwhile
+    runs = (workdir / "run", workdir / "run" / "replicas" / "group-1")
+    a = b = start_group(cfg, 0, lighthouse, tmp_path / "group-0.log")
+    try:
+        wait_until(lambda: steps(workdir), "group 0's first step", 300)
+        b = start_group(cfg, 1, lighthouse, tmp_path / "group-1.log")
+        for g, p in enumerate((a, b)):
+            assert p.wait(400) == 0, (tmp_path / f"group-{g}.log").read_text()[-4000:]
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        lighthouse.close()
+    joined = run_records(runs[1], "membership")[0]
+    at = joined["step"]
+    assert joined["healed"] and joined["groups_after"] == [0, 1] and at % 10 == 0 and at < 40, joined
+    assert [r["step"] for r in run_records(runs[1], "step")] == list(range(at + 1, 41))
+    syncs = [[(r["step"], r["committed"], r["groups"]) for r in run_records(run, "outer_sync")] for run in runs]
+    assert syncs[0] == [(s, True, [0] if s < at else [0, 1]) for s in range(10, 41, 10)], syncs[0]
+    assert syncs[1] == [(s, True, [0, 1]) for s in range(at, 41, 10)], syncs[1]
+    assert [r["step"] for r in steps(workdir)] == list(range(1, 41))
+    ours, theirs = (load_file(run / "checkpoints" / "step-00000040" / "model.safetensors") for run in runs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@pytest.mark.slow
 def test_a_group_that_resumes_an_older_checkpoint_heals_from_the_one_ahead(workdir, tmp_path):
     """DiLoCo (H=10) on 2 groups to step 20, then group 0's checkpoints after step 10 and group 1's after 15
     removed: at the first quorum group 0 (step 10) heals from group 1 (step 15), both go on from step 16 at the

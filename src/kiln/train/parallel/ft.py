@@ -182,6 +182,23 @@ class Outer:
             self.synced = {"algorithm": self.algorithm, "committed": self.groups.committed, "bytes": bytes_,
                            "outer_step": self.outer_steps}
 
+    @property
+    def in_sync(self) -> bool:
+        """Inside a sync (its quorum: the inner steps counted, the all-reduce to come)."""
+        return self.sync._local_step >= self.sync._sync_every
+
+    def join_sync(self) -> None:
+        """The rest of the sync this group healed into (a group joining mid-run: its first quorum is the others'
+        sync): the same all-reduce, commit and outer step as theirs, from the state they sent."""
+        if self.outer_opt is not None:
+            fragment = self.sync._fragments[self.sync._current_fragment()]
+            fragment.prepare_sync()
+            fragment.perform_sync()
+        else:
+            self.sync._perform_sync()
+        self.sync._local_step = 0
+        self._after_step()
+
     def skipped(self, optimizer: torch.optim.Optimizer) -> None:
         """A step the guards skipped still counts in the sync schedule, so every group syncs at the same step."""
         self.sync._step_pre_hook(optimizer, (), {})

@@ -4,7 +4,8 @@ Before the first step and after every step (unless train.outer, whose LocalSGD /
 group asks the lighthouse for a quorum. A group behind the quorum's step heals there from a live peer: the
 weights, the optimizer, and every part's state (the step, the loader's position, the schedule, ...), so the
 loop goes on from the peer's next step (under train.outer torchft's step is set to Kiln's before each quorum,
-so a group that resumed an older checkpoint heals from the one ahead). The loader then
+so a group that resumed an older checkpoint heals from the one ahead; a group joining mid-run waits for the
+others' next sync, heals from the state they send there and takes part in that sync). The loader then
 splits the same global batch over the participating groups (Loader.regroup). A step that a lost group kept
 from committing (ft.LOST) is taken again on the groups left, from the same data position (`retry`): nothing is
 skipped or counted twice, and the step counter never goes back.
@@ -53,30 +54,41 @@ class Replicas:
     # --- healing: what a live peer sends, what a joining group loads --------------------------------------
 
     def _share(self) -> dict[str, Any]:
-        e = self.engine
+        e, train, outer = self.engine, self.state().state_dict(), self.groups.outer
+        in_sync = outer is not None and outer.in_sync
+        if in_sync:  # inside step N's optimizer step (a sync): the state as of step N's end, the sync's to finish
+            train["step"] += 1
+            train["tokens_seen"] += self.loader.global_batch * (self.loader.samples.sample_len - 1)
         return {"model": e.model.state_dict(), "optimizer": e.optimizer.state_dict(),
-                "scaler": e.scaling.state_dict(), "train": self.state().state_dict()}
+                "scaler": e.scaling.state_dict(), "train": train, "in_sync": in_sync}
 
     def _heal(self, shared: dict[str, Any]) -> None:
         e = self.engine
         e.model.load_state_dict(shared["model"])
         e.optimizer.load_state_dict(shared["optimizer"])
         e.scaling.load_state_dict(shared["scaler"])
-        self.pending = shared["train"]
+        self.pending = shared["train"], shared.get("in_sync", False)
 
-    def _apply_heal(self) -> None:
+    def _apply_heal(self) -> bool:
+        """The peer's loop state, if this quorum healed this group; True when the peer sent it from a sync."""
         pending, self.pending = getattr(self, "pending", None), None
-        if pending is not None:  # after the loop's own bookkeeping of the step: the peer's state wins
-            self.state().load_state_dict(pending)
-            self.healed = True
+        if pending is None:
+            return False
+        self.state().load_state_dict(pending[0])  # after the loop's own bookkeeping of the step: the peer's wins
+        self.healed = True
+        return pending[1]
 
     # --- the quorum ---------------------------------------------------------------------------------
 
     def quorum(self, retried: int | None = None) -> None:
         outer = self.groups.outer  # its quorums are at syncs: torchft's step is Kiln's (ReplicaGroups.at_step)
         self.groups.quorum(self.state().step if outer is not None else None)
-        self._apply_heal()
+        joined = self._apply_heal() and outer is not None  # a group joining mid-run: the others' sync
+        if joined:
+            outer.join_sync()
         self._regroup(self.groups.members(), retried)
+        if joined:
+            self._synced(self.state().step)
 
     def _regroup(self, members: list[int], retried: int | None) -> None:
         world_before = self.loader.world
