@@ -9,11 +9,13 @@ of the benchmark takes minutes.
            each command calls: `kiln run SOURCE --until data` per source, `kiln tokenizer train` once on the
            first source's documents, `kiln run SOURCE --until pack` per source (tokenizer.path: that
            tokenizer), then per swarm mixture (the same weights: kiln.mix.swarm.draw on the same sizes)
-           `kiln train` (loader.sources: the weighted shards) and `kiln eval RUN --text` on the eval set; the
-           fit and proposal (kiln.mix.fit / propose on those numbers: what a user's notebook would do); then
-           per verification arm (natural, proposed, best swarm run) and seed `kiln train` and `kiln eval
-           --text` and `--mc`. One process for all of it. Same model, token budget, weights and seeds; each
-           run starts from nothing (a fresh folder).
+           `kiln train` (loader.sources: the weighted shards), `kiln eval RUN --text SET` on each text set
+           (its documents as one text file) and `kiln eval RUN --mc TASK` on each task: the fit regresses every
+           eval metric, so every swarm run is measured on every eval set, as the mix measures it; the fit and
+           proposal (kiln.mix.fit / propose on those numbers, every metric, the mix's target: what a user's
+           notebook would do); then per verification arm (natural, proposed, best swarm run) and seed
+           `kiln train` and the same evals. One process for all of it. Same model, token budget, weights and
+           seeds; each run starts from nothing (a fresh folder).
 
 The two take turns (mix, by hand, by hand, mix, ...), KILN_BENCH_RUNS times each (default 3), so load from
 other jobs on this shared machine falls on both; reported: wall seconds of each, their medians, and the
@@ -70,8 +72,10 @@ def by_hand(path: Path, folder: Path) -> None:
     from kiln.eval.mc import evaluate_mc_checkpoint
     from kiln.manifest import read_manifest
     from kiln.mix import load
+    from kiln.mix.driver import target_metric
     from kiln.mix.fit import fit_all
     from kiln.mix.propose import propose
+    from kiln.mix.spec import min_swarm
     from kiln.mix.swarm import Budget, draw
     from kiln.stages import run_data_stage, run_pack_stage, run_tokenizer_stage, run_train_stage
 
@@ -96,34 +100,42 @@ def by_hand(path: Path, folder: Path) -> None:
         run_tokenizer_stage(cfg, quiet)
         run_pack_stage(cfg, quiet)
         shards[arm.name] = cfg.layout.shards
-    reference = hand / "reference.txt"
-    reference.write_text("\n\n".join(next(s for s in sets if s.kind == "text").texts))
-    task = Path(spec.eval.tasks[0].path)
+    texts = {}  # each text set as the one text file `kiln eval --text` reads
+    for s in sets:
+        if s.kind == "text":
+            texts[s.name] = hand / f"{s.name}.txt"
+            texts[s.name].write_text("\n\n".join(s.texts))
     t = first.train
     budget = Budget([a.name for a in arms], np.asarray([read_manifest(shards[a.name])["splits"]["train"]["samples"]
                                                        for a in arms], dtype=float), t.max_steps * t.batch_size,
                     spec.max_epochs)
 
-    def train(weights, seed, name, mc=False) -> float:
+    def train(weights, seed, name) -> dict[str, float]:
+        """kiln train, then kiln eval RUN --text SET per text set and --mc TASK per task: every metric."""
         sources = [{"path": str(shards[n]), "weight": float(w)} for n, w in zip(budget.names, weights) if w > 0]
         run = config(arms[0], tokenizer={"path": tokenizer}, seed=seed, out_dir=str(hand / name),
                      loader={"sources": sources})
         run_tokenizer_stage(run, quiet)
         run_train_stage(run, quiet)
         last = max(run.layout.checkpoints.glob("step-*"))
-        if mc:
-            evaluate_mc_checkpoint(last, task)
-        return evaluate_checkpoint(last, reference)["bits_per_byte"]
+        metrics = {f"{n}/bits_per_byte": evaluate_checkpoint(last, f)["bits_per_byte"] for n, f in texts.items()}
+        for task in spec.eval.tasks:
+            mc = evaluate_mc_checkpoint(last, Path(task.path))
+            metrics.update({f"{task.name}/{m}": mc[m] for m in ("acc", "acc_norm", "acc_bytes")})
+        return metrics
 
     swarm = np.array(draw(budget, spec.concentration, spec.swarm_seed, spec.runs_in_swarm))
-    bpb = np.array([train(w, spec.swarm_seed, f"swarm-{i}") for i, w in enumerate(swarm)])
-    fits = fit_all(swarm, {"bpb": bpb}, {"bpb": 1.0}, len(arms) + 2)
-    chosen = {"natural": budget.natural, "best-swarm": swarm[int(np.argmin(bpb))]}
+    rows = [train(w, spec.swarm_seed, f"swarm-{i}") for i, w in enumerate(swarm)]
+    metrics = {m: np.array([r[m] for r in rows]) for m in rows[0]}  # the fit regresses every metric, as the mix's
+    target = {target_metric(n): w for n, w in spec.target.items()}
+    fits = fit_all(swarm, metrics, target, min_swarm(len(arms)))
+    chosen = {"natural": budget.natural,
+              "best-swarm": swarm[int(np.argmin(sum(w * metrics[m] for m, w in target.items())))]}
     if fits["trusted"]:
-        chosen["proposed"] = propose(fits["metrics"], {"bpb": 1.0}, False, budget, swarm)
+        chosen["proposed"] = propose(fits["metrics"], target, False, budget, swarm)
     for name, weights in chosen.items():
         for seed in spec.seeds:
-            train(weights, seed, f"{name}-{seed}", mc=True)
+            train(weights, seed, f"{name}-{seed}")
 
 
 def worker(kind: str, folder: str) -> None:
