@@ -193,7 +193,8 @@ def test_the_proposal_is_a_mixture_under_the_caps_and_no_worse_than_any_start(co
     w = propose(fits, {"m": 1.0}, False, budget, swarm)
     assert abs(w.sum() - 1) < 1e-5 and (w >= 0).all() and (w <= budget.caps + 1e-5).all()
     predicted = mixfit.predict_target(fits, {"m": 1.0}, w[None, :])[0]
-    for start in [budget.natural, *swarm]:
+    for start in [budget.natural, *swarm]:  # a draw rounded to DIGITS may sum to 1 - 1e-6: compared as a mixture
+        start = feasible(start, budget.caps)
         assert predicted <= mixfit.predict_target(fits, {"m": 1.0}, start[None, :])[0] + 1e-6
     # With the best source's cap at 1, a log-linear law puts every weight on it.
     if budget.caps[int(np.argmin(coef))] >= 1 and sorted(coef)[1] - min(coef) > 0.01:

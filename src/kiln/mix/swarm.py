@@ -77,7 +77,7 @@ def feasible(weights: np.ndarray, caps: np.ndarray) -> np.ndarray:
         w[over] = caps[over]
         free = (~over) & (w < caps)
         share = w[free] if w[free].sum() > 0 else np.ones(int(free.sum()))
-        w[free] += spare * share / share.sum()
+        w[free] += spare * (share / share.sum())  # the fractions first: spare * a subnormal share is 0
     return w
 
 

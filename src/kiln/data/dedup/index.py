@@ -161,7 +161,9 @@ def use_index(cfg, inputs: list[str], docs: Path) -> Iterator[None]:
     from kiln.lock import OutputLock
 
     _check_overlap(cfg.dedup, docs)  # before a lock file is made beside the index: in the docs folder, or
-    read_index(cfg.dedup)  # beside a file given for the index
+    if not Path(cfg.dedup.index).is_dir():  # beside a file given for the index
+        read_index(cfg.dedup)
+    # A folder is read under the lock (in check_use): another run may be writing it, and is named, not its files.
     with OutputLock(Path(cfg.dedup.index), "a `kiln data` run using it as data.dedup.index"):
         check_use(cfg, inputs, docs)
         yield
