@@ -265,7 +265,8 @@ sys.exit(main(sys.argv[3:]))
 """
 
 
-@pytest.mark.parametrize("kind, n", [("task-", 3), ("parts-", 2), ("commit", 0)])
+@pytest.mark.parametrize("kind, n", [pytest.param("task-", 3, marks=pytest.mark.slow), ("parts-", 2),
+                                     pytest.param("commit", 0, marks=pytest.mark.slow)])  # the default suite: one
 def test_sigkill_inside_the_merge_then_rerun_redoes_only_its_unfinished_tasks(tmp_path, sample_warc, whole, kind, n):
     # issue 44.1: the merge is tasks (one per data task, then the parts' jobs) vouched by markers in the work folder
     out = tmp_path / "docs"

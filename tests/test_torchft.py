@@ -146,7 +146,7 @@ def test_a_killed_group_costs_seconds_and_comes_back_healed(workdir, tmp_path):
     assert sum(len(t) for t in by_epoch.values()) == 60 * 16
 
 
-@pytest.mark.parametrize("algorithm", ["diloco", "local_sgd"])
+@pytest.mark.parametrize("algorithm", ["diloco", pytest.param("local_sgd", marks=pytest.mark.slow)])  # suite time
 def test_outer_syncs_every_h_steps_on_two_groups(workdir, tmp_path, algorithm):
     """train.outer on 2 groups of 1 rank: both train to max_steps, an outer sync every H steps."""
     lighthouse = Lighthouse(tmp_path, min_replicas=2)
