@@ -94,7 +94,7 @@ class IdTable:
     ends: np.ndarray  # where each id ends in `packed`
 
     def __getitem__(self, q: int) -> str:
-        n = int(np.searchsorted(self.qs, q))
+        n = int(np.searchsorted(self.qs, self.qs.dtype.type(q)))  # a Python int would convert all of qs per call
         if n == len(self.qs) or self.qs[n] != q:
             raise KeyError(q)
         return self.packed[int(self.ends[n - 1]) if n else 0:int(self.ends[n])].decode("utf-8", "surrogatepass")
@@ -181,7 +181,7 @@ class Layout:
         if self.parts[k].run is None and self.candidates:
             g = int(np.searchsorted(self.group_starts(), q, side="right") - 1)
             qs = self.array("results", f"qs-{g:05d}.npy")
-            local = int(np.searchsorted(qs, q))
+            local = int(np.searchsorted(qs, qs.dtype.type(q)))  # the array's own type: O(log n), not O(n)
             if local == len(qs) or qs[local] != q:
                 raise KeyError(f"dedup: document {q} is no candidate; it has no shingle set")
             a, b = self.reader("results", f"spans-{g:05d}.npy").read(local, local + 2).tolist()
