@@ -186,7 +186,7 @@ def test_a_fit_to_noise_is_no_better_than_the_mean_and_not_trusted():
                                                                                    max_size=3))
 def test_the_proposal_is_a_mixture_under_the_caps_and_no_worse_than_any_start(coef, samples):
     budget = Budget(["a", "b", "c"], np.asarray(samples, dtype=float), 1000, 2.0)
-    if budget.run_samples > budget.max_epochs * budget.samples.sum():
+    if budget.caps.sum() < 1.05:  # no room, or only the caps themselves: draw's one line (tested above) instead
         return
     fits = {"m": {"model": mixfit.Model("log-linear", True, np.asarray(coef))}}
     swarm = np.array(draw(budget, 1.0, 0, 4))
