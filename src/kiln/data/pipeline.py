@@ -40,9 +40,9 @@ from kiln.config import DataConfig
 from kiln.data.dedup.index import add_run, runs_before, use_index
 from kiln.data.dedup.signatures import Signer
 from kiln.data.dedup.stages import STAGE_DIR, Layout, VerdictFiles, dedup_layout, run_stages
-from kiln.data.docs import check_format, read_part
+from kiln.data.docs import check_format
 from kiln.data.gates.distribution import SpilledProfiles, check_groups, part_bytes, profile_part, source_group
-from kiln.data.merge import MERGE_DIR, merge
+from kiln.data.merge import MERGE_DIR, _lines, merge
 from kiln.data.tables import TABLES, write_table
 from kiln.data.document import Document, ReadReport
 from kiln.tasks.executor import engine, run_tasks
@@ -334,10 +334,15 @@ def profile_task(args: tuple[str, int, int, DataConfig]) -> tuple[int, dict[str,
 
     def kept() -> Iterator[tuple[str, str]]:
         local = 0
-        for rec in read_part(Path(work) / f"task-{index:05d}.jsonl.zst"):
-            if "reason" in rec:  # a rejection
+        for line in _lines(Path(work) / f"task-{index:05d}.jsonl.zst"):  # read_part's records, parsed when needed
+            if not line.strip():
+                continue
+            # a rejection has the key "reason"; a line without the word is none, and is parsed only if it is kept
+            rec = json.loads(line) if b'"reason"' in line else None
+            if rec is not None and "reason" in rec:  # a rejection
                 continue
             if local not in gone:
+                rec = rec or json.loads(line)
                 yield (source_group(cfg.distribution.source_key, rec["source"], rec.get("url"),
                                     rec.get("source_group")), rec.get("text") or "")
             local += 1

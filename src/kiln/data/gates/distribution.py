@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import json
 import math
 import pickle
@@ -152,6 +153,12 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode("utf-8", "surrogatepass"))
 
 
+def _crcs(texts: list[str]) -> np.ndarray:
+    """`_crc` of each text, as int64 (each call in C: a task has a partition to find for every token)."""
+    encoded = map(str.encode, texts, itertools.repeat("utf-8"), itertools.repeat("surrogatepass"))
+    return np.fromiter(map(zlib.crc32, encoded), np.int64, len(texts))
+
+
 class _Sums:
     """Sums of f and f^2 by token number, folded in from documents in batches (memory: the distinct tokens
     folded so far, 24 bytes each, and one batch)."""
@@ -176,6 +183,19 @@ class _Sums:
         return self
 
 
+def _fold(task: _Sums, sums: dict[str, _Sums]) -> None:
+    """Fold the pending pages into each source's sums and the task's. A task that has had one source so far (the
+    usual: a source is by default an input file, and a task a piece of one) has had the same pages added in the
+    same order as that source: its sums are the source's, folded once."""
+    for own in sums.values():
+        own.fold()
+    if len(sums) == 1:
+        (own,) = sums.values()
+        task.ids, task.f1, task.f2, task.pending_ids, task.pending_fs = own.ids, own.f1, own.f2, [], []
+    else:
+        task.fold()
+
+
 def profile_part(documents: Iterable[tuple[str, str]], batch: int = 512) -> dict:
     """One task's profile over its (source, text) `documents`, made on the worker and split there as
     SpilledProfiles spills it: {"tokens": {partition: pickle of (tokens, sums of f over the task)},
@@ -183,7 +203,12 @@ def profile_part(documents: Iterable[tuple[str, str]], batch: int = 512) -> dict
     {partition: sources}}. The documents' f are summed `batch` documents at a time, in a fixed order, so a part
     is the same for any number of workers (SourceProfiles, one document at a time, agrees to float rounding).
     Memory: the task's distinct (source, token) pairs, 24 bytes each, and one batch of documents' tokens."""
+    # A token's number is a serial drawn when it is first seen: drawn in C (`map(vocab.setdefault, ...)`, a serial
+    # for every token of a page, so there are gaps), then closed up at the end (`np.searchsorted`) into the order of
+    # first sight, which is `vocab`'s own order: the numbers `vocab.setdefault(t, len(vocab))` gives, one C call
+    # per distinct token of a page instead of a Python one.
     vocab: dict[str, int] = {}
+    serial = itertools.count()
     docs: Counter[str] = Counter()
     sums: dict[str, _Sums] = defaultdict(_Sums)
     task = _Sums()
@@ -192,26 +217,29 @@ def profile_part(documents: Iterable[tuple[str, str]], batch: int = 512) -> dict
         n = sum(counts.values())
         docs[source] += 1
         if n:
-            ids = np.fromiter((vocab.setdefault(t, len(vocab)) for t in counts), np.int64, len(counts))
+            ids = np.fromiter(map(vocab.setdefault, counts, serial), np.int64, len(counts))
             fs = np.fromiter(counts.values(), np.float64, len(counts)) / n  # c / n, rounded as Python rounds it
             sums[source].add(ids, fs)
             task.add(ids, fs)
         if k % batch == 0:
-            for pending in (task, *sums.values()):
-                pending.fold()
+            _fold(task, sums)
     tokens = np.asarray(list(vocab), dtype=object)
-    task.fold()
-    by_token: dict[int, list[int]] = defaultdict(list)
-    for i, token in zip(task.ids.tolist(), tokens[task.ids].tolist()):
-        by_token[_crc(token) % TOKEN_PARTITIONS].append(i)
+    drawn = np.fromiter(vocab.values(), np.int64, len(vocab))  # increasing: a token's number is its place here
+    _fold(task, sums)
+    ids = np.searchsorted(drawn, task.ids)
     totals = np.zeros(len(tokens))
-    totals[task.ids] = task.f1
+    totals[ids] = task.f1
+    partition = _crcs(tokens[ids].tolist()) % TOKEN_PARTITIONS
+    ids = ids[np.argsort(partition, kind="stable")]  # by partition, each one's tokens in the order of their numbers
+    ends = np.cumsum(np.bincount(partition, minlength=TOKEN_PARTITIONS)).tolist()
+    by_token = {p: ids[a:b] for p, (a, b) in enumerate(zip([0, *ends], ends)) if b > a}
     by_source: dict[int, list[tuple]] = defaultdict(list)
     for source, n in docs.items():
         own = sums[source].fold() if source in sums else _Sums()
-        by_source[_crc(source) % SOURCE_PARTITIONS].append((source, n, tokens[own.ids].tolist(), own.f1, own.f2))
+        by_source[_crc(source) % SOURCE_PARTITIONS].append(
+            (source, n, tokens[np.searchsorted(drawn, own.ids)].tolist(), own.f1, own.f2))
     dump = functools.partial(pickle.dumps, protocol=pickle.HIGHEST_PROTOCOL)
-    return {"tokens": {p: dump((tokens[i].tolist(), totals[i])) for p, i in sorted(by_token.items())},
+    return {"tokens": {p: dump((tokens[i].tolist(), totals[i])) for p, i in by_token.items()},
             "sources": {q: dump(frames) for q, frames in sorted(by_source.items())},
             "fragments": {q: len(frames) for q, frames in by_source.items()}}
 
@@ -287,18 +315,32 @@ class SpilledProfiles:
 
     def _candidates(self) -> set[str]:
         """The corpus's 2 x top_tokens most frequent tokens, ranked by `rank_key` as SourceProfiles ranks them."""
-        best: list[tuple[float, str]] = []
+        # A token behind `want` others (of its own partition, or of those kept so far) is behind the corpus's
+        # `want` first: only those up to that cut join the pool (ties kept, their names decide), and the pool is cut
+        # back to its `want` first, raising the cut, whenever it holds twice that.
+        pool: list[tuple[float, str]] = []
+        want, cut = 2 * self.top_tokens, math.inf
         for p in range(TOKEN_PARTITIONS):
             number: dict[str, int] = {}
             sums = np.zeros(1024)
             for tokens, values in read_frames(self._partition(p)):
-                at = np.fromiter((number.setdefault(t, len(number)) for t in tokens), np.int64, len(tokens))
+                at = np.fromiter(map(number.get, tokens, itertools.repeat(-1)), np.int64, len(tokens))
+                new = np.flatnonzero(at < 0)  # tokens this partition has not had yet: numbered in the order they come
+                at[new] = np.arange(len(number), len(number) + len(new))
+                number.update(zip(map(tokens.__getitem__, new.tolist()), at[new].tolist()))
                 if len(number) > len(sums):
                     sums = np.concatenate([sums, np.zeros(max(len(number), 2 * len(sums)) - len(sums))])
                 sums[at] += values  # a token is once in a piece
-            keys = (-sums[: len(number)].astype(np.float32)).tolist()  # rank_key's, for the partition at once
-            best = heapq.nsmallest(2 * self.top_tokens, best + list(zip(keys, number)))
-        return {t for _, t in best}
+            keys = -sums[: len(number)].astype(np.float32)  # rank_key's, for the partition at once
+            if len(keys) > want:
+                cut = min(cut, float(np.partition(keys, want - 1)[want - 1]))
+            near = np.flatnonzero(keys <= cut).tolist()
+            names = list(number)
+            pool += zip(keys[near].tolist(), map(names.__getitem__, near))
+            if len(pool) > 2 * want > 0:
+                pool = heapq.nsmallest(want, pool)
+                cut = pool[-1][0]
+        return {t for _, t in heapq.nsmallest(want, pool)}
 
     def _source_sums(self, column: dict[str, int]) -> Iterator[tuple[list[str], np.ndarray, np.ndarray, np.ndarray]]:
         """(sources, their documents, sums of f, sums of f^2 over the candidates `column` numbers), at most
@@ -320,7 +362,7 @@ class SpilledProfiles:
                             if row == len(s1):  # more sources than the hash's share: grow
                                 s1, s2 = (np.concatenate([a, np.zeros_like(a)]) for a in (s1, s2))
                         docs[row] += n
-                        at = np.fromiter((column.get(t, -1) for t in tokens), np.int64, len(tokens))
+                        at = np.fromiter(map(column.get, tokens, itertools.repeat(-1)), np.int64, len(tokens))
                         kept = at >= 0
                         s1[row, at[kept]] += sum_f[kept]  # a token is once in a source's piece
                         s2[row, at[kept]] += sum_f2[kept]
