@@ -10,12 +10,18 @@ from kiln.data.document import Document
 
 
 def text_key(text: str) -> bytes:
-    return words_key(text.lower().split())
+    return spaced_key(spaced_text(text.lower()))
 
 
-def words_key(words: list[str]) -> bytes:
-    """`text_key` of a text whose lower-cased whitespace split is `words`."""
-    return xxhash.xxh3_128_digest(" ".join(words).encode("utf-8", "surrogatepass"))
+def spaced_key(spaced: bytes) -> bytes:
+    """`text_key` of a text whose lower-cased `spaced_text` is `spaced`."""
+    return xxhash.xxh3_128_digest(spaced)
+
+
+def spaced_text(low: str) -> bytes:
+    """The words of a lower-cased text joined by single spaces, UTF-8: what its exact key hashes, and where
+    shingles.py finds its tokens (made once for both)."""
+    return " ".join(low.split()).encode("utf-8", "surrogatepass")
 
 
 class ExactDedup:

