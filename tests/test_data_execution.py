@@ -376,6 +376,34 @@ def test_dedup_index_dedups_the_next_dump_against_the_last(tmp_path):
         run_data([str(nxt)], tmp_path / "other" / "docs", cfg(dedup={"index": str(index), "bands": 10}))
 
 
+def test_an_index_run_written_before_keys_npy_still_removes_the_copies_of_its_pages(tmp_path):
+    # issue 44: a band task tells exact copies apart by the exact keys of its buckets' members (keys.npy); an index
+    # run written by an earlier Kiln has none, and the band tasks then use the exact stage's results, as before
+    from kiln.manifest import write_manifest
+
+    inputs, _ = planted_jsonl(tmp_path)
+    first_dump = [json.loads(line) for line in Path(inputs[0]).read_text().splitlines()]
+    nxt = tmp_path / "next.jsonl"
+    nxt.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"id": "again-exact", "text": first_dump[1]["text"]}, {"id": "again-exact-2", "text": first_dump[1]["text"]},
+        {"id": "new-1", "text": english(500, 14)}]))
+    run_data([inputs[0]], tmp_path / "last" / "docs", cfg(dedup={"index": str(tmp_path / "index")}))
+    shutil.copytree(tmp_path / "index", tmp_path / "old-index")
+    run = tmp_path / "old-index" / "run-00000"
+    assert list(run.glob("*.keys.npy"))
+    for path in run.glob("*.keys.npy"):
+        path.unlink()
+    (run / "manifest.json").unlink()
+    manifest = json.loads((tmp_path / "index" / "run-00000" / "manifest.json").read_text())
+    write_manifest(run, stage="dedup-index", key=manifest["key"], docs=manifest["docs"])
+    for index in ("index", "old-index"):
+        run_data([str(nxt)], tmp_path / f"next-{index}" / "docs", cfg(dedup={"index": str(tmp_path / index)}))
+    assert_same_output(tmp_path / "next-index" / "docs", tmp_path / "next-old-index" / "docs")
+    out = {r["id"]: r["signals"] for r in rejects(tmp_path / "next-old-index" / "docs")}
+    assert out == {"again-exact": {"duplicate_of": first_dump[1]["id"], "duplicate_in": "run-00000"},
+                   "again-exact-2": {"duplicate_of": first_dump[1]["id"], "duplicate_in": "run-00000"}}
+
+
 def test_distribution_profile_off_when_disabled(tmp_path):
     inputs, _ = planted_jsonl(tmp_path)
     on = run_data(inputs, tmp_path / "on" / "docs", cfg())

@@ -70,3 +70,23 @@ def test_minhash_signatures_are_the_same_on_both_paths():
         shingles = np.unique(rng.integers(0, 2**64 - 1, size=size, dtype=np.uint64, endpoint=True))
         got = hasher.signature(shingles)
         assert got.dtype == np.uint32 and got.tobytes() == reference_signature(hasher, shingles).tobytes(), size
+
+
+def test_a_text_signed_again_is_looked_up_and_its_files_are_the_same():
+    from kiln.config import DedupConfig
+    from kiln.data.dedup import signatures
+    from kiln.data.dedup.signatures import Signer, forget_signed
+
+    texts = [f"page {i} " + "the same words again and again " * (i + 3) for i in range(6)]
+    stream = texts + texts[::-1] + texts[:2]
+    for method in ("minhash", "simhash", "none"):
+        cfg = DedupConfig(method=method)
+        forget_signed()
+        plain, remembered = Signer(cfg), Signer(cfg, remember=4)
+        for i, text in enumerate(stream):
+            plain.add(f"d{i}", text)
+            remembered.add(f"d{i}", text)
+        assert remembered.files() == plain.files()  # every key, signature and id, byte for byte
+        assert len(signatures._SIGNED[1]) == 4  # the last 4 texts signed, no more
+    forget_signed()
+    assert signatures._SIGNED is None

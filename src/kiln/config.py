@@ -274,6 +274,11 @@ class DataConfig(Section):
         description="input files larger than this are cut into tasks of about this many bytes: gzipped WARCs "
         "at records, JSONL at lines (.gz/.zst decompressed once into chunks), Parquet at row groups",
     )
+    remember_texts: int = Field(
+        4096, ge=0, description="texts each worker remembers the language and gate verdicts and dedup signatures "
+        "of: a page whose extracted text it saw before costs its extraction and a lookup (the output is the same); "
+        "0: none"
+    )
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
         description="passed to fsspec for URL inputs, e.g. {client_kwargs: {endpoint_url: ...}} for s3://; each s3:// "

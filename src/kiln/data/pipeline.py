@@ -38,7 +38,7 @@ import zstandard
 
 from kiln.config import DataConfig
 from kiln.data.dedup.index import add_run, runs_before, use_index
-from kiln.data.dedup.signatures import Signer
+from kiln.data.dedup.signatures import Signer, forget_signed
 from kiln.data.dedup.stages import STAGE_DIR, Layout, VerdictFiles, dedup_layout, run_stages
 from kiln.data.docs import check_format
 from kiln.data.gates.distribution import SpilledProfiles, check_groups, part_bytes, profile_part, source_group
@@ -49,7 +49,7 @@ from kiln.tasks.executor import engine, run_tasks
 from kiln.data.gates.semantic import REVIEW as SEMANTIC_REVIEW
 from kiln.data.gates.semantic import prepare as prepare_semantic
 from kiln.data.language import check_model
-from kiln.data.steps import StepTimer, run_steps, task_steps
+from kiln.data.steps import StepTimer, forget_memo, run_steps, task_steps, worker_memo
 from kiln.data.vouch import Recording, matches, record
 from kiln.data.plan import READ_ATTEMPTS, Task, index_key, plan_tasks, read_task
 from kiln.storage import StorageUnreachable, unreachable
@@ -57,8 +57,9 @@ from kiln.data.sources import expand_inputs as _expand
 from kiln.errors import IntegrityError, KilnError
 from kiln.manifest import is_disk_full, staging_dir, write_atomic, write_manifest, writes_folder, writing_atomic
 
-WORK_LAYOUT = 5  # what a task writes to the work folder (4: its outcome and dedup signatures, vouched by its marker;
-# tasks are pieces of any input format, kiln.data.plan; 5: no shingle sets, the outcome at OUTCOME_LEVEL)
+WORK_LAYOUT = 6  # what a task writes to the work folder (4: its outcome and dedup signatures, vouched by its marker;
+# tasks are pieces of any input format, kiln.data.plan; 5: no shingle sets, the outcome at OUTCOME_LEVEL;
+# 6: the exact keys by document, keys.npy)
 OUTCOME_LEVEL = 6  # zstd level of a task's outcome, the work folder's bulk once shingle sets are not kept: 9% smaller
 # than level 3 on the Debian crawl for ~1% of a task's CPU
 
@@ -85,8 +86,9 @@ def work_key(data_fingerprint: str, cfg: DataConfig) -> str:
 
 
 def process_task(task: Task, cfg: DataConfig, report: ReadReport, timer: StepTimer) -> Iterator[Document]:
-    """A task's documents, read and through `task_steps(cfg)` (extract, language, gates, perplexity)."""
-    return run_steps(timer.wrap("read", read_task(task, cfg, report)), task_steps(cfg), timer)
+    """A task's documents, read and through `task_steps(cfg)` (extract, language, gates, perplexity), with this
+    worker's memo of the verdicts of texts it has seen (`steps.worker_memo`)."""
+    return run_steps(timer.wrap("read", read_task(task, cfg, report)), task_steps(cfg), timer, worker_memo(cfg))
 
 
 def run_task(args: tuple[Task, DataConfig, str]) -> dict[str, Any]:
@@ -124,7 +126,7 @@ def run_task(args: tuple[Task, DataConfig, str]) -> dict[str, Any]:
 
 def _run_task_once(task: Task, cfg: DataConfig, work: Path) -> dict[str, Any]:
     report, timer = ReadReport(), StepTimer()
-    signer = Signer(cfg.dedup)
+    signer = Signer(cfg.dedup, cfg.remember_texts)  # remembers the texts this worker signed (bounded)
     t0, cpu0 = time.perf_counter(), time.process_time()
     error = None
     read = kept = 0
@@ -229,7 +231,11 @@ def run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None 
     data.dedup.index, the index is checked and held for the whole run (`index.use_index`).
     """
     with use_index(cfg, inputs, out):
-        return _run_data(inputs, out, cfg, workers, progress)
+        try:
+            return _run_data(inputs, out, cfg, workers, progress)
+        finally:
+            forget_memo()  # the verdicts and signatures the tasks left in this process (workers=1 runs them here)
+            forget_signed()
 
 
 def _run_data(inputs: list[str], out: Path, cfg: DataConfig, workers: int | None,

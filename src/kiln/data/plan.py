@@ -74,7 +74,7 @@ from kiln.manifest import is_disk_full
 
 # Settings that change how the work runs, never what it outputs (storage_options may hold secrets).
 EXECUTION_KEYS = {"inputs", "workers", "executor", "ray_address", "ray_connect_timeout_s", "task_bytes",
-                  "storage_options"}
+                  "storage_options", "remember_texts"}
 SPOOL = "spool"  # in the work folder: FFFFF-CCCCC.jsonl.zst chunks and FFFFF.json, the index vouching for them
 READ_ATTEMPTS = 3
 

@@ -15,6 +15,12 @@ lookups) stay in the CPU's caches. On the long-pages crawl of `python -m benchma
 took ~15% off the stage's CPU time. The documents, their order and every decision are the same.
 Memory: a batch per step, at most BATCH_BYTES plus one document each.
 
+A step whose verdict is a function of the text alone says so (`by_text`: language ID, the gates unless one reads
+the URL). With a `TextMemo` (a worker's, `worker_memo`), `run_steps` runs such a run of steps only for a text it
+has not seen: a page whose extracted text came before (a copy on another URL, a mirrored site, a crawl of the same
+pages again) gets the verdict recorded then, the same in every field, for a lookup. Memory: data.remember_texts
+verdicts and MEMO_CHARS of edited text.
+
 Quality gates are one step over a list of per-document `Gate` functions (kiln.data.gates.types), which share
 one TextView of the text: a new gate goes into `default_gates` (kiln/data/gates/__init__.py); a new kind of
 pass over the documents (one that needs the stream, a batch or the corpus) is a new Step here.
@@ -22,11 +28,15 @@ pass over the documents (one that needs the stream, a batch or the corpus) is a 
 
 from __future__ import annotations
 
+import json
 import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator, Protocol, Sequence
 
-from kiln.data.document import Document
+import xxhash
+
+from kiln.data.document import Document, Rejection
 from kiln.data.extract import extract
 from kiln.data.gates import apply_gates, default_gates
 from kiln.data.language import identify_language
@@ -97,12 +107,166 @@ def batched(docs: Docs) -> Docs:
         yield from batch
 
 
-def run_steps(docs: Docs, steps: Sequence[Step], timer: StepTimer) -> Docs:
+def run_steps(docs: Docs, steps: Sequence[Step], timer: StepTimer, memo: "TextMemo | None" = None) -> Docs:
     """`docs` through each step in order, in batches, each timed under its name (the executor's one chaining
-    rule)."""
+    rule). With `memo`, each run of steps that decide `by_text` is skipped for the texts it remembers."""
+    k = 0
+    while k < len(steps):
+        end = k + 1
+        if memo is not None and getattr(steps[k], "by_text", False):
+            while end < len(steps) and getattr(steps[end], "by_text", False):
+                end += 1
+            docs = memo.around(docs, lambda fresh, run=steps[k:end]: _chain(fresh, run, timer))
+        else:
+            docs = _chain(docs, steps[k:end], timer)
+        k = end
+    return docs
+
+
+def _chain(docs: Docs, steps: Sequence[Step], timer: StepTimer) -> Docs:
     for step in steps:
         docs = timer.wrap(step.name, step(batched(docs)))
     return docs
+
+
+MEMO_CHARS = 8 << 20  # a TextMemo's edited texts, at most (a verdict that kept the text as it was holds none)
+
+
+class TextMemo:
+    """The verdicts of the by-text steps for texts a worker has seen, by the xxh3-128 of the text: language, score,
+    rejection, edited text, edits and scores, as the steps left the document. Bounded: `capacity` verdicts and
+    MEMO_CHARS characters of edited text; when full, the oldest verdict not asked for since it came goes first
+    (a second chance for the ones asked for: a crawl's repeated boilerplate stays)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held: OrderedDict[bytes, list] = OrderedDict()  # key -> [verdict, asked for since, its characters]
+        self.chars = 0
+        self.hits = 0
+
+    @staticmethod
+    def key(text: str) -> bytes:
+        return xxhash.xxh3_128_digest(text.encode("utf-8", "surrogatepass"))
+
+    def around(self, docs: Docs, decide: Any) -> Docs:
+        """`docs` in order, each with a verdict: the remembered one, else the one `decide` gives (the by-text steps
+        chained over the documents not remembered, in order), which is then remembered. A text read again while
+        its first copy is still in the chain's batch waits for that copy's verdict. Documents rejected before (by
+        extraction) pass through, as those steps pass them."""
+        queue: deque[tuple[Document, Any]] = deque()  # every document read, in order, with what decides it
+        waiting: dict[bytes, list] = {}  # a text in the chain: [its verdict once decided, copies waiting for it]
+
+        def unknown() -> Docs:
+            for doc in docs:
+                if doc.rejection is not None:
+                    queue.append((doc, None))
+                    continue
+                key = self.key(doc.text or "")
+                found = self.held.get(key)
+                if found is not None:
+                    found[1] = True
+                    self.hits += 1
+                    queue.append((doc, found[0]))
+                elif key in waiting:
+                    waiting[key][1] += 1
+                    self.hits += 1
+                    queue.append((doc, key))
+                else:
+                    waiting[key] = [None, 0]
+                    queue.append((doc, (key, doc.text)))
+                    yield doc
+
+        decided = decide(unknown())
+        ready = None  # the document the chain gave back: the first one in the queue still to decide
+        while True:
+            if not queue:
+                try:
+                    ready = next(decided, None)  # reads on: the queue fills up to (at least) this document
+                except Exception:  # a cut input: what was read before it comes out first, as without the memo
+                    # (the chain gave back every document it took before raising: none in the queue is its)
+                    yield from (_recalled(doc, waiting[how][0] if isinstance(how, bytes) else how)
+                                for doc, how in queue)
+                    raise
+                if not queue:
+                    return
+            doc, how = queue.popleft()
+            if how is None or isinstance(how, tuple) and len(how) == 6:  # extraction rejected it; remembered
+                yield _recalled(doc, how)
+            elif isinstance(how, bytes):  # a copy of a text decided just before it
+                copy = waiting[how]
+                copy[1] -= 1
+                if not copy[1]:
+                    del waiting[how]
+                yield _recalled(doc, copy[0])
+            else:
+                if ready is None:
+                    ready = next(decided)
+                if ready is not doc:
+                    raise AssertionError("TextMemo: the by-text steps handed back documents out of order")
+                ready = None
+                key, text = how
+                verdict = self._remember(key, text, doc)
+                if waiting[key][1]:
+                    waiting[key][0] = verdict
+                else:
+                    del waiting[key]
+                yield doc
+
+    def _remember(self, key: bytes, text: str | None, doc: Document) -> tuple:
+        """The verdict the steps gave `doc` (whose text was `text`), held when it fits."""
+        edited = None if doc.text is text or doc.text == text else doc.text
+        r = doc.rejection
+        verdict = (doc.lang, doc.lang_score, None if r is None else (r.stage, r.reason, r.signals), edited,
+                   dict(doc.edits), dict(doc.scores))
+        chars = len(edited or "")
+        if chars > MEMO_CHARS // 8:  # a long page the gates rewrote: not worth an eighth of the memo
+            return verdict
+        while self.held and (len(self.held) >= self.capacity or self.chars + chars > MEMO_CHARS):
+            old, entry = self.held.popitem(last=False)
+            if entry[1]:  # asked for since it came (or since its last chance): to the back, once more
+                entry[1] = False
+                self.held[old] = entry
+            else:
+                self.chars -= entry[2]
+        self.held[key] = [verdict, False, chars]
+        self.chars += chars
+        return verdict
+
+
+def _recalled(doc: Document, verdict: tuple | None) -> Document:
+    """`doc` with a verdict (`TextMemo._remember`'s) set as the by-text steps set it; None: as it is."""
+    if verdict is None:
+        return doc
+    lang, score, rejection, edited, edits, scores = verdict
+    doc.lang, doc.lang_score = lang, score
+    if edited is not None:
+        doc.text = edited
+    doc.edits, doc.scores = dict(edits), dict(scores)
+    if rejection is not None:
+        doc.rejection = Rejection(rejection[0], rejection[1], dict(rejection[2]))
+        doc.payload = None
+    return doc
+
+
+_MEMO: tuple[str, TextMemo] | None = None  # this process's: one configuration's verdicts at a time
+
+
+def worker_memo(cfg) -> TextMemo | None:
+    """This process's TextMemo for the DataConfig `cfg` (a new one when the configuration changed); None when
+    data.remember_texts is 0 or the perplexity gate is on (its scores come in batches)."""
+    global _MEMO
+    if not cfg.remember_texts or cfg.quality.perplexity.on:
+        return None
+    name = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+    if _MEMO is None or _MEMO[0] != name:
+        _MEMO = (name, TextMemo(cfg.remember_texts))
+    return _MEMO[1]
+
+
+def forget_memo() -> None:
+    """Drop this process's TextMemo (the driver's, after a run whose tasks ran in it)."""
+    global _MEMO
+    _MEMO = None
 
 
 # --- the steps on the workers -------------------------------------------------------------------
@@ -126,6 +290,7 @@ class Language:
     max_chars: int
     model_path: str | None
     name: ClassVar[str] = "language"
+    by_text: ClassVar[bool] = True
 
     def __call__(self, docs: Docs) -> Docs:
         return identify_language(docs, self.languages, self.threshold, self.max_chars, self.model_path)
@@ -136,6 +301,11 @@ class Gates:
     """The quality gates in order, on one shared TextView per document (kiln.data.gates.apply_gates)."""
     gates: list[Any]
     name: ClassVar[str] = "gates"
+
+    @property
+    def by_text(self) -> bool:
+        """Every gate reads the text alone (url_blocklist reads the URL)."""
+        return not any(getattr(gate, "reads_url", False) for gate in self.gates)
 
     def __call__(self, docs: Docs) -> Docs:
         return apply_gates(docs, self.gates)

@@ -219,6 +219,8 @@ def _kept_files(layout, k: int, keep: np.ndarray) -> dict[str, bytes]:
     out["exact.npy"] = npy_bytes(exact)
     if layout.cfg.method == "none":
         return out
+    if layout.path(k, "keys.npy").exists():  # a run's parts since keys.npy (an index run older than it has none)
+        out["keys.npy"] = npy_bytes(np.asarray(layout.array(k, "keys.npy"))[keep])
     bands = np.asarray(layout.array(k, "bands.npy"))
     kept_bands = np.empty((bands.shape[0], 2, int(keep.sum())), dtype=np.uint64)
     for b in range(bands.shape[0]):

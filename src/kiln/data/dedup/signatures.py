@@ -2,8 +2,11 @@
 (xxh3-128 of the normalised text) and, for near-duplicate dedup, one key per band (MinHash: a hash of the
 band's rows; SimHash: a block of the fingerprint) and what confirmation needs. Written beside the task's
 outcome (`task-NNNNN.<kind>.npy`, see `KINDS`), each array sorted so a key range is one slice:
-`exact` 3 x n uint64 (key high, key low, local index), sorted by key; `bands` bands x 2 x n uint64 (per band:
-the sorted keys, their local indices); `prints` (SimHash); `ids.json`. MinHash's shingle sets (`shingles` +
+`exact` 3 x n uint64 (key high, key low, local index), sorted by key; `keys` n x 2 uint64, the same keys by
+local index (the band stage tells exact copies in a bucket apart with them: `stages.copies_in_buckets`); `bands`
+bands x 2 x n uint64 (per band: the sorted keys, their local indices); `prints` (SimHash); `ids.json`. A worker
+remembers the signatures of the last data.remember_texts texts it signed, so a text seen again costs a lookup.
+MinHash's shingle sets (`shingles` +
 `spans`: the sets end to end and where each starts, 8 bytes a shingle, four times the rest together) are kept
 only for data.dedup.index, which holds them for later runs (`keeps_shingles`); otherwise the dedup stages
 derive them again from the task's outcome for the candidate documents alone (`outcome_shingles`, the same
@@ -19,11 +22,13 @@ from __future__ import annotations
 import io
 import json
 import tempfile
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
+import xxhash
 
 from kiln.config import DedupConfig
 from kiln.data.dedup.exact import spaced_key, spaced_text
@@ -33,7 +38,7 @@ from kiln.data.dedup.simhash import block_keys, simhash
 from kiln.data.vouch import Recording, record
 from kiln.errors import IntegrityError
 
-KINDS = ("exact", "bands", "shingles", "spans", "prints")
+KINDS = ("exact", "keys", "bands", "shingles", "spans", "prints")
 
 
 def keeps_shingles(cfg: DedupConfig) -> bool:
@@ -91,8 +96,9 @@ class Signer:
     (`write`). Memory: per document its keys, signature or fingerprint and id (under 1 KB); the MinHash
     shingle sets, when kept (`keeps_shingles`), wait in a spill file and are copied into `shingles.npy` by `write`."""
 
-    def __init__(self, cfg: DedupConfig) -> None:
+    def __init__(self, cfg: DedupConfig, remember: int = 0) -> None:
         self.cfg = cfg
+        self.remember = remember if not keeps_shingles(cfg) else 0  # kept shingle sets are not remembered
         self.hasher = MinHasher(cfg.bands, cfg.rows, cfg.seed) if cfg.method == "minhash" else None
         self.ids: list[str] = []
         self.keys: list[bytes] = []
@@ -102,18 +108,33 @@ class Signer:
 
     def add(self, doc_id: str, text: str) -> None:
         self.ids.append(doc_id)
+        memo = _signed(self.cfg, self.remember)
+        if memo is not None:
+            seen = xxhash.xxh3_128_digest(text.encode("utf-8", "surrogatepass"))
+            if seen in memo:  # a text this worker signed before: the same key and signature
+                memo.move_to_end(seen)
+                key, near = memo[seen]
+                self.keys.append(key)
+                if near is not None:
+                    self.near.append(near)
+                return
         spaced = spaced_text(text.lower())  # once, for the exact key and the shingles (as text_key, shingle_hashes)
         self.keys.append(spaced_key(spaced))
-        if self.cfg.method == "none":
-            return
-        shingles = shingles_of(spaced, self.cfg)
-        if self.hasher is not None:
-            self.near.append(self.hasher.signature(shingles))
-            if self._spill is not None:
-                self._spill.write(shingles.tobytes())
-                self.sizes.append(len(shingles))
-        else:
-            self.near.append(simhash(shingles))
+        near = None
+        if self.cfg.method != "none":
+            shingles = shingles_of(spaced, self.cfg)
+            if self.hasher is not None:
+                near = self.hasher.signature(shingles)
+                if self._spill is not None:
+                    self._spill.write(shingles.tobytes())
+                    self.sizes.append(len(shingles))
+            else:
+                near = simhash(shingles)
+            self.near.append(near)
+        if memo is not None:
+            memo[seen] = (self.keys[-1], near)
+            if len(memo) > self.remember:
+                memo.popitem(last=False)
 
     def files(self) -> dict[str, bytes]:
         out = self._files()
@@ -152,6 +173,7 @@ class Signer:
                "ids.json": json.dumps(self.ids, ensure_ascii=False).encode()}
         if self.cfg.method == "none":
             return out
+        out["keys.npy"] = npy_bytes(key)
         if self.hasher is not None:
             sigs = np.stack(self.near) if n else np.empty((0, self.cfg.bands * self.cfg.rows), dtype=np.uint32)
             keys = self.hasher.band_keys(sigs)
@@ -168,6 +190,27 @@ class Signer:
             bands[b, 0], bands[b, 1] = keys[order, b], order
         out["bands.npy"] = npy_bytes(bands)
         return out
+
+
+_SIGNED: tuple[str, OrderedDict] | None = None  # this process's signatures of the texts it signed last
+
+
+def _signed(cfg: DedupConfig, capacity: int) -> OrderedDict | None:
+    """The signatures this process made for `cfg`'s settings (the `capacity` texts signed last, by the xxh3-128 of
+    the text; ~700 bytes each: data.remember_texts), a new memo when the settings changed; None for capacity 0."""
+    global _SIGNED
+    if not capacity:
+        return None
+    settings = cfg.model_dump_json()
+    if _SIGNED is None or _SIGNED[0] != settings:
+        _SIGNED = (settings, OrderedDict())
+    return _SIGNED[1]
+
+
+def forget_signed() -> None:
+    """Drop this process's remembered signatures (the driver's, after a run whose tasks ran in it)."""
+    global _SIGNED
+    _SIGNED = None
 
 
 @dataclass(frozen=True)

@@ -232,6 +232,7 @@ class Layout:
             for n, q in enumerate(qs[a:b].tolist(), a):
                 packed += ids[q - start].encode("utf-8", "surrogatepass")
                 ends[n] = len(packed)
+            del ids  # before the next part's list is read: one part's ids at a time
         return IdTable(qs, bytes(packed), ends)
 
     def run_of(self, q: int) -> str | None:
@@ -247,7 +248,9 @@ class Layout:
             keys = arr[0]
             a = int(np.searchsorted(keys, lo, side="left"))
             b = len(keys) if hi is None else int(np.searchsorted(keys, hi, side="left"))
-            yield arr[:, a:b], np.asarray(arr[-1, a:b], dtype=np.uint64) + np.uint64(self.starts[k])
+            piece = np.array(arr[:, a:b])  # a copy, and the map closed: the pages the search and the kernel's
+            self.forget(k)  # read-ahead brought in leave this process (a task reads a slice of every part)
+            yield piece, piece[-1].astype(np.uint64) + np.uint64(self.starts[k])
 
     def confirm(self) -> tuple[Callable[[int, int], float | None], Callable[[int, int], float]]:
         """(confirm a candidate pair: its similarity or None, the similarity of any pair)."""
@@ -269,8 +272,30 @@ class Layout:
         """The stage results of this plan of key ranges: another data.dedup.bucket_docs is another folder."""
         return self.work / STAGE_DIR / f"ranges-{self.ranges():05d}"
 
+    def exact_keys(self, qs: np.ndarray) -> np.ndarray | None:
+        """(len(qs), 2) uint64: the exact keys of the documents numbered `qs` (ascending), read from their parts'
+        `keys.npy` (memory: the documents asked for); None when a part has none (an index run written before)."""
+        out = np.empty((len(qs), 2), dtype=np.uint64)
+        bounds = np.searchsorted(qs, self.starts.astype(np.uint64)).tolist()
+        for k in range(len(self.parts)):
+            a, b = bounds[k], bounds[k + 1]
+            if a == b:
+                continue
+            if not self.path(k, "keys.npy").exists():
+                return None
+            file, start = self.reader(k, "keys.npy"), int(self.starts[k])
+            local = (qs[a:b] - np.uint64(start)).astype(np.int64)
+            if local[-1] - local[0] < 8 * (b - a):  # dense: one read of the span
+                span = file.read(2 * int(local[0]), 2 * int(local[-1]) + 2).reshape(-1, 2)
+                out[a:b] = span[local - local[0]]
+            else:
+                for n, at in enumerate(local.tolist(), a):
+                    out[n] = file.read(2 * at, 2 * at + 2)
+        return out
+
     def exact_removed(self) -> np.ndarray:
-        """(2, m): exact duplicates and their first copy, sorted by the duplicate."""
+        """(2, m): exact duplicates and their first copy, sorted by the duplicate (a whole run's: for an index run
+        written before `keys.npy`, and for tests)."""
         found = [np.load(p) for p in sorted(self.results.glob("exact-*.npy"))]
         both = np.concatenate(found, axis=1) if found else np.empty((2, 0), dtype=np.uint64)
         return both[:, np.argsort(both[0], kind="stable")]
@@ -313,11 +338,36 @@ def band_partition(job: tuple[str, int, int, int]) -> tuple[str, dict[str, Any]]
     pieces = list(layout.key_slices("bands", band, r, ranges))
     keys = np.concatenate([p[0][0] for p in pieces]) if pieces else np.empty(0, np.uint64)
     q = np.concatenate([p[1] for p in pieces]) if pieces else np.empty(0, np.uint64)
-    keep = ~np.isin(q, layout.exact_removed()[0])
+    keep = ~copies_in_buckets(layout, keys, q)
     if layout.candidates:
         found = bucket_members(keys[keep], q[keep], layout.indexed)
         return _written(layout, f"cand-{band:03d}-{r:05d}.npy", npy_bytes(found))
     return _written(layout, f"band-{band:03d}-{r:05d}.npy", _confirmed(layout, keys[keep], q[keep]))
+
+
+def copies_in_buckets(layout: Layout, keys: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Which of one band's documents `q` (with band keys `keys`) the exact stage removes: a document of this run
+    whose text an earlier document has. Such a copy has its first copy's band keys, so both are in one bucket:
+    the exact keys of the buckets of two or more (`Layout.exact_keys`) find every copy, and no task holds the
+    run's exact duplicates (an index run without keys.npy: the exact stage's results, as before)."""
+    order = np.lexsort((q, keys))
+    shared = np.zeros(len(q), dtype=bool)  # in a bucket of two or more
+    if len(q):
+        same = keys[order][1:] == keys[order][:-1]
+        shared[order[1:][same]] = shared[order[:-1][same]] = True
+    at = np.flatnonzero(shared)
+    at = at[np.argsort(q[at], kind="stable")]  # by document number, as exact_keys reads them
+    exact = layout.exact_keys(q[at])
+    if exact is None:
+        return np.isin(q, layout.exact_removed()[0])
+    by = np.lexsort((q[at], exact[:, 1], exact[:, 0], keys[at]))  # bucket, exact key, then document order
+    at, exact = at[by], exact[by]
+    copy = np.zeros(len(at), dtype=bool)
+    copy[1:] = (keys[at][1:] == keys[at][:-1]) & (exact[1:] == exact[:-1]).all(axis=1)
+    copy &= q[at] >= np.uint64(layout.indexed)  # an index's documents are never removed
+    out = np.zeros(len(q), dtype=bool)
+    out[at[copy]] = True
+    return out
 
 
 def bucket_members(keys: np.ndarray, q: np.ndarray, indexed: int) -> np.ndarray:
