@@ -10,6 +10,9 @@ imports included on both sides:
   (`extract.NAVIGATION` skipped, no alt texts); no Kiln import. What the stage cannot go faster than.
 - kiln data: `kiln data FILES --out DIR --workers 1` with the default settings: read, extract, language, every
   default gate, the dedup signatures, the dedup stages, the distribution profiles, the merge and the commit.
+A worker remembers the verdicts and signatures of the texts it saw (data.remember_texts): the sample's copies are
+texts seen before, so FORGET=1 (the default) also runs the stage with data.remember_texts=0 in each round, every
+page through language ID, the gates and signing, and prints that ratio too.
 The ratio is docs per CPU second of kiln data over docs per CPU second of read + extract (CPU of read + extract
 over CPU of kiln data), the median of RUNS rounds; in each round the two sides run back to back, the first one
 alternating, so both meet the same load (the load average is printed). Target: >= 0.5.
@@ -57,6 +60,7 @@ RUNS = int(os.environ.get("RUNS", os.environ.get("REPEATS", "3")))
 REPEATS = RUNS  # the learned gates' rounds
 COPIES = int(os.environ.get("COPIES", "10"))
 EXTRAS = os.environ.get("EXTRAS", "1") != "0"
+FORGET = os.environ.get("FORGET", "1") != "0"  # also the ratio with data.remember_texts=0 (no text remembered)
 FIRST_CHARS = 2000  # what language ID read before it sampled: the text's first 2,000 characters
 
 READ_EXTRACT = r"""
@@ -160,9 +164,10 @@ def read_extract(files: list[str]) -> dict:
     return {"cpu": cpu, "wall": wall, "docs": json.loads(out.strip().splitlines()[-1])["docs"]}
 
 
-def kiln_data(files: list[str], out: Path) -> dict:
+def kiln_data(files: list[str], out: Path, *overrides: str) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    cpu, wall, stdout = _measured([sys.executable, "-m", "kiln", "data", *files, "--out", str(out), "--workers", "1"])
+    cpu, wall, stdout = _measured([sys.executable, "-m", "kiln", "data", *files, "--out", str(out), "--workers", "1",
+                                   *(["--", *overrides] if overrides else [])])
     stats = json.loads(stdout)
     shutil.rmtree(out, ignore_errors=True)
     return {"cpu": cpu, "wall": wall, "docs": stats["documents"]["read"], "kept": stats["documents"]["kept"]}
@@ -204,12 +209,15 @@ def compare(files: list[str], out: Path) -> dict:
         if base["docs"] != data["docs"]:
             raise RuntimeError(f"read + extract saw {base['docs']} documents, kiln data {data['docs']}")
         rounds.append({"base": base, "data": data, "ratio": base["cpu"] / data["cpu"], "load": round(load, 1)})
+        if FORGET:  # the same stage remembering no text: every page through language ID, the gates and signing
+            rounds[-1]["forget"] = base["cpu"] / kiln_data(files, out, "data.remember_texts=0")["cpu"]
     parts = shares(files, out)
     base_cpu = statistics.median(r["base"]["cpu"] for r in rounds)
     after = sum(v for k, v in parts["parts"].items() if k not in ("read", "extract"))
     return {"docs": rounds[0]["data"]["docs"], "kept": rounds[0]["data"]["kept"], "base_cpu": base_cpu,
             "data_cpu": statistics.median(r["data"]["cpu"] for r in rounds),
             "ratio": statistics.median(r["ratio"] for r in rounds), "runs": [round(r["ratio"], 3) for r in rounds],
+            "forget": statistics.median(r["forget"] for r in rounds) if FORGET else None,
             "wall_ratio": statistics.median(r["base"]["wall"] / r["data"]["wall"] for r in rounds),
             "loads": [r["load"] for r in rounds], "parts": parts["parts"], "parts_cpu": parts["cpu"],
             "after_extract": after / (parts["parts"]["read"] + parts["parts"]["extract"])}
@@ -352,7 +360,8 @@ def main() -> None:
             print(f"{name:<12} {r['docs']:>5} {r['kept']:>5} {r['base_cpu']:>18.2f} {r['data_cpu']:>15.2f} "
                   f"{r['ratio']:>6.2f} {r['wall_ratio']:>5.2f}  {r['runs']} ({r['loads']}); "
                   + " ".join(f"{k} {v:.2f} ({100 * v / total:.0f}%)" for k, v in r["parts"].items())
-                  + f" ({r['parts_cpu']:.2f}); after extract {r['after_extract']:.2f}x read+extract", flush=True)
+                  + f" ({r['parts_cpu']:.2f}); after extract {r['after_extract']:.2f}x read+extract"
+                  + (f"; remembering no text: ratio {r['forget']:.2f}" if FORGET else ""), flush=True)
         missing = [name for name in ("debian-docs", "long-pages") if name not in found]
         if missing:
             print(f"skipped {', '.join(missing)}: install the packages in benchmarks/debian_docs.py")
