@@ -215,3 +215,19 @@ def test_the_data_stage_writes_the_same_docs_with_and_without_the_memo(tmp_path,
     assert outputs(tmp_path / "on") == outputs(tmp_path / "off")
     work = sorted(tmp_path.glob(".on-work-*"))
     assert not work  # removed after the commit
+
+
+def test_the_memo_holds_edited_texts_compressed_within_its_bytes(monkeypatch):
+    import kiln.data.steps as steps_module
+    from kiln.data.steps import TextMemo
+
+    monkeypatch.setattr(steps_module, "BATCH_DOCS", 1)
+    monkeypatch.setattr(steps_module, "MEMO_BYTES", 400)
+    texts = [f"page {i} " + "words that repeat " * 40 for i in range(12)]  # each upper-cased: an edit to hold
+    memo = TextMemo(100)
+    first = [d.text for d in run_steps(iter(_docs(texts)), [Counting()], StepTimer(), memo)]
+    assert first == [t.upper() for t in texts]
+    assert 0 < memo.bytes <= 400 and 1 < len(memo.held) < 12  # ~60 compressed bytes each: a few fit, not all
+    again = Counting()
+    assert [d.text for d in run_steps(iter(_docs(texts[-2:])), [again], StepTimer(), memo)] == first[-2:]
+    assert again.decided == []  # the newest ones were held, and come back whole

@@ -19,7 +19,7 @@ A step whose verdict is a function of the text alone says so (`by_text`: languag
 the URL). With a `TextMemo` (a worker's, `worker_memo`), `run_steps` runs such a run of steps only for a text it
 has not seen: a page whose extracted text came before (a copy on another URL, a mirrored site, a crawl of the same
 pages again) gets the verdict recorded then, the same in every field, for a lookup. Memory: data.remember_texts
-verdicts and MEMO_CHARS of edited text.
+verdicts and MEMO_BYTES of edited text (compressed).
 
 Quality gates are one step over a list of per-document `Gate` functions (kiln.data.gates.types), which share
 one TextView of the text: a new gate goes into `default_gates` (kiln/data/gates/__init__.py); a new kind of
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator, Protocol, Sequence
 
 import xxhash
+import zstandard
 
 from kiln.data.document import Document, Rejection
 from kiln.data.extract import extract
@@ -129,19 +130,21 @@ def _chain(docs: Docs, steps: Sequence[Step], timer: StepTimer) -> Docs:
     return docs
 
 
-MEMO_CHARS = 8 << 20  # a TextMemo's edited texts, at most (a verdict that kept the text as it was holds none)
+MEMO_BYTES = 8 << 20  # a TextMemo's edited texts (zstd level 1, ~4x smaller than the text), at most: a verdict that
+# kept the text as it was holds none; with room for ~30 MB of edited text, a crawl of a few thousand long pages read
+# twice is remembered whole
 
 
 class TextMemo:
     """The verdicts of the by-text steps for texts a worker has seen, by the xxh3-128 of the text: language, score,
     rejection, edited text, edits and scores, as the steps left the document. Bounded: `capacity` verdicts and
-    MEMO_CHARS characters of edited text; when full, the oldest verdict not asked for since it came goes first
+    MEMO_BYTES of edited text (compressed); when full, the oldest verdict not asked for since it came goes first
     (a second chance for the ones asked for: a crawl's repeated boilerplate stays)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.held: OrderedDict[bytes, list] = OrderedDict()  # key -> [verdict, asked for since, its characters]
-        self.chars = 0
+        self.bytes = 0
         self.hits = 0
 
     @staticmethod
@@ -214,22 +217,23 @@ class TextMemo:
 
     def _remember(self, key: bytes, text: str | None, doc: Document) -> tuple:
         """The verdict the steps gave `doc` (whose text was `text`), held when it fits."""
-        edited = None if doc.text is text or doc.text == text else doc.text
+        edited = None if doc.text is text or doc.text == text else _ZIP.compress(
+            (doc.text or "").encode("utf-8", "surrogatepass"))
         r = doc.rejection
         verdict = (doc.lang, doc.lang_score, None if r is None else (r.stage, r.reason, r.signals), edited,
                    dict(doc.edits), dict(doc.scores))
-        chars = len(edited or "")
-        if chars > MEMO_CHARS // 8:  # a long page the gates rewrote: not worth an eighth of the memo
+        size = len(edited or b"")
+        if size > MEMO_BYTES // 8:  # a long page the gates rewrote: not worth an eighth of the memo
             return verdict
-        while self.held and (len(self.held) >= self.capacity or self.chars + chars > MEMO_CHARS):
+        while self.held and (len(self.held) >= self.capacity or self.bytes + size > MEMO_BYTES):
             old, entry = self.held.popitem(last=False)
             if entry[1]:  # asked for since it came (or since its last chance): to the back, once more
                 entry[1] = False
                 self.held[old] = entry
             else:
-                self.chars -= entry[2]
-        self.held[key] = [verdict, False, chars]
-        self.chars += chars
+                self.bytes -= entry[2]
+        self.held[key] = [verdict, False, size]
+        self.bytes += size
         return verdict
 
 
@@ -240,7 +244,7 @@ def _recalled(doc: Document, verdict: tuple | None) -> Document:
     lang, score, rejection, edited, edits, scores = verdict
     doc.lang, doc.lang_score = lang, score
     if edited is not None:
-        doc.text = edited
+        doc.text = _UNZIP.decompress(edited).decode("utf-8", "surrogatepass")
     doc.edits, doc.scores = dict(edits), dict(scores)
     if rejection is not None:
         doc.rejection = Rejection(rejection[0], rejection[1], dict(rejection[2]))
@@ -248,6 +252,7 @@ def _recalled(doc: Document, verdict: tuple | None) -> Document:
     return doc
 
 
+_ZIP, _UNZIP = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
 _MEMO: tuple[str, TextMemo] | None = None  # this process's: one configuration's verdicts at a time
 
 
