@@ -20,7 +20,8 @@ alternating, so both meet the same load (the load average is printed). Target: >
 Inputs: the bundled sample (120 Debian Reference pages in 8 languages) copied COPIES times (COPIES files; the
 copies are exact duplicates, which dedup removes); the Debian documentation crawl and the long pages no gate was
 tuned on (held out), both built here by benchmarks/debian_docs.py from installed Debian packages (an input whose
-packages are missing is skipped: `apt-get install` the packages that module names).
+packages are missing is skipped: `apt-get install` the packages that module names); DEBIAN_COPIES=10 adds the Debian
+crawl copied 10 times (issue 44 measured a held-out documentation crawl so).
 
 Shares: one more run of the same stage per input, in a process that times each step on its own CPU clock
 (`StepTimer(time.process_time)`; the Signer's calls): startup (interpreter and imports), read, extract,
@@ -60,6 +61,7 @@ RUNS = int(os.environ.get("RUNS", os.environ.get("REPEATS", "3")))
 REPEATS = RUNS  # the learned gates' rounds
 COPIES = int(os.environ.get("COPIES", "10"))
 EXTRAS = os.environ.get("EXTRAS", "1") != "0"
+DEBIAN_COPIES = int(os.environ.get("DEBIAN_COPIES", "0"))  # also the Debian crawl copied this many times
 FORGET = os.environ.get("FORGET", "1") != "0"  # also the ratio with data.remember_texts=0 (no text remembered)
 FIRST_CHARS = 2000  # what language ID read before it sampled: the text's first 2,000 characters
 
@@ -192,6 +194,12 @@ def inputs(folder: Path) -> dict[str, list[str]]:
         path = crawl(corpora, folder / f"{name}.warc.gz")
         if path is not None:
             out[name] = [str(path)]
+    if DEBIAN_COPIES and "debian-docs" in out:  # the crawl copied, as issue 44 measured a held-out one
+        copies = folder / "debian-copies"
+        copies.mkdir(exist_ok=True)
+        for i in range(DEBIAN_COPIES):
+            shutil.copy(out["debian-docs"][0], copies / f"debian-docs-{i}.warc.gz")
+        out[f"debian x{DEBIAN_COPIES}"] = [str(p) for p in sorted(copies.glob("*.warc.gz"))]
     return out
 
 
@@ -350,7 +358,6 @@ def perplexity_cost(path: Path, folder: Path) -> dict[str, float] | None:
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-bench-filter-") as tmp:
         found = inputs(Path(tmp))
-        sample = next(iter(found))  # the sample's copies
         print(f"{'input':<12} {'docs':>5} {'kept':>5} {'read+extract CPU s':>18} {'kiln data CPU s':>15} "
               f"{'ratio':>6} {'wall':>5}  ratio per round (load); each step's CPU s (share), shares run (its CPU s)")
         results = {}
@@ -367,7 +374,8 @@ def main() -> None:
             print(f"skipped {', '.join(missing)}: install the packages in benchmarks/debian_docs.py")
         if not EXTRAS:
             return
-        single = {"sample": SAMPLE, **{name: Path(files[0]) for name, files in found.items() if name != sample}}
+        single = {"sample": SAMPLE, **{name: Path(files[0]) for name, files in found.items()
+                                       if name in ("debian-docs", "long-pages")}}
         print("\na task's files in the work folder, KB per document (its WARC.gz input, KB per document):")
         for name, path in single.items():
             w = work_bytes(path)

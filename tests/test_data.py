@@ -529,7 +529,8 @@ def test_resume_redoes_only_unfinished_files(tmp_path, three_inputs, monkeypatch
     pipeline._commit(work, pipeline.run_task((tasks[0], config, str(work))))
     (work / "task-00001.jsonl.zst").write_bytes(b"a killed worker's file, with no marker: redone")
     assert sorted(p.name for p in work.iterdir()) == [  # the outcome and the dedup signatures, the marker last
-        f"task-00000.{kind}" for kind in ("bands.npy", "done.json", "exact.npy", "ids.json", "jsonl.zst")] + [
+        f"task-00000.{kind}" for kind in ("bands.npy", "done.json", "exact.npy", "ids.json", "jsonl.zst",
+                                          "keys.npy")] + [
         "task-00001.jsonl.zst"]  # no shingle sets (#44): the dedup stages derive the candidates' from the outcome
 
     ran = []
