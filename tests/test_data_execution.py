@@ -290,6 +290,42 @@ def test_sigkill_inside_the_merge_then_rerun_redoes_only_its_unfinished_tasks(tm
     assert not list(tmp_path.glob(".docs-work-*")) and not list(tmp_path.glob("docs.tmp-*"))
 
 
+KILLED_IN_VERDICTS = """
+import os, signal, sys
+from kiln.data.dedup import stages
+real, calls = stages.Components.task_verdicts, []
+def killing(self, k):  # the verdicts task: four data tasks' verdict files written, none vouched by the driver yet
+    calls.append(k)
+    if len(calls) == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(self, k)
+stages.Components.task_verdicts = killing
+from kiln.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigkill_inside_the_verdicts_then_rerun_redoes_the_verdicts_alone(tmp_path, sample_warc, whole, monkeypatch):
+    # issue 44.2: the verdicts task writes one file per data task; a kill leaves some written and none vouched
+    from kiln.data.dedup import stages
+
+    out = tmp_path / "docs"
+    args = ["data", str(sample_warc), "--out", str(out), "data.task_bytes=100000", "data.min_chars=200",
+            "data.docs_per_part=40", *QUIET_GATES]  # 30 data tasks
+    killed = subprocess.run([sys.executable, "-c", KILLED_IN_VERDICTS, *args], cwd=ROOT, capture_output=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    [work] = tmp_path.glob(".docs-work-*")
+    assert len(list(work.glob("dedup/ranges-*/verdicts/task-*.jsonl.zst"))) == 4 and not out.exists()
+
+    ran = []
+    real = stages.stage_task
+    monkeypatch.setattr(stages, "stage_task", lambda job: ran.append(job[0]) or real(job))
+    stats = run_data([str(sample_warc)], out, cfg(task_bytes=100000))
+    assert stats["tasks_resumed"] == 30 and ran == []  # the data tasks and the stage results kept: the verdicts redone
+    assert_same_output(whole[1], out)
+    assert not list(tmp_path.glob(".docs-work-*"))
+
+
 # --- a real crawl nobody here wrote ----------------------------------------------------------------
 
 PYDOC = Path(os.environ.get("KILN_PYDOC_HTML", "/usr/share/doc/python3.11/html"))
