@@ -444,8 +444,14 @@ def main() -> None:
     at_n = {label: r["digest"] for label, r in rows.items() if label.startswith("N")}
     print(f"docs and shards at N identical across {', '.join(at_n)}: {len(set(at_n.values())) == 1}")
     one, four = rows["N"], rows.get("4N")
-    if four is None:
-        return print(f"1 -> 2 workers at N: {rows['N, 1 worker']['wall_s'] / one['wall_s']:.2f}x speed-up end to end")
+    if four is None:  # SIZES=N: the one size's per-process peaks and scratch (the long run at 10^6 documents)
+        data = one["stages"]["data"]
+        print(f"at N: the data stage's driver {data['peak_mb']:.0f} MB, its workers {data['workers_mb']:.0f} MB; "
+              f"scratch a document: data work folder {1e3 * one['work_mb']['data'] / N:.2f} KB, pack's "
+              f"{1e3 * one['work_mb']['pack'] / N:.2f} KB")
+        if "N, 1 worker" in rows:
+            print(f"1 -> 2 workers at N: {rows['N, 1 worker']['wall_s'] / one['wall_s']:.2f}x speed-up end to end")
+        return
     rss = max(four["driver_rss_mb"], four["worker_rss_mb"]) / max(one["driver_rss_mb"], one["worker_rss_mb"])
     ratio = {k: four[k] / one[k] for k in ("driver_rss_mb", "worker_rss_mb", "manifest_bytes", "wall_s", "cpu_s",
                                            "largest_mb")}
