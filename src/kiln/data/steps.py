@@ -143,7 +143,7 @@ class TextMemo:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.held: OrderedDict[bytes, list] = OrderedDict()  # key -> [verdict, asked for since, its characters]
+        self.held: OrderedDict[bytes, list] = OrderedDict()  # key -> [verdict, asked for since, its bytes held]
         self.bytes = 0
         self.hits = 0
 
