@@ -151,6 +151,13 @@ def read_part(path: Path) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
 
 
+def part_lines(path: Path) -> Iterator[bytes]:
+    """The lines of one zstd-compressed JSONL file as bytes, unparsed (for a reader that parses only some, or
+    copies them), streamed in blocks of a MB."""
+    with open(path, "rb") as f:
+        yield from io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(f), 1 << 20)
+
+
 class PartWriter:
     """Writes records as part-NNNNN.jsonl.zst files of at most `per_part` records each, streamed through the
     compressor (memory: one record and a compression window, whatever `per_part`), numbered from `first` (a merge

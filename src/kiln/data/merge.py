@@ -26,7 +26,6 @@ into writes).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import time
@@ -41,7 +40,7 @@ import zstandard
 
 from kiln.config import DataConfig
 from kiln.data.dedup.clusters import LEDGER
-from kiln.data.docs import part_name, read_part, set_writer, write_card
+from kiln.data.docs import part_lines, part_name, read_part, set_writer, write_card
 from kiln.data.document import Document
 from kiln.data.gates.distribution import Composition, source_group
 from kiln.data.gates.semantic import REVIEW as SEMANTIC_REVIEW
@@ -179,11 +178,6 @@ def plan_parts(counts: list[int], per_part: int) -> tuple[int, list[tuple[int, i
     return parts, jobs
 
 
-def _lines(path: Path) -> Iterator[bytes]:
-    with open(path, "rb") as f:
-        yield from io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(f), CHUNK)
-
-
 def file_record(path: Path) -> dict[str, Any]:
     """A written file fsynced, with its size, xxh3 (the work folder's vouch) and sha256 (the docs manifest's)."""
     sha, xxh, size = hashlib.sha256(), xxhash.xxh3_128(), 0
@@ -203,7 +197,7 @@ def part_task(job: tuple) -> dict[str, Any]:
     folder = Path(work) / MERGE_DIR
     writer = set_writer(folder / OUT, fmt, kind, per_part, p0, total)
     for index, skip, take in sources:
-        for line in islice(_lines(folder / f"task-{index:05d}.{kind}.zst"), skip, skip + take):
+        for line in islice(part_lines(folder / f"task-{index:05d}.{kind}.zst"), skip, skip + take):
             writer.add_line(line)
     writer.close()
     names = [part_name(fmt, kind, p, total) for p in range(p0, p1 + 1)]

@@ -40,9 +40,9 @@ from kiln.config import DataConfig
 from kiln.data.dedup.index import add_run, runs_before, use_index
 from kiln.data.dedup.signatures import Signer, forget_signed
 from kiln.data.dedup.stages import STAGE_DIR, Layout, VerdictFiles, dedup_layout, run_stages
-from kiln.data.docs import check_format
+from kiln.data.docs import check_format, part_lines
 from kiln.data.gates.distribution import SpilledProfiles, check_groups, part_bytes, profile_part, source_group
-from kiln.data.merge import MERGE_DIR, _lines, merge
+from kiln.data.merge import MERGE_DIR, merge
 from kiln.data.tables import TABLES, write_table
 from kiln.data.document import Document, ReadReport
 from kiln.tasks.executor import engine, run_tasks
@@ -340,7 +340,7 @@ def profile_task(args: tuple[str, int, int, DataConfig]) -> tuple[int, dict[str,
 
     def kept() -> Iterator[tuple[str, str]]:
         local = 0
-        for line in _lines(Path(work) / f"task-{index:05d}.jsonl.zst"):  # read_part's records, parsed when needed
+        for line in part_lines(Path(work) / f"task-{index:05d}.jsonl.zst"):  # read_part's records, parsed when needed
             if not line.strip():
                 continue
             # a rejection has the key "reason"; a line without the word is none, and is parsed only if it is kept

@@ -99,6 +99,7 @@ class Signer:
     def __init__(self, cfg: DedupConfig, remember: int = 0) -> None:
         self.cfg = cfg
         self.remember = remember if not keeps_shingles(cfg) else 0  # kept shingle sets are not remembered
+        self._memo = _signed(cfg, self.remember)  # this process's, found once per task (not once a document)
         self.hasher = MinHasher(cfg.bands, cfg.rows, cfg.seed) if cfg.method == "minhash" else None
         self.ids: list[str] = []
         self.keys: list[bytes] = []
@@ -108,7 +109,7 @@ class Signer:
 
     def add(self, doc_id: str, text: str) -> None:
         self.ids.append(doc_id)
-        memo = _signed(self.cfg, self.remember)
+        memo = self._memo
         if memo is not None:
             seen = xxhash.xxh3_128_digest(text.encode("utf-8", "surrogatepass"))
             if seen in memo:  # a text this worker signed before: the same key and signature
